@@ -1,0 +1,450 @@
+//! The CSI Controller service.
+
+use csi_glue::{
+    bytes, call, capabilities, capacity, hash_map, map, optional_capability, timestamp, topology,
+    Shared,
+};
+use csi_proto::csi::{
+    self, controller_server::Controller, controller_service_capability, volume_content_source,
+    ControllerServiceCapability,
+};
+use csi_storage::ids::{SnapshotId, VolumeId};
+use csi_storage::model::ContentSource;
+use csi_storage::snapshots::SnapshotPage;
+use csi_storage::volumes::{CreateVolume, VolumeInfo};
+use csi_storage::Error;
+use tonic::{Request, Response, Status};
+
+pub struct ControllerService {
+    driver: Shared,
+}
+
+impl ControllerService {
+    pub fn new(driver: Shared) -> Self {
+        ControllerService { driver }
+    }
+}
+
+fn volume(d: &csi_storage::Driver, v: &VolumeInfo) -> csi::Volume {
+    let r = &v.record;
+    csi::Volume {
+        capacity_bytes: bytes(r.size),
+        volume_id: r.id.to_string(),
+        volume_context: hash_map(&v.context),
+        content_source: r.source.map(|s| csi::VolumeContentSource {
+            r#type: Some(match s {
+                ContentSource::Snapshot(id) => {
+                    volume_content_source::Type::Snapshot(volume_content_source::SnapshotSource {
+                        snapshot_id: id.to_string(),
+                    })
+                }
+                ContentSource::Volume(id) => {
+                    volume_content_source::Type::Volume(volume_content_source::VolumeSource {
+                        volume_id: id.to_string(),
+                    })
+                }
+            }),
+        }),
+        accessible_topology: vec![topology(d)],
+    }
+}
+
+fn condition(v: &VolumeInfo) -> csi::VolumeCondition {
+    csi::VolumeCondition {
+        abnormal: v.condition.is_some(),
+        message: v
+            .condition
+            .clone()
+            .unwrap_or_else(|| "volume is healthy".into()),
+    }
+}
+
+pub(crate) fn snapshot(s: &csi_storage::model::SnapshotRecord) -> csi::Snapshot {
+    csi::Snapshot {
+        size_bytes: bytes(s.size),
+        snapshot_id: s.id.to_string(),
+        source_volume_id: s.source_volume.to_string(),
+        creation_time: Some(timestamp(s.created)),
+        ready_to_use: true,
+        group_snapshot_id: s.group.map(|g| g.to_string()).unwrap_or_default(),
+    }
+}
+
+fn content_source(s: Option<&csi::VolumeContentSource>) -> Result<Option<ContentSource>, Error> {
+    let Some(s) = s else { return Ok(None) };
+    match &s.r#type {
+        Some(volume_content_source::Type::Snapshot(snap)) => Ok(Some(ContentSource::Snapshot(
+            SnapshotId::parse_existing(&snap.snapshot_id)?,
+        ))),
+        Some(volume_content_source::Type::Volume(vol)) => Ok(Some(ContentSource::Volume(
+            VolumeId::parse_existing(&vol.volume_id)?,
+        ))),
+        None => Err(Error::invalid(
+            "volume_content_source names no snapshot or volume",
+        )),
+    }
+}
+
+fn rpc(t: controller_service_capability::rpc::Type) -> ControllerServiceCapability {
+    ControllerServiceCapability {
+        r#type: Some(controller_service_capability::Type::Rpc(
+            controller_service_capability::Rpc { r#type: t as i32 },
+        )),
+    }
+}
+
+#[tonic::async_trait]
+impl Controller for ControllerService {
+    async fn create_volume(
+        &self,
+        req: Request<csi::CreateVolumeRequest>,
+    ) -> Result<Response<csi::CreateVolumeResponse>, Status> {
+        let r = req.into_inner();
+        let d = self.driver.clone();
+        let id = VolumeId::for_name(&r.name).to_string();
+        let rr = r.clone();
+        let v = call("CreateVolume", &id, &r, move || {
+            let (requisite, preferred) = rr
+                .accessibility_requirements
+                .as_ref()
+                .map(|a| {
+                    let seg = |ts: &[csi::Topology]| ts.iter().map(|t| map(&t.segments)).collect();
+                    (seg(&a.requisite), seg(&a.preferred))
+                })
+                .unwrap_or_default();
+            let v = d.create_volume(CreateVolume {
+                name: rr.name.clone(),
+                capacity: capacity(rr.capacity_range.as_ref()),
+                capabilities: capabilities(&rr.volume_capabilities)?,
+                parameters: map(&rr.parameters),
+                mutable_parameters: map(&rr.mutable_parameters),
+                source: content_source(rr.volume_content_source.as_ref())?,
+                requisite,
+                preferred,
+            })?;
+            Ok(volume(&d, &v))
+        })
+        .await?;
+        Ok(Response::new(csi::CreateVolumeResponse { volume: Some(v) }))
+    }
+
+    async fn delete_volume(
+        &self,
+        req: Request<csi::DeleteVolumeRequest>,
+    ) -> Result<Response<csi::DeleteVolumeResponse>, Status> {
+        let r = req.into_inner();
+        let d = self.driver.clone();
+        let id = r.volume_id.clone();
+        call("DeleteVolume", &r.volume_id, &r, move || {
+            d.delete_volume(&id)
+        })
+        .await?;
+        Ok(Response::new(csi::DeleteVolumeResponse {}))
+    }
+
+    async fn controller_publish_volume(
+        &self,
+        req: Request<csi::ControllerPublishVolumeRequest>,
+    ) -> Result<Response<csi::ControllerPublishVolumeResponse>, Status> {
+        if !self.driver.cfg.enable_attach {
+            return Err(Status::unimplemented(
+                "ControllerPublishVolume needs --enable-attach",
+            ));
+        }
+        let r = req.into_inner();
+        let d = self.driver.clone();
+        let rr = r.clone();
+        let ctx = call("ControllerPublishVolume", &r.volume_id, &r, move || {
+            let cap = optional_capability(rr.volume_capability.as_ref())?;
+            d.publish_volume(&rr.volume_id, &rr.node_id, cap.as_ref(), rr.readonly)
+        })
+        .await?;
+        Ok(Response::new(csi::ControllerPublishVolumeResponse {
+            publish_context: hash_map(&ctx),
+        }))
+    }
+
+    async fn controller_unpublish_volume(
+        &self,
+        req: Request<csi::ControllerUnpublishVolumeRequest>,
+    ) -> Result<Response<csi::ControllerUnpublishVolumeResponse>, Status> {
+        if !self.driver.cfg.enable_attach {
+            return Err(Status::unimplemented(
+                "ControllerUnpublishVolume needs --enable-attach",
+            ));
+        }
+        let r = req.into_inner();
+        let d = self.driver.clone();
+        let (v, n) = (r.volume_id.clone(), r.node_id.clone());
+        call("ControllerUnpublishVolume", &r.volume_id, &r, move || {
+            d.unpublish_volume(&v, &n)
+        })
+        .await?;
+        Ok(Response::new(csi::ControllerUnpublishVolumeResponse {}))
+    }
+
+    async fn validate_volume_capabilities(
+        &self,
+        req: Request<csi::ValidateVolumeCapabilitiesRequest>,
+    ) -> Result<Response<csi::ValidateVolumeCapabilitiesResponse>, Status> {
+        let r = req.into_inner();
+        let d = self.driver.clone();
+        let rr = r.clone();
+        let resp = call("ValidateVolumeCapabilities", &r.volume_id, &r, move || {
+            let caps = capabilities(&rr.volume_capabilities)?;
+            let why = d.validate_capabilities(
+                &rr.volume_id,
+                &caps,
+                &map(&rr.parameters),
+                &map(&rr.mutable_parameters),
+            )?;
+            Ok(match why {
+                None => csi::ValidateVolumeCapabilitiesResponse {
+                    confirmed: Some(csi::validate_volume_capabilities_response::Confirmed {
+                        volume_context: rr.volume_context.clone(),
+                        volume_capabilities: rr.volume_capabilities.clone(),
+                        parameters: rr.parameters.clone(),
+                        mutable_parameters: rr.mutable_parameters.clone(),
+                    }),
+                    message: String::new(),
+                },
+                Some(message) => csi::ValidateVolumeCapabilitiesResponse {
+                    confirmed: None,
+                    message,
+                },
+            })
+        })
+        .await?;
+        Ok(Response::new(resp))
+    }
+
+    async fn list_volumes(
+        &self,
+        req: Request<csi::ListVolumesRequest>,
+    ) -> Result<Response<csi::ListVolumesResponse>, Status> {
+        let r = req.into_inner();
+        let d = self.driver.clone();
+        let rr = r.clone();
+        let resp = call("ListVolumes", "", &r, move || {
+            let page = d.list_volumes(rr.max_entries, &rr.starting_token)?;
+            let entries = page
+                .volumes
+                .iter()
+                .map(|v| csi::list_volumes_response::Entry {
+                    volume: Some(volume(&d, v)),
+                    status: Some(csi::list_volumes_response::VolumeStatus {
+                        published_node_ids: v.record.published.keys().cloned().collect(),
+                        volume_condition: Some(condition(v)),
+                    }),
+                })
+                .collect();
+            Ok(csi::ListVolumesResponse {
+                entries,
+                next_token: page.next_token.unwrap_or_default(),
+            })
+        })
+        .await?;
+        Ok(Response::new(resp))
+    }
+
+    async fn get_capacity(
+        &self,
+        req: Request<csi::GetCapacityRequest>,
+    ) -> Result<Response<csi::GetCapacityResponse>, Status> {
+        let r = req.into_inner();
+        let d = self.driver.clone();
+        let rr = r.clone();
+        let resp = call("GetCapacity", "", &r, move || {
+            let caps = capabilities(&rr.volume_capabilities)?;
+            let topo = rr.accessible_topology.as_ref().map(|t| map(&t.segments));
+            let c = d.get_capacity(&map(&rr.parameters), &caps, topo.as_ref())?;
+            Ok(csi::GetCapacityResponse {
+                available_capacity: bytes(c.available),
+                maximum_volume_size: Some(bytes(c.maximum_volume_size)),
+                minimum_volume_size: Some(bytes(c.minimum_volume_size)),
+            })
+        })
+        .await?;
+        Ok(Response::new(resp))
+    }
+
+    async fn controller_get_capabilities(
+        &self,
+        req: Request<csi::ControllerGetCapabilitiesRequest>,
+    ) -> Result<Response<csi::ControllerGetCapabilitiesResponse>, Status> {
+        use controller_service_capability::rpc::Type as T;
+        let cfg = self.driver.cfg.clone();
+        let resp = call("ControllerGetCapabilities", "", req.get_ref(), move || {
+            let mut caps = vec![
+                T::CreateDeleteVolume,
+                T::ListVolumes,
+                T::GetCapacity,
+                T::CreateDeleteSnapshot,
+                T::ListSnapshots,
+                T::CloneVolume,
+                T::VolumeCondition,
+                T::GetVolume,
+                T::SingleNodeMultiWriter,
+                T::GetSnapshot,
+            ];
+            if cfg.enable_attach {
+                caps.extend([
+                    T::PublishUnpublishVolume,
+                    T::PublishReadonly,
+                    T::ListVolumesPublishedNodes,
+                ]);
+            }
+            if cfg.controller_expansion {
+                caps.push(T::ExpandVolume);
+            }
+            if !cfg.mutable_parameters.is_empty() {
+                caps.push(T::ModifyVolume);
+            }
+            Ok(csi::ControllerGetCapabilitiesResponse {
+                capabilities: caps.into_iter().map(rpc).collect(),
+            })
+        })
+        .await?;
+        Ok(Response::new(resp))
+    }
+
+    async fn create_snapshot(
+        &self,
+        req: Request<csi::CreateSnapshotRequest>,
+    ) -> Result<Response<csi::CreateSnapshotResponse>, Status> {
+        let r = req.into_inner();
+        let d = self.driver.clone();
+        let rr = r.clone();
+        let s = call("CreateSnapshot", &r.source_volume_id, &r, move || {
+            d.create_snapshot(&rr.name, &rr.source_volume_id, &map(&rr.parameters))
+                .map(|s| snapshot(&s))
+        })
+        .await?;
+        Ok(Response::new(csi::CreateSnapshotResponse {
+            snapshot: Some(s),
+        }))
+    }
+
+    async fn delete_snapshot(
+        &self,
+        req: Request<csi::DeleteSnapshotRequest>,
+    ) -> Result<Response<csi::DeleteSnapshotResponse>, Status> {
+        let r = req.into_inner();
+        let d = self.driver.clone();
+        let id = r.snapshot_id.clone();
+        call("DeleteSnapshot", "", &r, move || d.delete_snapshot(&id)).await?;
+        Ok(Response::new(csi::DeleteSnapshotResponse {}))
+    }
+
+    async fn list_snapshots(
+        &self,
+        req: Request<csi::ListSnapshotsRequest>,
+    ) -> Result<Response<csi::ListSnapshotsResponse>, Status> {
+        let r = req.into_inner();
+        let d = self.driver.clone();
+        let rr = r.clone();
+        let resp = call("ListSnapshots", &r.source_volume_id, &r, move || {
+            let SnapshotPage {
+                snapshots,
+                next_token,
+            } = d.list_snapshots(
+                rr.max_entries,
+                &rr.starting_token,
+                &rr.snapshot_id,
+                &rr.source_volume_id,
+            )?;
+            Ok(csi::ListSnapshotsResponse {
+                entries: snapshots
+                    .iter()
+                    .map(|s| csi::list_snapshots_response::Entry {
+                        snapshot: Some(snapshot(s)),
+                    })
+                    .collect(),
+                next_token: next_token.unwrap_or_default(),
+            })
+        })
+        .await?;
+        Ok(Response::new(resp))
+    }
+
+    async fn controller_expand_volume(
+        &self,
+        req: Request<csi::ControllerExpandVolumeRequest>,
+    ) -> Result<Response<csi::ControllerExpandVolumeResponse>, Status> {
+        if !self.driver.cfg.controller_expansion {
+            return Err(Status::unimplemented(
+                "controller expansion is off; NodeExpandVolume grows volumes",
+            ));
+        }
+        let r = req.into_inner();
+        let d = self.driver.clone();
+        let rr = r.clone();
+        let (size, node) = call("ControllerExpandVolume", &r.volume_id, &r, move || {
+            let cap = optional_capability(rr.volume_capability.as_ref())?;
+            d.expand_volume(
+                &rr.volume_id,
+                capacity(rr.capacity_range.as_ref()),
+                cap.as_ref(),
+            )
+        })
+        .await?;
+        Ok(Response::new(csi::ControllerExpandVolumeResponse {
+            capacity_bytes: bytes(size),
+            node_expansion_required: node,
+        }))
+    }
+
+    async fn controller_get_volume(
+        &self,
+        req: Request<csi::ControllerGetVolumeRequest>,
+    ) -> Result<Response<csi::ControllerGetVolumeResponse>, Status> {
+        let r = req.into_inner();
+        let d = self.driver.clone();
+        let id = r.volume_id.clone();
+        let resp = call("ControllerGetVolume", &r.volume_id, &r, move || {
+            let v = d.get_volume(&id)?;
+            Ok(csi::ControllerGetVolumeResponse {
+                volume: Some(volume(&d, &v)),
+                status: Some(csi::controller_get_volume_response::VolumeStatus {
+                    published_node_ids: v.record.published.keys().cloned().collect(),
+                    volume_condition: Some(condition(&v)),
+                }),
+            })
+        })
+        .await?;
+        Ok(Response::new(resp))
+    }
+
+    async fn controller_modify_volume(
+        &self,
+        req: Request<csi::ControllerModifyVolumeRequest>,
+    ) -> Result<Response<csi::ControllerModifyVolumeResponse>, Status> {
+        if self.driver.cfg.mutable_parameters.is_empty() {
+            return Err(Status::unimplemented("no mutable parameters are enabled"));
+        }
+        let r = req.into_inner();
+        let d = self.driver.clone();
+        let rr = r.clone();
+        call("ControllerModifyVolume", &r.volume_id, &r, move || {
+            d.modify_volume(&rr.volume_id, &map(&rr.mutable_parameters))
+        })
+        .await?;
+        Ok(Response::new(csi::ControllerModifyVolumeResponse {}))
+    }
+
+    async fn get_snapshot(
+        &self,
+        req: Request<csi::GetSnapshotRequest>,
+    ) -> Result<Response<csi::GetSnapshotResponse>, Status> {
+        let r = req.into_inner();
+        let d = self.driver.clone();
+        let id = r.snapshot_id.clone();
+        let s = call("GetSnapshot", "", &r, move || {
+            d.get_snapshot(&id).map(|s| snapshot(&s))
+        })
+        .await?;
+        Ok(Response::new(csi::GetSnapshotResponse {
+            snapshot: Some(s),
+        }))
+    }
+}

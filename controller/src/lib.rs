@@ -1,0 +1,8 @@
+//! The CSI Controller and GroupController services: thin handlers that convert a
+//! request, call the domain on a blocking thread, and build the response.
+
+mod controller;
+mod group;
+
+pub use controller::ControllerService;
+pub use group::GroupControllerService;

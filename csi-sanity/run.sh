@@ -1,0 +1,135 @@
+#!/usr/bin/env bash
+# Runs the official CSI conformance suite (csi-sanity) against csi-driver, once per
+# configuration below, each on a throwaway pool made for it. Usage:
+#   csi-sanity/run.sh [CONFIG ...]      (default: every configuration)
+# Needs root (loop devices, mounts). Everything it makes is torn down on exit,
+# also when specs fail or the run is interrupted.
+set -euo pipefail
+
+CSI_SANITY_VERSION=v5.6.0
+here=$(cd "$(dirname "$0")" && pwd)
+top=$(cd "$here/.." && pwd)
+export PATH="$PATH:/usr/local/go/bin:$(go env GOPATH 2>/dev/null || echo /root/go)/bin:/usr/sbin:/sbin"
+
+# name | pool filesystem | driver flags | volume parameters (k=v,...) | volume MiB
+# (xfs cannot be made smaller than 300 MiB, btrfs than 128 MiB)
+CONFIGS=(
+  "xfs-image|xfs|--default-fstype=xfs --enable-attach --max-volumes-per-node=16|kind=image|512"
+  "btrfs-dir|btrfs|--default-fstype=ext4 --enable-attach|kind=dir|64"
+  "ext4-image|ext4|--default-fstype=ext4 --enable-attach|kind=image|64"
+  "btrfs-image|btrfs|--default-fstype=btrfs --enable-attach|kind=image|256"
+)
+
+if [ "$(id -u)" != 0 ]; then
+  echo "csi-sanity/run.sh: needs root (loop devices and mounts)" >&2
+  exit 1
+fi
+
+if ! csi-sanity -h 2>&1 | grep -q -- -csi.testvolumemutableparameters || [ "$(cat "$here/.work/version" 2>/dev/null)" != "$CSI_SANITY_VERSION" ]; then
+  echo "== installing csi-sanity $CSI_SANITY_VERSION"
+  go install "github.com/kubernetes-csi/csi-test/v5/cmd/csi-sanity@$CSI_SANITY_VERSION"
+  mkdir -p "$here/.work" && echo "$CSI_SANITY_VERSION" > "$here/.work/version"
+fi
+
+driver="${CSI_DRIVER_BIN:-}"
+if [ -z "$driver" ]; then
+  (cd "$top" && cargo build --quiet --bin csi-driver)
+  driver="$top/target/debug/csi-driver"
+fi
+
+work=$(mktemp -d /tmp/example-csi-sanity.XXXXXX)
+pid=""
+teardown() {
+  set +e
+  if [ -n "$pid" ]; then kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null; pid=""; fi
+  # Unmount whatever is left below the work dir, deepest first.
+  findmnt -rn -o TARGET | grep "^$work/" | sort -r | while read -r m; do umount "$m" 2>/dev/null || umount -l "$m"; done
+  # Detach loop devices whose backing file lives in the work dir.
+  for f in /sys/block/loop*/loop/backing_file; do
+    [ -e "$f" ] || continue
+    case "$(cat "$f")" in "$work"/*) dev=/dev/$(basename "$(dirname "$(dirname "$f")")"); losetup -d "$dev" 2>/dev/null;; esac
+  done
+  findmnt -rn -o TARGET | grep "^$work/" | sort -r | while read -r m; do umount -l "$m" 2>/dev/null; done
+  for f in /sys/block/loop*/loop/backing_file; do
+    [ -e "$f" ] || continue
+    case "$(cat "$f")" in "$work"/*) losetup -d "/dev/$(basename "$(dirname "$(dirname "$f")")")" 2>/dev/null;; esac
+  done
+}
+cleanup_all() { teardown; rm -rf "$work"; }
+trap cleanup_all EXIT
+trap 'exit 130' INT TERM
+
+skips_for() { # config name -> ginkgo skip regex from skip.txt
+  local name=$1 re=""
+  while IFS='|' read -r cfg spec _reason; do
+    cfg=$(echo "$cfg" | xargs); spec=$(echo "$spec" | xargs)
+    [ -z "$cfg" ] || [[ "$cfg" == \#* ]] && continue
+    # shellcheck disable=SC2053
+    if [[ "$name" == $cfg ]]; then re="${re:+$re|}$spec"; fi
+  done < "$here/skip.txt"
+  echo "$re"
+}
+
+total_ran=0 total_passed=0 total_failed=0 total_skipped=0 failed_configs=()
+selected=("$@")
+for entry in "${CONFIGS[@]}"; do
+  IFS='|' read -r name fs flags params mib <<<"$entry"
+  if [ ${#selected[@]} -gt 0 ] && [[ ! " ${selected[*]} " == *" $name "* ]]; then continue; fi
+  echo "== csi-sanity: $name (pool $fs, $flags, parameters $params)"
+  d="$work/$name"; mkdir -p "$d/pool" "$d/state" "$d/target"
+  truncate -s 20G "$d/pool.img"
+  case "$fs" in
+    xfs) mkfs.xfs -q -m reflink=1 "$d/pool.img" ;;
+    btrfs) mkfs.btrfs -q "$d/pool.img" >/dev/null ;;
+    ext4) mkfs.ext4 -q -F "$d/pool.img" ;;
+  esac
+  mount -o loop "$d/pool.img" "$d/pool"
+  : > "$d/params.yaml"
+  IFS=',' read -ra kvs <<<"$params"
+  for kv in "${kvs[@]}"; do echo "${kv%%=*}: \"${kv#*=}\"" >> "$d/params.yaml"; done
+  printf 'directIO: "true"\nreadAheadKiB: "256"\n' > "$d/mutable.yaml"
+  # shellcheck disable=SC2086
+  "$driver" --endpoint "unix://$d/csi.sock" --nodeid sanity-node --pool "$d/pool" \
+    --state-dir "$d/state" --log-level "${CSI_LOG_LEVEL:-info}" $flags > "$d/driver.log" 2>&1 &
+  pid=$!
+  for _ in $(seq 100); do [ -S "$d/csi.sock" ] && break; sleep 0.1; done
+  if [ ! -S "$d/csi.sock" ]; then echo "driver did not start:"; cat "$d/driver.log"; exit 1; fi
+  extra=()
+  [[ "$flags" == *max-volumes-per-node* ]] && extra+=(-csi.testnodevolumeattachlimit)
+  skip=$(skips_for "$name")
+  [ -n "$skip" ] && extra+=(-ginkgo.skip "$skip")
+  set +e
+  csi-sanity -csi.endpoint "$d/csi.sock" \
+    -csi.stagingdir "$d/target/staging" -csi.mountdir "$d/target/mount" \
+    -csi.testvolumesize $((mib * 1024 * 1024)) -csi.testvolumeexpandsize $((2 * mib * 1024 * 1024)) \
+    -csi.testvolumeparameters "$d/params.yaml" -csi.testvolumemutableparameters "$d/mutable.yaml" \
+    -csi.testsnapshotparameters /dev/null \
+    -csi.junitfile "$here/.work/$name.junit.xml" -ginkgo.no-color "${extra[@]}" > "$d/sanity.log" 2>&1
+  rc=$?
+  set -e
+  summary=$(grep -E "^Ran [0-9]+ of [0-9]+ Specs" "$d/sanity.log" || true)
+  counts=$(grep -E "[0-9]+ Passed \| [0-9]+ Failed" "$d/sanity.log" | tail -1 || true)
+  ran=$(echo "$summary" | sed -E 's/^Ran ([0-9]+) of.*/\1/'); ran=${ran:-0}
+  p=$(echo "$counts" | sed -E 's/.* ([0-9]+) Passed.*/\1/'); p=${p:-0}
+  f=$(echo "$counts" | sed -E 's/.* ([0-9]+) Failed.*/\1/'); f=${f:-0}
+  s=$(echo "$counts" | sed -E 's/.* ([0-9]+) Skipped.*/\1/'); s=${s:-0}
+  echo "   $summary"
+  echo "   $counts"
+  if [ $rc -ne 0 ] || [ "$f" != 0 ] || [ "$ran" = 0 ]; then
+    failed_configs+=("$name")
+    grep -E "^\s*\[FAIL\]" "$d/sanity.log" | sort -u | sed 's/^/   /' || true
+    echo "   --- last driver log lines:"; tail -20 "$d/driver.log" | sed 's/^/   /'
+    [ "$f" = 0 ] && f=1
+  fi
+  total_ran=$((total_ran + ran)); total_passed=$((total_passed + p))
+  total_failed=$((total_failed + f)); total_skipped=$((total_skipped + s))
+  teardown
+  mkdir -p "$here/.work"; cp "$d/sanity.log" "$here/.work/$name.log"; cp "$d/driver.log" "$here/.work/$name.driver.log"
+done
+
+echo "== csi-sanity total: ran $total_ran specs in ${#CONFIGS[@]} configurations"
+echo "csi-sanity: $total_passed passed, $total_failed failed, $total_skipped skipped"
+if [ ${#failed_configs[@]} -gt 0 ]; then
+  echo "csi-sanity FAILED in: ${failed_configs[*]} (logs in csi-sanity/.work/)"
+  exit 1
+fi

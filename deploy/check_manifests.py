@@ -1,0 +1,827 @@
+#!/usr/bin/env python3
+"""Checks of the example-csi manifests that a schema cannot express.
+
+Usage:
+  check_manifests.py [--k8s-version 1.35 --k8s-version 1.37]
+                     [--rendered NAME=FILE ...] [--examples DIR]
+                     [--check-binary PATH]
+      Validate the rendered overlays (kustomize build output) and the
+      examples: every object against the Kubernetes API schemas of each
+      version (kubernetes-validate, strict) or, for the CRD-based kinds,
+      against the JSON schemas in deploy/schemas/; the security posture;
+      the wiring of sockets, ports, flags and RBAC inside each overlay.
+      With --check-binary, also run `PATH --help` and require every flag
+      the manifests pass to the driver to appear in it.
+      Without --rendered, the overlays are rendered here with kustomize
+      (KUSTOMIZE, kustomize on PATH or in $(go env GOPATH)/bin, or
+      `kubectl kustomize`).
+
+  check_manifests.py --driver-flags
+      Print, one a line and once each, the name of every flag (--name) the
+      manifests pass to the csi-driver container, for a test that compares
+      them with the binary's --help.
+
+Exit status: 0 when every check passed, 1 otherwise, 2 on a usage error.
+"""
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+
+DEPLOY = Path(__file__).resolve().parent
+REPO = DEPLOY.parent
+OVERLAYS = ["central", "central-attach", "distributed"]
+DRIVER_NAME = "example.csi.k8s.io"
+DRIVER_IMAGE_REPO = "example-csi/csi-driver"
+DRIVER_CONTAINER = "csi-driver"
+SIDECAR_REGISTRY = "registry.k8s.io/sig-storage/"
+KUBELET_DIR = "/var/lib/kubelet"
+MUTABLE_PARAMETERS = {"directIO", "readAheadKiB"}
+
+# Schemas for the CRD-based kinds, written from the CRDs of
+# external-snapshotter (see each file's description).
+CRD_SCHEMAS = {
+    ("snapshot.storage.k8s.io/v1", "VolumeSnapshotClass"): "volumesnapshotclass-snapshot-v1.json",
+    ("snapshot.storage.k8s.io/v1", "VolumeSnapshot"): "volumesnapshot-snapshot-v1.json",
+    ("groupsnapshot.storage.k8s.io/v1", "VolumeGroupSnapshotClass"): "volumegroupsnapshotclass-groupsnapshot-v1.json",
+    ("groupsnapshot.storage.k8s.io/v1", "VolumeGroupSnapshot"): "volumegroupsnapshot-groupsnapshot-v1.json",
+}
+# Kinds knowingly not validated against any schema, with the reason.
+# Empty: every kind the manifests use has a schema.
+SKIPPED_KINDS = {}
+
+WORKLOAD_KINDS = {"Deployment", "DaemonSet", "StatefulSet"}
+
+
+class Report:
+    def __init__(self, verbose=False):
+        self.passed = 0
+        self.failed = []
+        self.verbose = verbose
+        self.in_section = None
+
+    def ok(self, what):
+        self.passed += 1
+        self.in_section[0] += 1
+        if self.verbose:
+            print(f"  ok    {what}")
+
+    def fail(self, what):
+        self.failed.append(what)
+        if self.in_section is not None:
+            self.in_section[1] += 1
+        print(f"  FAIL  {what}")
+
+    def check(self, cond, what, why=""):
+        if cond:
+            self.ok(what)
+        else:
+            self.fail(what + (f": {why}" if why else ""))
+        return cond
+
+    def section(self, title, *checks):
+        self.end_section()
+        print(f"\n== {title}")
+        for c in checks:
+            print(f"   - {c}")
+        self.in_section = [0, 0]
+
+    def end_section(self):
+        if self.in_section is not None and sum(self.in_section):
+            print(f"   -> {self.in_section[0]} ok, {self.in_section[1]} failing")
+        self.in_section = None
+
+
+# ---------------------------------------------------------------- loading
+
+def find_kustomize():
+    """A command (list) that renders a kustomization directory to stdout."""
+    cand = os.environ.get("KUSTOMIZE")
+    if cand:
+        return [cand, "build"]
+    path = shutil.which("kustomize")
+    if path:
+        return [path, "build"]
+    try:
+        gopath = subprocess.run(["go", "env", "GOPATH"], capture_output=True,
+                                text=True, check=True).stdout.strip()
+        gobin = Path(gopath) / "bin" / "kustomize"
+        if gobin.exists():
+            return [str(gobin), "build"]
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    if shutil.which("kubectl"):
+        return ["kubectl", "kustomize"]
+    return None
+
+
+def render(overlay, kustomize):
+    out = subprocess.run(kustomize + [str(DEPLOY / "overlays" / overlay)],
+                         capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"kustomize failed for {overlay}: {out.stderr.strip()}")
+    return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def load_file(path):
+    with open(path) as f:
+        return [d for d in yaml.safe_load_all(f) if d]
+
+
+def pod_workloads(docs):
+    for d in docs:
+        if d.get("kind") in WORKLOAD_KINDS:
+            yield d, d["spec"]["template"]["spec"]
+        elif d.get("kind") == "Pod":
+            yield d, d["spec"]
+
+
+def wname(d):
+    return f"{d['kind']}/{d['metadata']['name']}"
+
+
+def containers(spec):
+    return list(spec.get("initContainers") or []) + list(spec.get("containers") or [])
+
+
+def is_driver(c):
+    return c.get("name") == DRIVER_CONTAINER or c.get("image", "").startswith(DRIVER_IMAGE_REPO + ":")
+
+
+def flag_values(c):
+    """{'--name': [value or None, ...]} for --name=value and bare --name args.
+
+    A value in the next argument (--name value) is refused: the manifests
+    write every flag as --name=value so that a flag and its value cannot
+    be told apart wrongly."""
+    flags, stray = {}, []
+    for a in (c.get("command") or [])[1:] + list(c.get("args") or []):
+        a = str(a)
+        if a.startswith("-"):
+            name, sep, value = a.partition("=")
+            if not name.startswith("--"):
+                name = "-" + name  # -v=2 and --v=2 are the same Go flag
+            flags.setdefault(name, []).append(value if sep else None)
+        else:
+            stray.append(a)
+    return flags, stray
+
+
+def flag(c, name, default=None):
+    vals = flag_values(c)[0].get(name)
+    if not vals:
+        return default
+    return vals[-1] if vals[-1] is not None else "true"
+
+
+def expand_env(c, value):
+    """Expand $(VAR) the way kubelet does, from the container's env."""
+    env = {e["name"]: e for e in c.get("env") or []}
+
+    def sub(m):
+        e = env.get(m.group(1))
+        if e is None:
+            raise KeyError(m.group(1))
+        if "value" in e:
+            return e["value"]
+        return "<" + m.group(1) + ">"
+    return re.sub(r"\$\(([A-Za-z_][A-Za-z0-9_]*)\)", sub, value)
+
+
+def resolve_path(spec, c, path):
+    """(volume name, path inside the volume) of a path in container c."""
+    best = None
+    for m in c.get("volumeMounts") or []:
+        mp = m["mountPath"].rstrip("/") or "/"
+        if path == mp or path.startswith(mp + "/"):
+            if best is None or len(mp) > len(best[1]):
+                best = (m, mp)
+    if best is None:
+        return None
+    m, mp = best
+    rel = path[len(mp):].lstrip("/")
+    if m.get("subPath"):
+        rel = m["subPath"].rstrip("/") + ("/" + rel if rel else "")
+    return m["name"], rel
+
+
+def volume(spec, name):
+    for v in spec.get("volumes") or []:
+        if v["name"] == name:
+            return v
+    return None
+
+
+def port_number(c, port):
+    if isinstance(port, int):
+        return port
+    for p in c.get("ports") or []:
+        if p.get("name") == port:
+            return p["containerPort"]
+    return None
+
+
+def endpoint_port(addr):
+    m = re.search(r":(\d+)$", addr or "")
+    return int(m.group(1)) if m else None
+
+
+# ---------------------------------------------------------------- schemas
+
+class SchemaValidator:
+    def __init__(self, versions, report):
+        import jsonschema
+        import kubernetes_validate
+        from kubernetes_validate import utils as kv_utils
+        self.jsonschema = jsonschema
+        self.kv = kubernetes_validate
+        self.report = report
+        available = sorted({kv_utils.major_minor(v) for v in kv_utils.all_versions()},
+                           key=lambda s: tuple(int(x) for x in s.split(".")))
+        print(f"kubernetes-validate {kubernetes_validate.version.__version__}: "
+              f"schemas for Kubernetes {', '.join(available)}")
+        self.versions = []
+        for v in versions:
+            mm = kv_utils.major_minor(v)
+            if mm in available:
+                self.versions.append(mm)
+            else:
+                newest = available[-1]
+                print(f"NOTE: kubernetes-validate has no schemas for Kubernetes {mm}; "
+                      f"validating against the newest it has, {newest}, instead")
+                self.versions.append(newest)
+        self.versions = list(dict.fromkeys(self.versions))
+        self.crd = {}
+        for key, fname in CRD_SCHEMAS.items():
+            with open(DEPLOY / "schemas" / fname) as f:
+                schema = json.load(f)
+            jsonschema.Draft202012Validator.check_schema(schema)
+            self.crd[key] = jsonschema.Draft202012Validator(schema)
+
+    def validate(self, origin, doc):
+        key = (doc.get("apiVersion"), doc.get("kind"))
+        what = f"{origin}: {doc['kind']}/{doc['metadata'].get('name')}"
+        if key in self.crd:
+            errors = sorted(self.crd[key].iter_errors(doc), key=lambda e: list(e.path))
+            self.report.check(not errors, f"{what} valid against deploy/schemas/{CRD_SCHEMAS[key]}",
+                              "; ".join(f"{'.'.join(map(str, e.path))}: {e.message}" for e in errors[:3]))
+            return
+        if doc.get("kind") in SKIPPED_KINDS:
+            print(f"  skip  {what}: {SKIPPED_KINDS[doc['kind']]}")
+            return
+        for v in self.versions:
+            try:
+                self.kv.validate(doc, v, strict=True)
+                self.report.ok(f"{what} valid for Kubernetes {v} (strict)")
+            except self.kv.ValidationError as e:
+                path = ".".join(str(p) for p in e.path)
+                self.report.fail(f"{what} invalid for Kubernetes {v}: {path}: {e.message}")
+            except self.kv.SchemaNotFoundError:
+                self.report.fail(f"{what}: no Kubernetes {v} schema for {key[0]} {key[1]} "
+                                 "(wrong apiVersion, or add a schema or a listed skip)")
+
+
+# ---------------------------------------------------------------- checks
+
+def check_security(name, docs, r):
+    privileged = []
+    for d, spec in pod_workloads(docs):
+        w = wname(d)
+        for k in ("hostNetwork", "hostPID", "hostIPC"):
+            r.check(not spec.get(k), f"{name}: {w} has no {k}")
+        for c in containers(spec):
+            cn = f"{w}/{c['name']}"
+            sc = c.get("securityContext") or {}
+            if sc.get("privileged"):
+                privileged.append((d["kind"], d["metadata"]["name"], c["name"]))
+            else:
+                r.check(sc.get("allowPrivilegeEscalation") is False,
+                        f"{name}: {cn} not privileged and allowPrivilegeEscalation: false")
+                caps = sc.get("capabilities") or {}
+                r.check("ALL" in (caps.get("drop") or []) and not caps.get("add"),
+                        f"{name}: {cn} drops ALL capabilities and adds none", str(caps))
+                for m in c.get("volumeMounts") or []:
+                    if m.get("mountPropagation") == "Bidirectional":
+                        r.fail(f"{name}: {cn} mounts {m['mountPath']} Bidirectional "
+                               "without being privileged (the API server rejects it)")
+            if not is_driver(c):
+                r.check(sc.get("readOnlyRootFilesystem") is True,
+                        f"{name}: sidecar {cn} has readOnlyRootFilesystem: true")
+            res = c.get("resources") or {}
+            missing = [f"{kind}.{rname}" for kind in ("requests", "limits")
+                       for rname in ("cpu", "memory") if rname not in (res.get(kind) or {})]
+            r.check(not missing, f"{name}: {cn} has cpu/memory requests and limits",
+                    "missing " + ", ".join(missing))
+    expected = [("DaemonSet", "example-csi-node", DRIVER_CONTAINER)]
+    r.check(privileged == expected,
+            f"{name}: the node plugin's driver container is the only privileged container",
+            f"privileged: {privileged}")
+
+
+def check_images(name, docs, crate_version, r, seen_tags):
+    for d, spec in pod_workloads(docs):
+        for c in containers(spec):
+            cn = f"{wname(d)}/{c['name']}"
+            image = c.get("image", "")
+            repo, _, tag = image.rpartition(":")
+            if "/" in tag or not repo:
+                repo, tag = image, ""
+            if not r.check(bool(tag) and tag != "latest" and "@" not in tag,
+                           f"{name}: {cn} image {image} pinned to a version"):
+                continue
+            if is_driver(c):
+                r.check(repo == DRIVER_IMAGE_REPO and tag == f"v{crate_version}",
+                        f"{name}: {cn} runs {DRIVER_IMAGE_REPO}:v{crate_version} (crate version)",
+                        f"found {image}")
+            else:
+                r.check(image.startswith(SIDECAR_REGISTRY),
+                        f"{name}: {cn} image comes from {SIDECAR_REGISTRY}", image)
+            if repo in seen_tags and seen_tags[repo][0] != tag:
+                r.fail(f"{name}: {cn} uses {repo}:{tag} but {seen_tags[repo][1]} uses "
+                       f"{repo}:{seen_tags[repo][0]}")
+            seen_tags.setdefault(repo, (tag, f"{name} {cn}"))
+
+
+def check_pods(name, docs, r):
+    """Sockets, ports, env references and sidecar flags inside each pod."""
+    csidriver = next((d for d in docs if d["kind"] == "CSIDriver"), None)
+    for d, spec in pod_workloads(docs):
+        w = wname(d)
+        cs = containers(spec)
+        drivers = [c for c in cs if is_driver(c)]
+        if not r.check(len(drivers) == 1, f"{name}: {w} has exactly one driver container"):
+            continue
+        drv = drivers[0]
+        # Every $(VAR) has a definition.
+        for c in cs:
+            for a in list(c.get("args") or []):
+                try:
+                    expand_env(c, str(a))
+                except KeyError as e:
+                    r.fail(f"{name}: {w}/{c['name']} argument {a} uses $({e.args[0]}), not in its env")
+        for c in cs:
+            stray = flag_values(c)[1]
+            r.check(not stray, f"{name}: {w}/{c['name']} writes every flag as --name=value",
+                    f"stray arguments {stray}")
+        # The driver's endpoint.
+        endpoint = expand_env(drv, flag(drv, "--endpoint", ""))
+        if not r.check(endpoint.startswith("unix:///"),
+                       f"{name}: {w} driver --endpoint is a unix socket ({endpoint})"):
+            continue
+        sock = endpoint[len("unix://"):]
+        where = resolve_path(spec, drv, sock)
+        if not r.check(where is not None, f"{name}: {w} driver socket {sock} is on a volume"):
+            continue
+        r.check(flag(drv, "--drivername", DRIVER_NAME) == DRIVER_NAME
+                and csidriver is not None and csidriver["metadata"]["name"] == DRIVER_NAME,
+                f"{name}: {w} driver name {DRIVER_NAME} matches the CSIDriver object")
+        mode = flag(drv, "--mode", "all")
+        allowed = {"DaemonSet": {"node", "all"}, "Deployment": {"controller", "all"},
+                   "StatefulSet": {"controller", "all"}}.get(d["kind"], {"all"})
+        r.check(mode in allowed, f"{name}: {w} driver --mode={mode} fits a {d['kind']}")
+        for c in cs:
+            if c is drv:
+                continue
+            addr = flag(c, "--csi-address")
+            cn = f"{w}/{c['name']}"
+            if not r.check(addr is not None, f"{name}: {cn} has --csi-address"):
+                continue
+            addr = expand_env(c, addr)
+            if addr.startswith("unix://"):
+                addr = addr[len("unix://"):]
+            r.check(resolve_path(spec, c, addr) == where,
+                    f"{name}: {cn} --csi-address {addr} is the driver's socket {sock}",
+                    f"{resolve_path(spec, c, addr)} != {where}")
+        # Registrar: kubelet's path to the socket is the socket's host path.
+        for c in cs:
+            reg = flag(c, "--kubelet-registration-path")
+            if reg is None:
+                continue
+            cn = f"{w}/{c['name']}"
+            vol = volume(spec, where[0]) or {}
+            host = (vol.get("hostPath") or {}).get("path")
+            host_sock = f"{host.rstrip('/')}/{where[1]}" if host else None
+            r.check(reg == host_sock,
+                    f"{name}: {cn} --kubelet-registration-path {reg} is the driver socket's hostPath",
+                    f"socket volume {where[0]} is {host_sock}")
+            r.check(reg == f"{KUBELET_DIR}/plugins/{DRIVER_NAME}/csi.sock",
+                    f"{name}: {cn} registers {KUBELET_DIR}/plugins/{DRIVER_NAME}/csi.sock")
+            reg_dir = resolve_path(spec, c, "/registration")
+            regvol = volume(spec, reg_dir[0]) if reg_dir else None
+            r.check(regvol is not None and (regvol.get("hostPath") or {}).get("path")
+                    == f"{KUBELET_DIR}/plugins_registry",
+                    f"{name}: {cn} has {KUBELET_DIR}/plugins_registry at /registration")
+        # Liveness: the driver's probe goes to the livenessprobe sidecar.
+        probes = [c for c in cs if c.get("image", "").startswith(SIDECAR_REGISTRY + "livenessprobe:")]
+        lp = drv.get("livenessProbe") or {}
+        if r.check(len(probes) == 1 and "httpGet" in lp,
+                   f"{name}: {w} driver has a livenessProbe served by a livenessprobe sidecar"):
+            served = endpoint_port(flag(probes[0], "--http-endpoint")) or \
+                int(flag(probes[0], "--health-port", "9808"))
+            probed = port_number(drv, lp["httpGet"].get("port"))
+            r.check(probed == served and lp["httpGet"].get("path") == "/healthz",
+                    f"{name}: {w} driver probe port {probed} is livenessprobe's port {served}")
+        for c in cs:
+            probe = c.get("livenessProbe") or {}
+            port = (probe.get("httpGet") or {}).get("port")
+            if port is not None:
+                r.check(port_number(c, port) is not None,
+                        f"{name}: {w}/{c['name']} probe port {port} is declared by the container")
+        metrics = flag(drv, "--metrics-address")
+        if metrics is not None:
+            mport = endpoint_port(metrics)
+            r.check(any(p["containerPort"] == mport for p in drv.get("ports") or []),
+                    f"{name}: {w} driver metrics port {mport} is declared")
+            r.check(not metrics.startswith("127.") and not metrics.startswith("localhost"),
+                    f"{name}: {w} driver metrics listen on the pod's address ({metrics})")
+        # Sidecar-specific flags.
+        for c in cs:
+            image = c.get("image", "")
+            cn = f"{w}/{c['name']}"
+            f, _ = flag_values(c)
+            env = {e["name"] for e in c.get("env") or []}
+            if "--node-deployment" in f and flag(c, "--node-deployment") != "false":
+                r.check(d["kind"] == "DaemonSet", f"{name}: {cn} in node-deployment mode runs in a DaemonSet")
+                r.check("NODE_NAME" in env, f"{name}: {cn} in node-deployment mode has NODE_NAME")
+                r.check("--leader-election" not in f,
+                        f"{name}: {cn} in node-deployment mode has no leader election")
+            if "--enable-capacity" in f:
+                r.check({"NAMESPACE", "POD_NAME"} <= env,
+                        f"{name}: {cn} with --enable-capacity has NAMESPACE and POD_NAME")
+            if SIDECAR_REGISTRY + "csi-snapshotter:" in image and d["kind"] != "DaemonSet":
+                r.check(flag(c, "--feature-gates", "").find("CSIVolumeGroupSnapshot=true") >= 0,
+                        f"{name}: {cn} has volume group snapshots on")
+        if d["kind"] == "DaemonSet":
+            r.check(spec.get("priorityClassName") == "system-node-critical",
+                    f"{name}: {w} has priorityClassName system-node-critical")
+            r.check(any(t.get("operator") == "Exists" and not t.get("key")
+                        for t in spec.get("tolerations") or []),
+                    f"{name}: {w} tolerates every taint")
+            mounts = {m["mountPath"]: m for m in drv.get("volumeMounts") or []}
+            for p in (f"{KUBELET_DIR}/pods", f"{KUBELET_DIR}/plugins"):
+                m = mounts.get(p)
+                vol = volume(spec, m["name"]) if m else None
+                r.check(m is not None and m.get("mountPropagation") == "Bidirectional"
+                        and (vol.get("hostPath") or {}).get("path") == p,
+                        f"{name}: {w} driver mounts host {p} with Bidirectional propagation")
+            m = mounts.get("/dev")
+            r.check(m is not None and (volume(spec, m["name"]).get("hostPath") or {}).get("path") == "/dev",
+                    f"{name}: {w} driver mounts the host's /dev")
+            for spec_pool in flag_values(drv)[0].get("--pool") or []:
+                path = (spec_pool or "").partition("=")[2] or spec_pool
+                pw = resolve_path(spec, drv, path)
+                pv = volume(spec, pw[0]) if pw else None
+                r.check(pv is not None and "hostPath" in pv,
+                        f"{name}: {w} pool {path} is on a hostPath")
+
+
+def check_overlay_flags(name, docs, r):
+    """Flags that must agree across the pods of one overlay."""
+    csidriver = next((d for d in docs if d["kind"] == "CSIDriver"), None)
+    if not r.check(csidriver is not None, f"{name}: has the CSIDriver object"):
+        return
+    s = csidriver["spec"]
+    r.check(s.get("podInfoOnMount") is True and s.get("fsGroupPolicy") == "File"
+            and sorted(s.get("volumeLifecycleModes") or []) == ["Ephemeral", "Persistent"]
+            and s.get("requiresRepublish") is False,
+            f"{name}: CSIDriver has podInfoOnMount, fsGroupPolicy File, Persistent+Ephemeral, "
+            "requiresRepublish false")
+    all_c = [(d, c) for d, spec in pod_workloads(docs) for c in containers(spec)]
+    drivers = [c for _, c in all_c if is_driver(c)]
+    images = [c.get("image", "") for _, c in all_c]
+    attach = any("--enable-attach" in flag_values(c)[0] for c in drivers)
+    attacher = any(SIDECAR_REGISTRY + "csi-attacher:" in i for i in images)
+    r.check(s.get("attachRequired") is attach and attacher == attach,
+            f"{name}: attachRequired={s.get('attachRequired')}, driver --enable-attach={attach}, "
+            f"external-attacher present={attacher} agree")
+    capacity = any("--enable-capacity" in flag_values(c)[0] for _, c in all_c)
+    r.check(bool(s.get("storageCapacity")) == capacity,
+            f"{name}: storageCapacity={s.get('storageCapacity')} agrees with --enable-capacity={capacity}")
+    node_deployment = any(flag(c, "--node-deployment", "false") != "false" for _, c in all_c)
+    if node_deployment:
+        r.check(all("--disable-controller-expansion" in flag_values(c)[0] for c in drivers),
+                f"{name}: every driver runs with --disable-controller-expansion "
+                "(the resizer cannot reach the volume's node)")
+    for kind, img in (("provisioner", "csi-provisioner"), ("resizer", "csi-resizer"),
+                      ("snapshotter", "csi-snapshotter"), ("registrar", "csi-node-driver-registrar")):
+        r.check(any(SIDECAR_REGISTRY + img + ":" in i for i in images),
+                f"{name}: runs external {kind} ({img})")
+
+
+def rbac_rules_for(docs, sa, namespace):
+    """(cluster rules, namespaced rules in `namespace`) bound to a ServiceAccount."""
+    roles = {(d["kind"], d["metadata"].get("namespace"), d["metadata"]["name"]): d
+             for d in docs if d["kind"] in ("Role", "ClusterRole")}
+    cluster, local = [], []
+    for b in docs:
+        if b["kind"] not in ("RoleBinding", "ClusterRoleBinding"):
+            continue
+        if not any(s.get("kind") == "ServiceAccount" and s.get("name") == sa
+                   and s.get("namespace", b["metadata"].get("namespace")) == namespace
+                   for s in b.get("subjects") or []):
+            continue
+        ref = b["roleRef"]
+        ns = b["metadata"].get("namespace") if ref["kind"] == "Role" else None
+        role = roles.get((ref["kind"], ns, ref["name"]))
+        rules = (role or {}).get("rules") or []
+        (local if b["kind"] == "RoleBinding" else cluster).extend(rules)
+    return cluster, local
+
+
+def allows(rules, group, resource, verb):
+    return any(group in r.get("apiGroups", []) and resource in r.get("resources", [])
+               and verb in r.get("verbs", []) for r in rules)
+
+
+def check_rbac(name, docs, r):
+    names = {(d["kind"], d["metadata"].get("namespace"), d["metadata"]["name"]) for d in docs}
+    for b in docs:
+        if b["kind"] not in ("RoleBinding", "ClusterRoleBinding"):
+            continue
+        ref = b["roleRef"]
+        ns = b["metadata"].get("namespace") if ref["kind"] == "Role" else None
+        r.check((ref["kind"], ns, ref["name"]) in names,
+                f"{name}: {b['kind']}/{b['metadata']['name']} refers to an existing {ref['kind']}")
+        for s in b.get("subjects") or []:
+            r.check(s.get("kind") == "ServiceAccount"
+                    and ("ServiceAccount", s.get("namespace"), s.get("name")) in names,
+                    f"{name}: {b['kind']}/{b['metadata']['name']} binds an existing ServiceAccount")
+    for d in docs:
+        if d["kind"] not in ("Role", "ClusterRole"):
+            continue
+        for rule in d.get("rules") or []:
+            bad = [x for x in rule.get("verbs", []) + rule.get("resources", []) + rule.get("apiGroups", [])
+                   if x == "*"]
+            r.check(not bad, f"{name}: {d['kind']}/{d['metadata']['name']} has no wildcard in "
+                    f"{rule.get('resources')}")
+            r.check("secrets" not in rule.get("resources", []),
+                    f"{name}: {d['kind']}/{d['metadata']['name']} grants nothing on secrets "
+                    f"({rule.get('resources')})")
+    needs = {
+        "csi-provisioner": [("", "persistentvolumes", "create"), ("", "persistentvolumeclaims", "update"),
+                            ("storage.k8s.io", "storageclasses", "watch"), ("storage.k8s.io", "csinodes", "watch"),
+                            ("", "nodes", "watch"), ("", "events", "create"),
+                            ("snapshot.storage.k8s.io", "volumesnapshotcontents", "get"),
+                            ("storage.k8s.io", "volumeattributesclasses", "get")],
+        "csi-snapshotter": [("snapshot.storage.k8s.io", "volumesnapshotcontents", "patch"),
+                            ("snapshot.storage.k8s.io", "volumesnapshotcontents/status", "update"),
+                            ("snapshot.storage.k8s.io", "volumesnapshotclasses", "watch"),
+                            ("", "events", "create")],
+        "csi-resizer": [("", "persistentvolumes", "patch"), ("", "persistentvolumeclaims/status", "patch"),
+                        ("", "pods", "watch"), ("storage.k8s.io", "volumeattributesclasses", "watch")],
+        "csi-attacher": [("storage.k8s.io", "volumeattachments", "patch"),
+                         ("storage.k8s.io", "volumeattachments/status", "patch"),
+                         ("", "persistentvolumes", "patch"), ("storage.k8s.io", "csinodes", "get")],
+    }
+    group_needs = [("groupsnapshot.storage.k8s.io", "volumegroupsnapshotcontents", "patch"),
+                   ("groupsnapshot.storage.k8s.io", "volumegroupsnapshotcontents/status", "update"),
+                   ("groupsnapshot.storage.k8s.io", "volumegroupsnapshotclasses", "watch")]
+    sa_names = {(d["metadata"].get("namespace"), d["metadata"]["name"]): d
+                for d in docs if d["kind"] == "ServiceAccount"}
+    for d, spec in pod_workloads(docs):
+        w = wname(d)
+        ns = d["metadata"].get("namespace")
+        sa = spec.get("serviceAccountName", "default")
+        if not r.check((ns, sa) in sa_names, f"{name}: {w} runs as its own ServiceAccount {sa}"):
+            continue
+        cluster, local = rbac_rules_for(docs, sa, ns)
+        api_users = []
+        for c in containers(spec):
+            img = c.get("image", "")
+            for side, rules in needs.items():
+                if SIDECAR_REGISTRY + side + ":" not in img:
+                    continue
+                api_users.append(c["name"])
+                need = list(rules)
+                if side == "csi-snapshotter" and "CSIVolumeGroupSnapshot=true" in (flag(c, "--feature-gates") or ""):
+                    need += group_needs
+                missing = [n for n in need if not allows(cluster, *n)]
+                r.check(not missing, f"{name}: {w}/{c['name']} is granted what {side} needs",
+                        f"missing {missing}")
+                if "--leader-election" in flag_values(c)[0]:
+                    r.check(allows(local, "coordination.k8s.io", "leases", "update"),
+                            f"{name}: {w}/{c['name']} may use Leases in {ns} for leader election")
+                if "--enable-capacity" in flag_values(c)[0]:
+                    r.check(allows(local, "storage.k8s.io", "csistoragecapacities", "create")
+                            and allows(local, "", "pods", "get"),
+                            f"{name}: {w}/{c['name']} may manage CSIStorageCapacity in {ns}")
+        if not api_users:
+            r.check(not cluster and not local,
+                    f"{name}: {w} (no sidecar that uses the API) has no RBAC rules")
+            r.check(spec.get("automountServiceAccountToken") is False
+                    or sa_names[(ns, sa)].get("automountServiceAccountToken") is False,
+                    f"{name}: {w} (no API use) does not mount a ServiceAccount token")
+
+
+def check_examples(docs_by_file, r):
+    sc = {}
+    for fname, docs in docs_by_file.items():
+        for d in docs:
+            if d["kind"] == "StorageClass":
+                sc[d["metadata"]["name"]] = d
+                r.check(d.get("provisioner") == DRIVER_NAME,
+                        f"examples/{fname}: StorageClass provisioner is {DRIVER_NAME}")
+                r.check(d.get("volumeBindingMode") == "WaitForFirstConsumer",
+                        f"examples/{fname}: StorageClass binds WaitForFirstConsumer (local storage)")
+                unknown = [k for k in d.get("parameters") or {}
+                           if k not in ("type", "kind") and not k.startswith("csi.storage.k8s.io/")]
+                r.check(not unknown, f"examples/{fname}: StorageClass parameters are ones the driver knows",
+                        f"unknown {unknown}")
+                r.check((d.get("parameters") or {}).get("kind", "image") in ("image", "dir"),
+                        f"examples/{fname}: kind is image or dir")
+            elif d["kind"] in ("VolumeSnapshotClass", "VolumeGroupSnapshotClass"):
+                r.check(d.get("driver") == DRIVER_NAME, f"examples/{fname}: {d['kind']} driver is {DRIVER_NAME}")
+            elif d["kind"] == "VolumeAttributesClass":
+                r.check(d.get("driverName") == DRIVER_NAME,
+                        f"examples/{fname}: VolumeAttributesClass driverName is {DRIVER_NAME}")
+                unknown = set(d.get("parameters") or {}) - MUTABLE_PARAMETERS
+                r.check(not unknown, f"examples/{fname}: VolumeAttributesClass uses only "
+                        f"{sorted(MUTABLE_PARAMETERS)}", f"unknown {sorted(unknown)}")
+            elif d["kind"] == "Pod":
+                for v in d["spec"].get("volumes") or []:
+                    if "csi" in v:
+                        r.check(v["csi"].get("driver") == DRIVER_NAME and "size" in (v["csi"].get("volumeAttributes") or {}),
+                                f"examples/{fname}: inline volume {v['name']} uses {DRIVER_NAME} with a size")
+    main = sc.get("example-csi") or {}
+    p = main.get("parameters") or {}
+    r.check(p.get("type") == "ssd" and p.get("csi.storage.k8s.io/fstype") == "ext4"
+            and main.get("reclaimPolicy") == "Delete" and main.get("allowVolumeExpansion") is True,
+            "examples: StorageClass example-csi has type ssd, fstype ext4, Delete, allowVolumeExpansion")
+    for fname, docs in docs_by_file.items():
+        for d in docs:
+            if d["kind"] == "PersistentVolumeClaim":
+                r.check(d["spec"].get("storageClassName") in sc,
+                        f"examples/{fname}: claim uses an example StorageClass")
+
+
+def check_binary(binary, flags_in_use, r):
+    try:
+        out = subprocess.run([binary, "--help"], capture_output=True, text=True, timeout=30)
+    except OSError as e:
+        r.fail(f"{binary} --help could not run: {e}")
+        return
+    text = out.stdout + out.stderr
+    r.check(out.returncode == 0, f"{binary} --help exits 0")
+    for f in flags_in_use:
+        r.check(re.search(re.escape(f) + r"(?![A-Za-z0-9-])", text) is not None,
+                f"the binary accepts {f} (in its --help)")
+
+
+# ---------------------------------------------------------------- main
+
+def crate_version():
+    text = (REPO / "Cargo.toml").read_text()
+    m = re.search(r'^\[package\][^\[]*?^version\s*=\s*"([^"]+)"', text, re.M | re.S)
+    return m.group(1) if m else None
+
+
+def driver_flags(rendered):
+    seen = []
+    for docs in rendered.values():
+        for _, spec in pod_workloads(docs):
+            for c in containers(spec):
+                if is_driver(c):
+                    for f in flag_values(c)[0]:
+                        if f not in seen:
+                            seen.append(f)
+    return seen
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--k8s-version", action="append", dest="versions")
+    ap.add_argument("--rendered", action="append", default=[], metavar="NAME=FILE")
+    ap.add_argument("--examples", default=str(DEPLOY / "examples"))
+    ap.add_argument("--driver-flags", action="store_true")
+    ap.add_argument("--check-binary", metavar="PATH")
+    ap.add_argument("-v", "--verbose", action="store_true", help="print every check, not only failures")
+    args = ap.parse_args()
+
+    rendered = {}
+    try:
+        if args.rendered:
+            for item in args.rendered:
+                n, _, f = item.partition("=")
+                rendered[n] = load_file(f)
+        else:
+            kustomize = find_kustomize()
+            if kustomize is None:
+                print("no kustomize found (set KUSTOMIZE, or run deploy/validate.sh once)", file=sys.stderr)
+                return 2
+            for o in OVERLAYS:
+                rendered[o] = render(o, kustomize)
+    except (OSError, RuntimeError, yaml.YAMLError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    if args.driver_flags:
+        for f in driver_flags(rendered):
+            print(f)
+        return 0
+
+    r = Report(verbose=args.verbose)
+    version = crate_version()
+    validator = SchemaValidator(args.versions or ["1.35", "1.37"], r)
+
+    examples = {}
+    for p in sorted(Path(args.examples).glob("*.yaml")):
+        examples[p.name] = load_file(p)
+
+    print("overlays: " + ", ".join(f"{n} ({len(d)} objects)" for n, d in rendered.items()))
+    print(f"examples: {len(examples)} files in {args.examples}")
+
+    r.section("schemas",
+              "every rendered object and every example, strict (unknown fields rejected), "
+              f"for Kubernetes {', '.join(validator.versions)} (kubernetes-validate)",
+              "CRD kinds against deploy/schemas/: " + ", ".join(k for _, k in CRD_SCHEMAS),
+              "skipped kinds: " + ("; ".join(f"{k}: {v}" for k, v in SKIPPED_KINDS.items()) or "none"))
+    for n, docs in rendered.items():
+        for d in docs:
+            validator.validate(n, d)
+    for fname, docs in examples.items():
+        for d in docs:
+            validator.validate(f"examples/{fname}", d)
+
+    r.section("security posture",
+              "only the node plugin's driver container (DaemonSet example-csi-node) is privileged",
+              "no hostNetwork, hostPID or hostIPC",
+              "allowPrivilegeEscalation: false, capabilities drop ALL and add none where not privileged",
+              "Bidirectional mount propagation only in a privileged container",
+              "readOnlyRootFilesystem: true on every sidecar",
+              "cpu and memory requests and limits on every container")
+    for n, docs in rendered.items():
+        check_security(n, docs, r)
+
+    r.section("images",
+              "every image pinned to a version (no latest, no missing tag)",
+              f"the driver's image is {DRIVER_IMAGE_REPO}:v{version} (version of Cargo.toml)",
+              f"sidecars from {SIDECAR_REGISTRY}, one tag per sidecar across all overlays")
+    seen = {}
+    for n, docs in rendered.items():
+        check_images(n, docs, version, r, seen)
+
+    r.section("wiring inside each pod",
+              "every sidecar's --csi-address is the socket of the driver's --endpoint (same volume, same file)",
+              "the registrar's --kubelet-registration-path is the socket's hostPath, "
+              f"{KUBELET_DIR}/plugins/{DRIVER_NAME}/csi.sock; plugins_registry at /registration",
+              "the driver's livenessProbe targets the livenessprobe sidecar's port; probe ports declared",
+              "the driver's --metrics-address port is declared; --mode fits the workload kind",
+              "every $(VAR) in args is in the container's env; every flag written --name=value",
+              "node-deployment sidecars: DaemonSet, NODE_NAME, no leader election; "
+              "--enable-capacity: NAMESPACE and POD_NAME",
+              "node plugin: system-node-critical, tolerates all taints, kubelet dirs Bidirectional, "
+              "/dev, pools on hostPath")
+    for n, docs in rendered.items():
+        check_pods(n, docs, r)
+
+    r.section("CSIDriver and flags across each overlay",
+              "podInfoOnMount, fsGroupPolicy File, Persistent+Ephemeral, requiresRepublish false",
+              "attachRequired agrees with --enable-attach and with external-attacher being deployed",
+              "storageCapacity agrees with --enable-capacity",
+              "with node-deployment provisioning, every driver has --disable-controller-expansion")
+    for n, docs in rendered.items():
+        check_overlay_flags(n, docs, r)
+
+    r.section("RBAC",
+              "bindings refer to existing roles and ServiceAccounts; no wildcards; no secrets",
+              "each pod runs as its own ServiceAccount, granted what each of its sidecars needs "
+              "(from the sidecars' published rbac.yaml), Leases for leader election, "
+              "CSIStorageCapacity for capacity tracking",
+              "a pod with no API-using sidecar has no rules and mounts no token")
+    for n, docs in rendered.items():
+        check_rbac(n, docs, r)
+
+    r.section("examples",
+              f"StorageClasses: provisioner {DRIVER_NAME}, WaitForFirstConsumer, known parameters; "
+              "the main one has type ssd, fstype ext4, Delete, allowVolumeExpansion",
+              "snapshot classes name the driver; VolumeAttributesClass uses only the mutable parameters",
+              "claims use an example StorageClass; the inline volume names the driver and a size")
+    check_examples(examples, r)
+
+    flags = driver_flags(rendered)
+    r.section("flags passed to the driver: " + " ".join(flags))
+    if args.check_binary:
+        check_binary(args.check_binary, flags, r)
+    else:
+        print("   (not compared with a binary here: give --check-binary PATH; "
+              "a Rust test compares `check_manifests.py --driver-flags` with --help)")
+    r.end_section()
+
+    print()
+    if r.failed:
+        print(f"{len(r.failed)} check(s) failed:")
+        for f in r.failed:
+            print(f"  - {f}")
+    print(f"check_manifests: {r.passed} passed, {len(r.failed)} failed")
+    return 1 if r.failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

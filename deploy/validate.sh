@@ -1,0 +1,131 @@
+#!/usr/bin/env bash
+# Validates deploy/ without a cluster:
+#   1. renders every overlay with kustomize,
+#   2. lints the YAML sources with yamllint (deploy/.yamllint),
+#   3. runs deploy/check_manifests.py on the rendered overlays and the
+#      examples: Kubernetes API schemas (kubernetes-validate, strict) for
+#      each version in K8S_VERSIONS, deploy/schemas/ for the CRD kinds,
+#      security posture, socket/port/flag wiring, RBAC, examples,
+#   4. checks that the Dockerfile pins its base images and installs the
+#      tools the driver calls.
+# It installs what it needs (pip packages, kustomize with `go install`)
+# the first time, and reuses them afterwards.
+#
+# Environment:
+#   K8S_VERSIONS     Kubernetes versions to validate against (default "1.35 1.37")
+#   CSI_DRIVER_BIN   a built csi-driver: also check that it accepts every flag
+#                    the manifests pass to it (its --help)
+#   KUSTOMIZE        a kustomize binary to use instead of the pinned one
+#
+# Exits non-zero on any failure.
+set -euo pipefail
+
+DEPLOY="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+REPO="$(dirname "$DEPLOY")"
+K8S_VERSIONS="${K8S_VERSIONS:-1.35 1.37}"
+KUSTOMIZE_VERSION="v5.8.2"         # the newest that builds with this machine's Go 1.26
+KUBERNETES_VALIDATE_VERSION="1.37.0"
+YAMLLINT_VERSION="1.38.0"
+OVERLAYS=(central central-attach distributed)
+PYTHON="${PYTHON:-python3}"
+
+step() { printf '\n### %s\n' "$*"; }
+die() { printf 'validate.sh: %s\n' "$*" >&2; exit 1; }
+
+# ------------------------------------------------------------ tools
+step "tools"
+if ! "$PYTHON" -c 'import kubernetes_validate, yaml, jsonschema' 2>/dev/null \
+    || ! "$PYTHON" -m yamllint --version >/dev/null 2>&1; then
+  echo "installing kubernetes-validate==$KUBERNETES_VALIDATE_VERSION yamllint==$YAMLLINT_VERSION"
+  "$PYTHON" -m pip install --quiet --disable-pip-version-check \
+    "kubernetes-validate==$KUBERNETES_VALIDATE_VERSION" "yamllint==$YAMLLINT_VERSION" pyyaml jsonschema \
+    || die "pip install failed"
+fi
+echo "python: $("$PYTHON" --version 2>&1); kubernetes-validate $("$PYTHON" -c \
+  'import kubernetes_validate as k; print(k.version.__version__)'); $("$PYTHON" -m yamllint --version)"
+
+kustomize_cmd=()
+if [[ -n "${KUSTOMIZE:-}" ]]; then
+  kustomize_cmd=("$KUSTOMIZE" build)
+else
+  gobin=""
+  if command -v go >/dev/null 2>&1; then
+    gobin="$(go env GOBIN)"
+    [[ -n "$gobin" ]] || gobin="$(go env GOPATH)/bin"
+  fi
+  if [[ -n "$gobin" && -x "$gobin/kustomize" && "$("$gobin/kustomize" version 2>/dev/null)" == "$KUSTOMIZE_VERSION" ]]; then
+    kustomize_cmd=("$gobin/kustomize" build)
+  elif [[ -n "$gobin" ]]; then
+    echo "installing sigs.k8s.io/kustomize/kustomize/v5@$KUSTOMIZE_VERSION with go install"
+    if (cd "${TMPDIR:-/tmp}" && GOTOOLCHAIN=local GOFLAGS=-mod=mod \
+          go install "sigs.k8s.io/kustomize/kustomize/v5@$KUSTOMIZE_VERSION"); then
+      kustomize_cmd=("$gobin/kustomize" build)
+    fi
+  fi
+  if [[ ${#kustomize_cmd[@]} -eq 0 ]]; then
+    if command -v kubectl >/dev/null 2>&1; then
+      echo "NOTE: no kustomize $KUSTOMIZE_VERSION; using kubectl's built-in kustomize"
+      kustomize_cmd=(kubectl kustomize)
+    else
+      die "no kustomize: install Go (for go install) or kubectl"
+    fi
+  fi
+fi
+echo "kustomize: ${kustomize_cmd[*]} ($("${kustomize_cmd[0]}" version 2>/dev/null | head -1 || true))"
+
+# ------------------------------------------------------------ render
+step "render overlays"
+out="$(mktemp -d)"
+trap 'rm -rf "$out"' EXIT
+rendered=()
+for o in "${OVERLAYS[@]}"; do
+  "${kustomize_cmd[@]}" "$DEPLOY/overlays/$o" >"$out/$o.yaml" || die "kustomize build overlays/$o failed"
+  printf '  %-16s %3d objects: %s\n' "$o" "$(grep -c '^kind: ' "$out/$o.yaml")" \
+    "$(grep '^kind: ' "$out/$o.yaml" | cut -d' ' -f2 | sort | uniq -c | awk '{printf "%s%s×%s", (NR>1?", ":""), $2, $1}')"
+  rendered+=(--rendered "$o=$out/$o.yaml")
+done
+
+# ------------------------------------------------------------ yamllint
+step "yamllint (deploy/.yamllint, strict)"
+(cd "$DEPLOY" && "$PYTHON" -m yamllint -c .yamllint -s .) || die "yamllint found problems"
+echo "  $(cd "$DEPLOY" && find . -name '*.yaml' -not -path './schemas/*' | wc -l) YAML files clean"
+
+# ------------------------------------------------------------ checks
+step "check_manifests.py"
+versions=()
+for v in $K8S_VERSIONS; do versions+=(--k8s-version "$v"); done
+binary=()
+if [[ -n "${CSI_DRIVER_BIN:-}" ]]; then
+  binary=(--check-binary "$CSI_DRIVER_BIN")
+fi
+"$PYTHON" "$DEPLOY/check_manifests.py" "${versions[@]}" "${rendered[@]}" \
+  --examples "$DEPLOY/examples" "${binary[@]}" || die "manifest checks failed"
+
+# ------------------------------------------------------------ image
+step "Dockerfile"
+dockerfile="$REPO/Dockerfile"
+[[ -f "$dockerfile" ]] || die "no Dockerfile"
+fail=0
+while read -r img; do
+  if [[ "$img" != *:* || "$img" == *:latest ]]; then
+    echo "  FAIL  base image $img is not pinned"; fail=1
+  else
+    echo "  ok    base image $img pinned"
+  fi
+done < <(awk 'toupper($1)=="FROM"{print $2}' "$dockerfile")
+for pkg in util-linux mount e2fsprogs xfsprogs btrfs-progs; do
+  if grep -Eq "^[[:space:]]+${pkg}([[:space:]]|\\\\|$)" "$dockerfile"; then
+    echo "  ok    runtime installs $pkg"
+  else
+    echo "  FAIL  runtime does not install $pkg"; fail=1
+  fi
+done
+if grep -q -- '--bin csi-driver' "$dockerfile"; then echo "  ok    builds --bin csi-driver"; else echo "  FAIL  does not build --bin csi-driver"; fail=1; fi
+if grep -qx 'target/\?' "$REPO/.dockerignore" 2>/dev/null || grep -qx '/target/\?' "$REPO/.dockerignore" 2>/dev/null; then
+  echo "  ok    .dockerignore excludes target/"
+else
+  echo "  FAIL  .dockerignore does not exclude target/"; fail=1
+fi
+[[ $fail -eq 0 ]] || die "Dockerfile checks failed"
+
+printf '\nvalidate.sh: deploy/ is valid (overlays: %s; Kubernetes %s)\n' "${OVERLAYS[*]}" "$K8S_VERSIONS"

@@ -1,0 +1,242 @@
+//! What the gRPC services share: conversion of CSI messages into the domain's
+//! types, redaction of secrets before anything is logged, and the edge of every
+//! RPC: one span with the method and volume id, the domain call on a blocking
+//! thread, the response or the error logged once.
+
+use std::collections::BTreeMap;
+use std::fmt::Debug;
+use std::sync::Arc;
+
+use csi_proto::csi::{self, volume_capability};
+use csi_storage::model::{Access, AccessMode, Capability, CapacityRange};
+use csi_storage::{Driver, Error};
+use tonic::Status;
+use tracing::Instrument;
+
+/// The state every service holds.
+pub type Shared = Arc<Driver>;
+
+/// Runs a domain call off the async runtime inside a span named after the RPC,
+/// logging the (redacted) request and the response at debug level and an error
+/// once, at warn level.
+pub async fn call<Req, T, F>(
+    method: &'static str,
+    volume_id: &str,
+    req: &Req,
+    f: F,
+) -> Result<T, Status>
+where
+    Req: Redact + Debug + Clone,
+    T: Debug + Send + 'static,
+    F: FnOnce() -> csi_storage::Result<T> + Send + 'static,
+{
+    let span = tracing::info_span!("rpc", method, volume.id = %volume_id);
+    async move {
+        if tracing::enabled!(tracing::Level::DEBUG) {
+            tracing::debug!(request = ?Redacted(req), "request");
+        }
+        let started = std::time::Instant::now();
+        let out = tokio::task::spawn_blocking(f)
+            .await
+            .map_err(|e| Status::internal(format!("the {method} handler failed: {e}")))?;
+        let elapsed_ms = started.elapsed().as_secs_f64() * 1000.0;
+        match out {
+            Ok(v) => {
+                tracing::debug!(response = ?v, elapsed_ms, "response");
+                Ok(v)
+            }
+            Err(e) => {
+                let status: Status = e.into();
+                match status.code() {
+                    tonic::Code::Internal | tonic::Code::DeadlineExceeded => {
+                        tracing::error!(code = ?status.code(), error = %status.message(), elapsed_ms, "failed")
+                    }
+                    _ => tracing::warn!(code = ?status.code(), error = %status.message(), elapsed_ms, "refused"),
+                }
+                Err(status)
+            }
+        }
+    }
+    .instrument(span)
+    .await
+}
+
+/// Requests that may carry secrets clear their values before being logged.
+pub trait Redact {
+    fn redact(&mut self) {}
+}
+
+struct Redacted<'a, R>(&'a R);
+
+impl<R: Redact + Debug + Clone> Debug for Redacted<'_, R> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut copy = self.0.clone();
+        copy.redact();
+        copy.fmt(f)
+    }
+}
+
+/// Formats a request with every secret value replaced.
+pub fn redacted<R: Redact + Debug + Clone>(req: &R) -> String {
+    format!("{:?}", Redacted(req))
+}
+
+macro_rules! no_secrets {
+    ($($t:ty),* $(,)?) => { $(impl Redact for $t {})* };
+}
+macro_rules! with_secrets {
+    ($($t:ty),* $(,)?) => { $(impl Redact for $t {
+        fn redact(&mut self) {
+            for v in self.secrets.values_mut() {
+                *v = "<redacted>".into();
+            }
+        }
+    })* };
+}
+
+no_secrets!(
+    csi::GetPluginInfoRequest,
+    csi::GetPluginCapabilitiesRequest,
+    csi::ProbeRequest,
+    csi::ListVolumesRequest,
+    csi::ControllerGetVolumeRequest,
+    csi::GetCapacityRequest,
+    csi::ControllerGetCapabilitiesRequest,
+    csi::NodeUnstageVolumeRequest,
+    csi::NodeUnpublishVolumeRequest,
+    csi::NodeGetVolumeStatsRequest,
+    csi::NodeGetCapabilitiesRequest,
+    csi::NodeGetInfoRequest,
+    csi::GroupControllerGetCapabilitiesRequest,
+);
+with_secrets!(
+    csi::CreateVolumeRequest,
+    csi::DeleteVolumeRequest,
+    csi::ControllerPublishVolumeRequest,
+    csi::ControllerUnpublishVolumeRequest,
+    csi::ValidateVolumeCapabilitiesRequest,
+    csi::ControllerModifyVolumeRequest,
+    csi::CreateSnapshotRequest,
+    csi::DeleteSnapshotRequest,
+    csi::ListSnapshotsRequest,
+    csi::GetSnapshotRequest,
+    csi::ControllerExpandVolumeRequest,
+    csi::NodeStageVolumeRequest,
+    csi::NodePublishVolumeRequest,
+    csi::NodeExpandVolumeRequest,
+    csi::CreateVolumeGroupSnapshotRequest,
+    csi::DeleteVolumeGroupSnapshotRequest,
+    csi::GetVolumeGroupSnapshotRequest,
+);
+
+// ---- conversions ----
+
+pub fn access_mode(m: Option<&volume_capability::AccessMode>) -> AccessMode {
+    use volume_capability::access_mode::Mode;
+    match m.and_then(|m| Mode::try_from(m.mode).ok()) {
+        Some(Mode::SingleNodeWriter) => AccessMode::SingleNodeWriter,
+        Some(Mode::SingleNodeReaderOnly) => AccessMode::SingleNodeReaderOnly,
+        Some(Mode::SingleNodeSingleWriter) => AccessMode::SingleNodeSingleWriter,
+        Some(Mode::SingleNodeMultiWriter) => AccessMode::SingleNodeMultiWriter,
+        Some(Mode::MultiNodeReaderOnly) => AccessMode::MultiNodeReaderOnly,
+        Some(Mode::MultiNodeSingleWriter) => AccessMode::MultiNodeSingleWriter,
+        Some(Mode::MultiNodeMultiWriter) => AccessMode::MultiNodeMultiWriter,
+        Some(Mode::Unknown) | None => AccessMode::Unknown,
+    }
+}
+
+/// Converts a capability; a missing access type is INVALID_ARGUMENT.
+pub fn capability(c: &csi::VolumeCapability) -> Result<Capability, Error> {
+    let access = match &c.access_type {
+        Some(volume_capability::AccessType::Block(_)) => Access::Block,
+        Some(volume_capability::AccessType::Mount(m)) => Access::Mount {
+            fs_type: m.fs_type.clone(),
+            mount_flags: m.mount_flags.clone(),
+            volume_mount_group: m.volume_mount_group.clone(),
+        },
+        None => return Err(Error::invalid("volume_capability.access_type is required")),
+    };
+    if c.access_mode.is_none() {
+        return Err(Error::invalid("volume_capability.access_mode is required"));
+    }
+    Ok(Capability {
+        access,
+        mode: access_mode(c.access_mode.as_ref()),
+    })
+}
+
+pub fn capabilities(cs: &[csi::VolumeCapability]) -> Result<Vec<Capability>, Error> {
+    cs.iter().map(capability).collect()
+}
+
+pub fn optional_capability(c: Option<&csi::VolumeCapability>) -> Result<Option<Capability>, Error> {
+    c.map(capability).transpose()
+}
+
+pub fn capacity(r: Option<&csi::CapacityRange>) -> CapacityRange {
+    r.map(|r| CapacityRange {
+        required: r.required_bytes,
+        limit: r.limit_bytes,
+    })
+    .unwrap_or_default()
+}
+
+pub fn map(m: &std::collections::HashMap<String, String>) -> BTreeMap<String, String> {
+    m.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
+}
+
+pub fn hash_map(m: &BTreeMap<String, String>) -> std::collections::HashMap<String, String> {
+    m.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
+}
+
+pub fn topology(driver: &Driver) -> csi::Topology {
+    csi::Topology {
+        segments: hash_map(&driver.topology()),
+    }
+}
+
+pub fn timestamp(t: csi_storage::model::Timestamp) -> prost_types::Timestamp {
+    prost_types::Timestamp {
+        seconds: t.seconds,
+        nanos: t.nanos,
+    }
+}
+
+pub fn bytes(n: u64) -> i64 {
+    i64::try_from(n).unwrap_or(i64::MAX)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn secrets_never_reach_a_rendering() {
+        let req = csi::CreateVolumeRequest {
+            name: "pvc-1".into(),
+            secrets: [
+                ("password".to_string(), "hunter2".to_string()),
+                ("k\"x".into(), "v}\"{".into()),
+            ]
+            .into_iter()
+            .collect(),
+            ..Default::default()
+        };
+        let text = format!("{:?}", Redacted(&req));
+        assert!(!text.contains("hunter2"), "{text}");
+        assert!(!text.contains("v}"), "{text}");
+        assert!(text.contains("password"), "{text}");
+        assert!(text.contains("pvc-1"));
+        let text = redacted(&req);
+        assert!(!text.contains("hunter2") && text.contains("<redacted>"));
+    }
+
+    #[test]
+    fn capability_without_access_type_is_invalid() {
+        let c = csi::VolumeCapability {
+            access_type: None,
+            access_mode: Some(volume_capability::AccessMode { mode: 1 }),
+        };
+        assert!(capability(&c).is_err());
+    }
+}

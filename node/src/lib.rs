@@ -1,0 +1,196 @@
+//! The CSI Node service: thin handlers over the domain's node operations.
+
+use csi_glue::{bytes, call, capacity, map, optional_capability, topology, Shared};
+use csi_proto::csi::{
+    self, node_server::Node, node_service_capability, volume_usage, NodeServiceCapability,
+};
+use csi_storage::node::{Publish, Stage};
+use tonic::{Request, Response, Status};
+
+pub struct NodeService {
+    driver: Shared,
+}
+
+impl NodeService {
+    pub fn new(driver: Shared) -> Self {
+        NodeService { driver }
+    }
+}
+
+fn rpc(t: node_service_capability::rpc::Type) -> NodeServiceCapability {
+    NodeServiceCapability {
+        r#type: Some(node_service_capability::Type::Rpc(
+            node_service_capability::Rpc { r#type: t as i32 },
+        )),
+    }
+}
+
+#[tonic::async_trait]
+impl Node for NodeService {
+    async fn node_stage_volume(
+        &self,
+        req: Request<csi::NodeStageVolumeRequest>,
+    ) -> Result<Response<csi::NodeStageVolumeResponse>, Status> {
+        let r = req.into_inner();
+        let d = self.driver.clone();
+        let rr = r.clone();
+        call("NodeStageVolume", &r.volume_id, &r, move || {
+            d.node_stage(Stage {
+                capability: optional_capability(rr.volume_capability.as_ref())?,
+                volume_context: map(&rr.volume_context),
+                volume_id: rr.volume_id,
+                staging_path: rr.staging_target_path,
+            })
+        })
+        .await?;
+        Ok(Response::new(csi::NodeStageVolumeResponse {}))
+    }
+
+    async fn node_unstage_volume(
+        &self,
+        req: Request<csi::NodeUnstageVolumeRequest>,
+    ) -> Result<Response<csi::NodeUnstageVolumeResponse>, Status> {
+        let r = req.into_inner();
+        let d = self.driver.clone();
+        let rr = r.clone();
+        call("NodeUnstageVolume", &r.volume_id, &r, move || {
+            d.node_unstage(&rr.volume_id, &rr.staging_target_path)
+        })
+        .await?;
+        Ok(Response::new(csi::NodeUnstageVolumeResponse {}))
+    }
+
+    async fn node_publish_volume(
+        &self,
+        req: Request<csi::NodePublishVolumeRequest>,
+    ) -> Result<Response<csi::NodePublishVolumeResponse>, Status> {
+        let r = req.into_inner();
+        let d = self.driver.clone();
+        let rr = r.clone();
+        call("NodePublishVolume", &r.volume_id, &r, move || {
+            d.node_publish(Publish {
+                capability: optional_capability(rr.volume_capability.as_ref())?,
+                volume_context: map(&rr.volume_context),
+                volume_id: rr.volume_id,
+                staging_path: rr.staging_target_path,
+                target_path: rr.target_path,
+                read_only: rr.readonly,
+            })
+        })
+        .await?;
+        Ok(Response::new(csi::NodePublishVolumeResponse {}))
+    }
+
+    async fn node_unpublish_volume(
+        &self,
+        req: Request<csi::NodeUnpublishVolumeRequest>,
+    ) -> Result<Response<csi::NodeUnpublishVolumeResponse>, Status> {
+        let r = req.into_inner();
+        let d = self.driver.clone();
+        let rr = r.clone();
+        call("NodeUnpublishVolume", &r.volume_id, &r, move || {
+            d.node_unpublish(&rr.volume_id, &rr.target_path)
+        })
+        .await?;
+        Ok(Response::new(csi::NodeUnpublishVolumeResponse {}))
+    }
+
+    async fn node_get_volume_stats(
+        &self,
+        req: Request<csi::NodeGetVolumeStatsRequest>,
+    ) -> Result<Response<csi::NodeGetVolumeStatsResponse>, Status> {
+        let r = req.into_inner();
+        let d = self.driver.clone();
+        let rr = r.clone();
+        let s = call("NodeGetVolumeStats", &r.volume_id, &r, move || {
+            d.node_stats(&rr.volume_id, &rr.volume_path)
+        })
+        .await?;
+        let mut usage = vec![csi::VolumeUsage {
+            available: bytes(s.available_bytes),
+            total: bytes(s.total_bytes),
+            used: bytes(s.used_bytes),
+            unit: volume_usage::Unit::Bytes as i32,
+        }];
+        if !s.block && s.abnormal.is_none() {
+            usage.push(csi::VolumeUsage {
+                available: bytes(s.available_inodes),
+                total: bytes(s.total_inodes),
+                used: bytes(s.used_inodes),
+                unit: volume_usage::Unit::Inodes as i32,
+            });
+        }
+        if s.abnormal.is_some() && s.total_bytes == 0 {
+            usage.clear();
+        }
+        Ok(Response::new(csi::NodeGetVolumeStatsResponse {
+            usage,
+            volume_condition: Some(csi::VolumeCondition {
+                abnormal: s.abnormal.is_some(),
+                message: s.abnormal.unwrap_or_else(|| "volume is healthy".into()),
+            }),
+        }))
+    }
+
+    async fn node_expand_volume(
+        &self,
+        req: Request<csi::NodeExpandVolumeRequest>,
+    ) -> Result<Response<csi::NodeExpandVolumeResponse>, Status> {
+        let r = req.into_inner();
+        let d = self.driver.clone();
+        let rr = r.clone();
+        let size = call("NodeExpandVolume", &r.volume_id, &r, move || {
+            let cap = optional_capability(rr.volume_capability.as_ref())?;
+            d.node_expand(
+                &rr.volume_id,
+                &rr.volume_path,
+                capacity(rr.capacity_range.as_ref()),
+                cap.as_ref(),
+            )
+        })
+        .await?;
+        Ok(Response::new(csi::NodeExpandVolumeResponse {
+            capacity_bytes: bytes(size),
+        }))
+    }
+
+    async fn node_get_capabilities(
+        &self,
+        req: Request<csi::NodeGetCapabilitiesRequest>,
+    ) -> Result<Response<csi::NodeGetCapabilitiesResponse>, Status> {
+        use node_service_capability::rpc::Type as T;
+        let resp = call("NodeGetCapabilities", "", req.get_ref(), || {
+            Ok(csi::NodeGetCapabilitiesResponse {
+                capabilities: [
+                    T::StageUnstageVolume,
+                    T::GetVolumeStats,
+                    T::VolumeCondition,
+                    T::ExpandVolume,
+                    T::SingleNodeMultiWriter,
+                    T::VolumeMountGroup,
+                ]
+                .into_iter()
+                .map(rpc)
+                .collect(),
+            })
+        })
+        .await?;
+        Ok(Response::new(resp))
+    }
+
+    async fn node_get_info(
+        &self,
+        req: Request<csi::NodeGetInfoRequest>,
+    ) -> Result<Response<csi::NodeGetInfoResponse>, Status> {
+        let d = self.driver.clone();
+        let resp = call("NodeGetInfo", "", req.get_ref(), move || {
+            Ok(csi::NodeGetInfoResponse {
+                node_id: d.cfg.node_id.clone(),
+                max_volumes_per_node: bytes(d.cfg.max_volumes_per_node),
+                accessible_topology: Some(topology(&d)),
+            })
+        })
+        .await?;
+        Ok(Response::new(resp))
+    }
+}

@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# Runs every test of example-csi: formatting and lints, the Rust unit and
+# integration tests (real loop devices, mkfs and mounts: run as root), the CSI
+# contract check, csi-sanity in every configuration, and the deploy/ validation.
+# Installs what is missing first, so it works on a fresh machine.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PATH="$PATH:/usr/local/go/bin:$HOME/go/bin:/root/go/bin:/usr/sbin:/sbin:$HOME/.cargo/bin"
+log=$(mktemp /tmp/example-csi-test.XXXXXX)
+trap 'rm -f "$log"' EXIT
+
+step() { echo; echo "==== $*"; }
+
+step "dependencies"
+scripts/install-deps.sh
+
+step "format and lints"
+cargo fmt --all -- --check
+cargo clippy --workspace --all-targets --quiet -- -D warnings
+
+step "build"
+cargo build --workspace --all-targets --quiet
+
+step "cargo test (unit, integration, CSI contract)"
+set +e
+cargo test --workspace --no-fail-fast 2>&1 | tee "$log"
+rc=${PIPESTATUS[0]}
+set -e
+cargo_passed=$(grep -E "^test result:" "$log" | sed -E 's/.* ([0-9]+) passed.*/\1/' | paste -sd+ | bc)
+cargo_failed=$(grep -E "^test result:" "$log" | sed -E 's/.* ([0-9]+) failed.*/\1/' | paste -sd+ | bc)
+[ "$rc" -ne 0 ] && [ "${cargo_failed:-0}" = 0 ] && cargo_failed=1
+[ "$rc" -ne 0 ] && { echo "cargo test failed"; }
+
+step "csi-sanity"
+set +e
+CSI_DRIVER_BIN="$PWD/target/debug/csi-driver" csi-sanity/run.sh 2>&1 | tee "$log"
+src=${PIPESTATUS[0]}
+set -e
+sanity_passed=$(grep -E "^csi-sanity: [0-9]+ passed" "$log" | sed -E 's/^csi-sanity: ([0-9]+) passed.*/\1/')
+sanity_failed=$(grep -E "^csi-sanity: [0-9]+ passed" "$log" | sed -E 's/.* ([0-9]+) failed.*/\1/')
+[ "$src" -ne 0 ] && [ "${sanity_failed:-0}" = 0 ] && sanity_failed=1
+
+step "deploy/ manifests"
+set +e
+CSI_DRIVER_BIN="$PWD/target/debug/csi-driver" bash deploy/validate.sh 2>&1 | tee "$log"
+drc=${PIPESTATUS[0]}
+set -e
+deploy_failed=0; [ "$drc" -ne 0 ] && deploy_failed=1
+
+passed=$(( ${cargo_passed:-0} + ${sanity_passed:-0} ))
+failed=$(( ${cargo_failed:-0} + ${sanity_failed:-0} + deploy_failed ))
+echo
+echo "cargo test: ${cargo_passed:-0} passed, ${cargo_failed:-0} failed; csi-sanity: ${sanity_passed:-0} passed, ${sanity_failed:-0} failed; deploy checks: $([ $deploy_failed = 0 ] && echo ok || echo FAILED)"
+echo "total: $passed passed, $failed failed"
+[ "$failed" = 0 ]

@@ -1,0 +1,130 @@
+//! Command-line flags. Every flag can also be set through an environment variable,
+//! as the kubernetes-csi drivers do, so manifests may use either.
+
+use std::path::PathBuf;
+
+use clap::{Parser, Subcommand, ValueEnum};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Mode {
+    /// Identity, Controller, GroupController and Node.
+    All,
+    /// Identity, Controller and GroupController.
+    Controller,
+    /// Identity and Node.
+    Node,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    Text,
+    Json,
+}
+
+/// Default pool, made when no --pool is given.
+pub const DEFAULT_POOL_PATH: &str = "/var/lib/example-csi/pool";
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "csi-driver",
+    version,
+    about = "example-csi: a CSI driver for node-local storage (image files on loop devices, \
+             directories, btrfs subvolumes)"
+)]
+pub struct Cli {
+    /// CSI endpoint: unix:///path/to/csi.sock or a bare path. tcp:// only with --allow-tcp.
+    #[arg(
+        long,
+        env = "CSI_ENDPOINT",
+        default_value = "unix:///csi/csi.sock",
+        global = true
+    )]
+    pub endpoint: String,
+
+    /// This node's id, as kubelet knows it (usually the node name).
+    #[arg(long, env = "NODE_ID")]
+    pub nodeid: Option<String>,
+
+    /// The driver's name, as in the CSIDriver object and StorageClasses.
+    #[arg(long, env = "CSI_DRIVER_NAME", default_value = "example.csi.k8s.io")]
+    pub drivername: String,
+
+    /// Which services to serve.
+    #[arg(long, env = "CSI_MODE", value_enum, default_value = "all")]
+    pub mode: Mode,
+
+    /// A storage pool, NAME=PATH (a bare PATH is the pool "default"). Repeatable;
+    /// the directory must exist. Without any, /var/lib/example-csi/pool is made and used.
+    #[arg(long = "pool", env = "CSI_POOLS", value_delimiter = ',')]
+    pub pools: Vec<String>,
+
+    /// Where the driver keeps its records.
+    #[arg(
+        long,
+        env = "CSI_STATE_DIR",
+        default_value = "/var/lib/example-csi/state"
+    )]
+    pub state_dir: PathBuf,
+
+    /// Serve ControllerPublish/Unpublish (the CSIDriver must then say attachRequired: true).
+    #[arg(long, env = "CSI_ENABLE_ATTACH")]
+    pub enable_attach: bool,
+
+    /// Do not offer ControllerExpandVolume; NodeExpandVolume grows volumes instead
+    /// (for the distributed deployment, where the resizer runs once per cluster).
+    #[arg(long, env = "CSI_DISABLE_CONTROLLER_EXPANSION")]
+    pub disable_controller_expansion: bool,
+
+    /// Mutable parameters accepted by ControllerModifyVolume (empty: MODIFY_VOLUME off).
+    #[arg(
+        long,
+        env = "CSI_MUTABLE_PARAMETERS",
+        value_delimiter = ',',
+        default_value = "directIO,readAheadKiB"
+    )]
+    pub mutable_parameters: Vec<String>,
+
+    /// Serve Prometheus metrics and /healthz on this address (off when empty).
+    #[arg(long, env = "CSI_METRICS_ADDRESS", default_value = "")]
+    pub metrics_address: String,
+
+    /// Filesystem made on a mount volume whose capability names none.
+    #[arg(long, env = "CSI_DEFAULT_FSTYPE", default_value = "ext4",
+          value_parser = ["ext4", "xfs", "btrfs"])]
+    pub default_fstype: String,
+
+    /// Most volumes this node stages at once (0: no limit).
+    #[arg(long, env = "CSI_MAX_VOLUMES_PER_NODE", default_value_t = 0)]
+    pub max_volumes_per_node: u64,
+
+    /// Heavy operations (mkfs, copies, fsck) run at once; the rest wait their turn.
+    #[arg(long, env = "CSI_HEAVY_OPERATIONS", default_value_t = 4,
+          value_parser = clap::value_parser!(u64).range(1..=256))]
+    pub heavy_operations: u64,
+
+    /// Seconds to let running RPCs finish after SIGTERM/SIGINT.
+    #[arg(long, env = "CSI_SHUTDOWN_TIMEOUT", default_value_t = 30)]
+    pub shutdown_timeout: u64,
+
+    /// Allow a tcp:// endpoint. The CSI API can mount anything anywhere: only for
+    /// tests on an isolated host.
+    #[arg(long, env = "CSI_ALLOW_TCP")]
+    pub allow_tcp: bool,
+
+    /// Log format.
+    #[arg(long, env = "CSI_LOG_FORMAT", value_enum, default_value = "text")]
+    pub log_format: LogFormat,
+
+    /// Log level or filter (error, warn, info, debug, trace, or a tracing filter).
+    #[arg(long, env = "CSI_LOG_LEVEL", default_value = "info")]
+    pub log_level: String,
+
+    #[command(subcommand)]
+    pub command: Option<Command>,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Call CSI RPCs on a socket (this driver's or any other) and print the answer.
+    Client(crate::client::ClientArgs),
+}

@@ -1,0 +1,143 @@
+//! The CSI endpoint: parsing `unix://` and bare paths, refusing TCP unless allowed,
+//! and a socket that is never wider than 0660, is cleaned when stale and removed on
+//! a clean stop.
+
+use std::os::unix::fs::FileTypeExt;
+use std::path::{Path, PathBuf};
+
+use nix::sys::stat::{umask, Mode};
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Endpoint {
+    Unix(PathBuf),
+    Tcp(String),
+}
+
+pub fn parse(s: &str, allow_tcp: bool) -> Result<Endpoint, String> {
+    if let Some(rest) = s.strip_prefix("unix://") {
+        let path = if rest.starts_with('/') {
+            rest.to_string()
+        } else {
+            format!("/{rest}")
+        };
+        return unix(&path, s);
+    }
+    if let Some(addr) = s.strip_prefix("tcp://") {
+        if !allow_tcp {
+            return Err(format!(
+                "endpoint {s:?} is TCP: the CSI API is root-equivalent, so only a unix socket \
+                 is served unless --allow-tcp is given"
+            ));
+        }
+        if addr.parse::<std::net::SocketAddr>().is_err() {
+            return Err(format!("endpoint {s:?} is not tcp://ADDRESS:PORT"));
+        }
+        return Ok(Endpoint::Tcp(addr.to_string()));
+    }
+    if s.starts_with('/') {
+        return unix(s, s);
+    }
+    Err(format!(
+        "endpoint {s:?} is not unix:///path/to/socket, a bare absolute path, or tcp://ADDRESS:PORT"
+    ))
+}
+
+fn unix(path: &str, original: &str) -> Result<Endpoint, String> {
+    let p = PathBuf::from(path);
+    if path.contains('\0') || p.file_name().is_none() || path.ends_with('/') {
+        return Err(format!("endpoint {original:?} does not name a socket file"));
+    }
+    // sun_path holds 108 bytes with its terminating NUL.
+    if path.len() > 107 {
+        return Err(format!(
+            "endpoint {original:?} is longer than a unix socket path may be"
+        ));
+    }
+    Ok(Endpoint::Unix(p))
+}
+
+/// Makes way for a new socket: removes a stale one left by a crash, refuses to
+/// replace anything that is not a socket or a socket that still answers.
+pub fn prepare(path: &Path) -> Result<(), String> {
+    if let Some(dir) = path.parent() {
+        std::fs::create_dir_all(dir).map_err(|e| format!("cannot make {}: {e}", dir.display()))?;
+    }
+    match std::fs::symlink_metadata(path) {
+        Err(_) => Ok(()),
+        Ok(m) if m.file_type().is_socket() => {
+            if std::os::unix::net::UnixStream::connect(path).is_ok() {
+                return Err(format!(
+                    "{} is in use by a running process; is another driver serving it?",
+                    path.display()
+                ));
+            }
+            std::fs::remove_file(path)
+                .map_err(|e| format!("cannot remove stale {}: {e}", path.display()))?;
+            tracing::info!(path = %path.display(), "removed a stale socket");
+            Ok(())
+        }
+        Ok(_) => Err(format!(
+            "{} exists and is not a socket; it is left alone",
+            path.display()
+        )),
+    }
+}
+
+/// Binds with a umask that leaves the socket 0660 from its first moment.
+pub fn bind(path: &Path) -> std::io::Result<tokio::net::UnixListener> {
+    let old = umask(Mode::from_bits_truncate(0o117));
+    let listener = tokio::net::UnixListener::bind(path);
+    umask(old);
+    listener
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn endpoints() {
+        assert_eq!(
+            parse("unix:///csi/csi.sock", false),
+            Ok(Endpoint::Unix("/csi/csi.sock".into()))
+        );
+        assert_eq!(
+            parse("unix://csi/csi.sock", false),
+            Ok(Endpoint::Unix("/csi/csi.sock".into()))
+        );
+        assert_eq!(
+            parse("/tmp/x.sock", false),
+            Ok(Endpoint::Unix("/tmp/x.sock".into()))
+        );
+        assert!(parse("tcp://127.0.0.1:10000", false).is_err());
+        assert_eq!(
+            parse("tcp://127.0.0.1:10000", true),
+            Ok(Endpoint::Tcp("127.0.0.1:10000".into()))
+        );
+        for bad in [
+            "",
+            "csi.sock",
+            "http://x",
+            "unix://",
+            "unix:///",
+            "tcp://nope",
+            &format!("/{}", "a".repeat(200)),
+        ] {
+            assert!(parse(bad, true).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn stale_socket_is_removed_but_a_file_is_not() {
+        let dir = tempfile::tempdir().unwrap();
+        let sock = dir.path().join("s.sock");
+        drop(std::os::unix::net::UnixListener::bind(&sock).unwrap());
+        assert!(sock.exists());
+        prepare(&sock).unwrap();
+        assert!(!sock.exists());
+        let file = dir.path().join("f");
+        std::fs::write(&file, b"keep").unwrap();
+        assert!(prepare(&file).is_err());
+        assert_eq!(std::fs::read(&file).unwrap(), b"keep");
+    }
+}

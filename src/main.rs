@@ -1,0 +1,256 @@
+//! `csi-driver`: serves the CSI services of example-csi on a Unix socket, or, as
+//! `csi-driver client ...`, calls them.
+
+mod cli;
+mod client;
+mod endpoint;
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Parser;
+use tokio_stream::wrappers::UnixListenerStream;
+
+use cli::{Cli, Command, LogFormat, Mode, DEFAULT_POOL_PATH};
+use csi_proto::csi::{
+    controller_server::ControllerServer, group_controller_server::GroupControllerServer,
+    identity_server::IdentityServer, node_server::NodeServer,
+};
+use csi_storage::{Config, Driver, System};
+use endpoint::Endpoint;
+
+/// Largest gRPC message accepted or sent; CSI messages are small, so anything
+/// near this is hostile.
+const MAX_MESSAGE_BYTES: usize = 4 * 1024 * 1024;
+
+fn usage_error(msg: impl std::fmt::Display) -> ExitCode {
+    eprintln!("csi-driver: {msg}");
+    ExitCode::from(2)
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    if let Some(Command::Client(args)) = &cli.command {
+        return client::main(&cli.endpoint, args);
+    }
+    let nodeid = match cli.nodeid.as_deref() {
+        Some(n) if !n.trim().is_empty() => n.to_string(),
+        _ => return usage_error("--nodeid (or NODE_ID) is required"),
+    };
+    let endpoint = match endpoint::parse(&cli.endpoint, cli.allow_tcp) {
+        Ok(e) => e,
+        Err(e) => return usage_error(e),
+    };
+    let pools = match pools(&cli.pools) {
+        Ok(p) => p,
+        Err(e) => return usage_error(e),
+    };
+    if let Some(bad) = cli
+        .mutable_parameters
+        .iter()
+        .find(|m| !m.is_empty() && !csi_storage::MUTABLE_PARAMETERS.contains(&m.as_str()))
+    {
+        return usage_error(format!(
+            "--mutable-parameters: {bad:?} is not one of {}",
+            csi_storage::MUTABLE_PARAMETERS.join(", ")
+        ));
+    }
+    if let Err(e) = init_logging(&cli) {
+        return usage_error(e);
+    }
+    let mut cfg = Config::new(&nodeid, &cli.state_dir, pools);
+    cfg.driver_name = cli.drivername.clone();
+    cfg.default_fstype = cli.default_fstype.clone();
+    cfg.enable_attach = cli.enable_attach;
+    cfg.controller_expansion = !cli.disable_controller_expansion;
+    cfg.mutable_parameters = cli
+        .mutable_parameters
+        .iter()
+        .filter(|m| !m.is_empty())
+        .cloned()
+        .collect();
+    cfg.max_volumes_per_node = cli.max_volumes_per_node;
+    cfg.controller = cli.mode != Mode::Node;
+    cfg.node = cli.mode != Mode::Controller;
+    cfg.heavy_operations = cli.heavy_operations as usize;
+
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("csi-driver: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(serve(cli, cfg, endpoint)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            tracing::error!(error = %e, "stopped");
+            eprintln!("csi-driver: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Parses --pool values. Without any, the default pool directory is made.
+fn pools(values: &[String]) -> Result<Vec<(String, PathBuf)>, String> {
+    if values.is_empty() {
+        std::fs::create_dir_all(DEFAULT_POOL_PATH)
+            .map_err(|e| format!("cannot make the default pool {DEFAULT_POOL_PATH}: {e}"))?;
+        return Ok(vec![("default".into(), DEFAULT_POOL_PATH.into())]);
+    }
+    let mut out: Vec<(String, PathBuf)> = Vec::new();
+    for v in values {
+        let (name, path) = match v.split_once('=') {
+            Some((n, p)) => (n.to_string(), p.to_string()),
+            None => ("default".to_string(), v.clone()),
+        };
+        if name.is_empty()
+            || !name
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+        {
+            return Err(format!(
+                "--pool {v:?}: the name must be letters, digits, - or _"
+            ));
+        }
+        let path = PathBuf::from(path);
+        if !path.is_absolute() {
+            return Err(format!("--pool {v:?}: the path must be absolute"));
+        }
+        match std::fs::metadata(&path) {
+            Ok(m) if m.is_dir() => {}
+            Ok(_) => {
+                return Err(format!(
+                    "--pool {v:?}: {} is not a directory",
+                    path.display()
+                ))
+            }
+            Err(e) => return Err(format!("--pool {v:?}: {}: {e}", path.display())),
+        }
+        if out.iter().any(|(n, _)| *n == name) {
+            return Err(format!("--pool: the name {name:?} is given twice"));
+        }
+        out.push((name, path));
+    }
+    Ok(out)
+}
+
+fn init_logging(cli: &Cli) -> Result<(), String> {
+    let filter = tracing_subscriber::EnvFilter::try_new(&cli.log_level)
+        .map_err(|e| format!("--log-level {:?}: {e}", cli.log_level))?;
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()));
+    match cli.log_format {
+        LogFormat::Json => builder.json().with_current_span(true).init(),
+        LogFormat::Text => builder.init(),
+    }
+    Ok(())
+}
+
+async fn serve(cli: Cli, cfg: Config, endpoint: Endpoint) -> Result<(), String> {
+    let mode = cli.mode;
+    tracing::info!(version = env!("CARGO_PKG_VERSION"), node = %cfg.node_id, mode = ?mode,
+        driver = %cfg.driver_name, "starting");
+    // The socket exists only once the state is loaded: the sidecars' Probe then
+    // finds the driver ready.
+    let driver = tokio::task::spawn_blocking(move || Driver::open(cfg, System::linux()))
+        .await
+        .map_err(|e| format!("opening the driver failed: {e}"))?
+        .map_err(|e| format!("opening the driver failed: {e}"))?;
+    let driver = Arc::new(driver);
+    tracing::info!(
+        volumes = driver.volume_count(),
+        snapshots = driver.snapshot_count(),
+        "state loaded"
+    );
+
+    let controller = mode != Mode::Node;
+    let node = mode != Mode::Controller;
+    let router = tonic::transport::Server::builder()
+        .add_service(
+            IdentityServer::new(csi_identity::IdentityService::new(
+                driver.clone(),
+                controller,
+            ))
+            .max_decoding_message_size(MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(MAX_MESSAGE_BYTES),
+        )
+        .add_optional_service(controller.then(|| {
+            ControllerServer::new(csi_controller::ControllerService::new(driver.clone()))
+                .max_decoding_message_size(MAX_MESSAGE_BYTES)
+                .max_encoding_message_size(MAX_MESSAGE_BYTES)
+        }))
+        .add_optional_service(controller.then(|| {
+            GroupControllerServer::new(csi_controller::GroupControllerService::new(driver.clone()))
+                .max_decoding_message_size(MAX_MESSAGE_BYTES)
+                .max_encoding_message_size(MAX_MESSAGE_BYTES)
+        }))
+        .add_optional_service(node.then(|| {
+            NodeServer::new(csi_node::NodeService::new(driver.clone()))
+                .max_decoding_message_size(MAX_MESSAGE_BYTES)
+                .max_encoding_message_size(MAX_MESSAGE_BYTES)
+        }));
+
+    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+    let stopping = async move {
+        let _ = stop_rx.await;
+    };
+    let grace = Duration::from_secs(cli.shutdown_timeout);
+    match endpoint {
+        Endpoint::Unix(path) => {
+            endpoint::prepare(&path)?;
+            let listener = endpoint::bind(&path)
+                .map_err(|e| format!("cannot listen on {}: {e}", path.display()))?;
+            tracing::info!(endpoint = %path.display(), "serving");
+            let server = tokio::spawn(
+                router.serve_with_incoming_shutdown(UnixListenerStream::new(listener), stopping),
+            );
+            let result = wait(server, stop_tx, grace).await;
+            let _ = std::fs::remove_file(&path);
+            tracing::info!("stopped");
+            result
+        }
+        Endpoint::Tcp(addr) => {
+            let addr = addr.parse().map_err(|e| format!("{addr}: {e}"))?;
+            tracing::warn!(%addr, "serving on TCP: anyone who can reach it controls this node's mounts");
+            let server = tokio::spawn(router.serve_with_shutdown(addr, stopping));
+            wait(server, stop_tx, grace).await
+        }
+    }
+}
+
+/// Waits for SIGTERM or SIGINT, then stops accepting and gives running RPCs
+/// `grace` to finish.
+async fn wait(
+    mut server: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
+    stop: tokio::sync::oneshot::Sender<()>,
+    grace: Duration,
+) -> Result<(), String> {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).map_err(|e| e.to_string())?;
+    let mut int = signal(SignalKind::interrupt()).map_err(|e| e.to_string())?;
+    tokio::select! {
+        r = &mut server => return r.map_err(|e| e.to_string())?.map_err(|e| e.to_string()),
+        _ = term.recv() => tracing::info!("SIGTERM: finishing running calls"),
+        _ = int.recv() => tracing::info!("SIGINT: finishing running calls"),
+    }
+    let _ = stop.send(());
+    match tokio::time::timeout(grace, &mut server).await {
+        Ok(r) => r.map_err(|e| e.to_string())?.map_err(|e| e.to_string()),
+        Err(_) => {
+            tracing::warn!(
+                seconds = grace.as_secs(),
+                "calls still running after the grace period; stopping anyway"
+            );
+            server.abort();
+            Ok(())
+        }
+    }
+}

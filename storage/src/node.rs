@@ -1,0 +1,1208 @@
+//! Node operations: stage, publish, unpublish, unstage, stats and expansion, and
+//! ephemeral inline volumes. Idempotency is decided from the live mount table and
+//! loop devices; the node record only remembers what was asked (staging path,
+//! targets), and every use of it is checked against the real world.
+
+use std::collections::BTreeMap;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::path::{Component, Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use csi_sys::{file, xattr, LoopDevice, LoopOptions, MountEntry, MountOptions, SysError};
+
+use crate::error::{Context, Error, Result};
+use crate::failpoint;
+use crate::freeze::{is_mount_of, mounts_of};
+use crate::ids::{validate_name, VolumeId};
+use crate::model::*;
+use crate::pool::Located;
+use crate::volumes::{CreateVolume, GIB, MIB};
+use crate::Driver;
+
+/// What the node remembers of a volume it staged or published.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeRecord {
+    pub id: VolumeId,
+    /// The id kubelet uses; differs from `id` for ephemeral volumes.
+    pub volume_id: String,
+    pub data: PathBuf,
+    pub backing: Backing,
+    pub staging_path: Option<PathBuf>,
+    pub block: bool,
+    pub fs_type: Option<String>,
+    pub mode: AccessMode,
+    pub targets: BTreeMap<PathBuf, Target>,
+    pub ephemeral: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Target {
+    pub read_only: bool,
+    pub block: bool,
+    /// A read-only loop device made for this target alone.
+    pub ro_device: Option<PathBuf>,
+}
+
+pub struct Stage {
+    pub volume_id: String,
+    pub staging_path: String,
+    pub capability: Option<Capability>,
+    pub volume_context: BTreeMap<String, String>,
+}
+
+pub struct Publish {
+    pub volume_id: String,
+    pub staging_path: String,
+    pub target_path: String,
+    pub capability: Option<Capability>,
+    pub read_only: bool,
+    pub volume_context: BTreeMap<String, String>,
+}
+
+#[derive(Debug, Default)]
+pub struct VolumeStats {
+    pub block: bool,
+    pub total_bytes: u64,
+    pub available_bytes: u64,
+    pub used_bytes: u64,
+    pub total_inodes: u64,
+    pub available_inodes: u64,
+    pub used_inodes: u64,
+    pub abnormal: Option<String>,
+}
+
+pub const EPHEMERAL_KEY: &str = "csi.storage.k8s.io/ephemeral";
+/// Size of an ephemeral inline volume whose volumeAttributes name none.
+pub const EPHEMERAL_DEFAULT_SIZE: u64 = GIB;
+
+/// Directories no volume may ever be published onto.
+const FORBIDDEN: [&str; 12] = [
+    "/etc",
+    "/proc",
+    "/sys",
+    "/dev",
+    "/boot",
+    "/usr",
+    "/bin",
+    "/sbin",
+    "/lib",
+    "/lib64",
+    "/root",
+    "/run/secrets",
+];
+
+/// Parses sizes such as `1Gi`, `500M`, `1073741824`.
+pub fn parse_quantity(s: &str) -> Option<u64> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let n: u64 = num.parse().ok()?;
+    let mult: u64 = match unit {
+        "" => 1,
+        "k" | "K" => 1000,
+        "M" => 1000u64.pow(2),
+        "G" => 1000u64.pow(3),
+        "T" => 1000u64.pow(4),
+        "Ki" => 1 << 10,
+        "Mi" => 1 << 20,
+        "Gi" => 1 << 30,
+        "Ti" => 1 << 40,
+        _ => return None,
+    };
+    n.checked_mul(mult)
+}
+
+impl Driver {
+    /// Checks a path given by the CO: absolute, no `..`, no NUL, outside the
+    /// driver's own directories and the system's.
+    fn check_path(&self, what: &str, p: &str) -> Result<PathBuf> {
+        if p.is_empty() {
+            return Err(Error::invalid(format!("{what} is required")));
+        }
+        if p.contains('\0') {
+            return Err(Error::invalid(format!("{what} contains a NUL byte")));
+        }
+        let path = PathBuf::from(p);
+        if !path.is_absolute() {
+            return Err(Error::invalid(format!("{what} {p:?} is not absolute")));
+        }
+        if path.components().any(|c| matches!(c, Component::ParentDir)) {
+            return Err(Error::invalid(format!("{what} {p:?} contains '..'")));
+        }
+        if path.parent().is_none() {
+            return Err(Error::invalid(format!("{what} may not be /")));
+        }
+        // Judge where the path really leads: a symlinked parent may point anywhere.
+        let real_parent = path
+            .parent()
+            .and_then(|d| std::fs::canonicalize(d).ok())
+            .unwrap_or_else(|| path.parent().unwrap_or(Path::new("/")).to_path_buf());
+        let real = real_parent.join(path.file_name().unwrap_or_default());
+        for candidate in [&path, &real] {
+            if self.is_internal_path(candidate) {
+                return Err(Error::invalid(format!(
+                    "{what} {p:?} lies inside the driver's pools or state directory"
+                )));
+            }
+            if FORBIDDEN.iter().any(|f| candidate.starts_with(f)) {
+                return Err(Error::invalid(format!(
+                    "{what} {p:?} lies in a system directory"
+                )));
+            }
+        }
+        if std::fs::symlink_metadata(&path).is_ok_and(|m| m.file_type().is_symlink()) {
+            return Err(Error::invalid(format!("{what} {p:?} is a symbolic link")));
+        }
+        Ok(path)
+    }
+
+    /// Finds a volume's data in the pools.
+    pub fn locate(&self, id: VolumeId) -> Option<Located> {
+        self.pools.values().find_map(|p| p.locate(id))
+    }
+
+    fn located(&self, volume_id: &str) -> Result<(VolumeId, Located)> {
+        let id = VolumeId::parse_existing(volume_id)?;
+        let loc = self
+            .locate(id)
+            .ok_or_else(|| Error::not_found(format!("volume {id} does not exist on this node")))?;
+        Ok((id, loc))
+    }
+
+    fn mounts(&self) -> Result<Vec<MountEntry>> {
+        self.sys
+            .mounter
+            .mounts()
+            .context(|| "reading the mount table".into())
+    }
+
+    fn loops_of(&self, image: &Path) -> Result<Vec<LoopDevice>> {
+        self.sys
+            .loops
+            .find(image)
+            .context(|| format!("finding the loop devices of {}", image.display()))
+    }
+
+    /// Whether a mount entry belongs to this volume.
+    fn owns(&self, m: &MountEntry, id: VolumeId, loc: &Located, devices: &[LoopDevice]) -> bool {
+        match loc.backing {
+            Backing::Image => devices.iter().any(|d| {
+                is_mount_of(m, &d.device)
+                    || (m.root == Path::new("/").join(d.device.file_name().unwrap_or_default())
+                        && m.fs_type == "devtmpfs")
+            }),
+            _ => {
+                let id = id.to_string();
+                m.root.ends_with(Path::new("volumes").join(&id))
+                    || m.root.ends_with(Path::new("ephemeral").join(&id))
+            }
+        }
+    }
+
+    fn check_capability(cap: Option<&Capability>, loc: &Located) -> Result<Capability> {
+        let cap = cap
+            .cloned()
+            .ok_or_else(|| Error::invalid("volume_capability is required"))?;
+        if let Some(why) = cap.unsupported_reason() {
+            return Err(Error::invalid(why));
+        }
+        if cap.is_block() && loc.backing != Backing::Image {
+            return Err(Error::invalid(
+                "block access is not possible on a kind=dir volume",
+            ));
+        }
+        Ok(cap)
+    }
+
+    /// The loop device serving an image read-write, attached if there is none.
+    fn attach(&self, image: &Path) -> Result<LoopDevice> {
+        if let Some(d) = self.loops_of(image)?.into_iter().find(|d| !d.read_only) {
+            return Ok(d);
+        }
+        let direct_io = read_attr(image, "directIO").as_deref() == Some("true");
+        let dev = self
+            .sys
+            .loops
+            .attach(
+                image,
+                LoopOptions {
+                    read_only: false,
+                    direct_io,
+                },
+            )
+            .context(|| format!("attaching {}", image.display()))?;
+        self.apply_attributes(image, &dev.device);
+        Ok(dev)
+    }
+
+    fn apply_attributes(&self, image: &Path, device: &Path) {
+        if let Some(v) = read_attr(image, "directIO") {
+            if let Err(e) = self.sys.loops.set_direct_io(device, v == "true") {
+                tracing::warn!(device = %device.display(), error = %e, "could not set direct I/O");
+            }
+        }
+        if let Some(kib) = read_attr(image, "readAheadKiB").and_then(|v| v.parse::<u32>().ok()) {
+            if let Err(e) = self.sys.loops.set_read_ahead_kib(device, kib) {
+                tracing::warn!(device = %device.display(), error = %e, "could not set read-ahead");
+            }
+        }
+    }
+
+    /// Applies a volume's attributes to the loop devices serving it now.
+    pub(crate) fn apply_attributes_live(&self, image: &Path) -> Result<()> {
+        for d in self.loops_of(image)? {
+            self.apply_attributes(image, &d.device);
+        }
+        Ok(())
+    }
+
+    pub fn node_stage(&self, req: Stage) -> Result<()> {
+        if req.volume_id.is_empty() {
+            return Err(Error::invalid("volume_id is required"));
+        }
+        let staging = self.check_path("staging_target_path", &req.staging_path)?;
+        if req.capability.is_none() {
+            return Err(Error::invalid("volume_capability is required"));
+        }
+        let (id, loc) = self.located(&req.volume_id)?;
+        let cap = Self::check_capability(req.capability.as_ref(), &loc)?;
+        let _guard = self.locks.try_lock([format!("node:{id}")])?;
+        self.stage_locked(
+            id,
+            &req.volume_id,
+            &loc,
+            &staging,
+            &cap,
+            &req.volume_context,
+            false,
+        )
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn stage_locked(
+        &self,
+        id: VolumeId,
+        volume_id: &str,
+        loc: &Located,
+        staging: &Path,
+        cap: &Capability,
+        context: &BTreeMap<String, String>,
+        ephemeral: bool,
+    ) -> Result<()> {
+        let mut rec = match self.node_records.get(id) {
+            Some(r) => {
+                if let Some(old) = r.staging_path.as_ref().filter(|p| *p != staging) {
+                    let mounts = self.mounts()?;
+                    let devices = self.devices(loc)?;
+                    if mounts
+                        .iter()
+                        .any(|m| &m.mount_point == old && self.owns(m, id, loc, &devices))
+                    {
+                        return Err(Error::AlreadyExists(format!(
+                            "volume {id} is staged at {} already",
+                            old.display()
+                        )));
+                    }
+                }
+                if r.block != cap.is_block() && !r.targets.is_empty() {
+                    return Err(Error::AlreadyExists(format!(
+                        "volume {id} is staged with another access type"
+                    )));
+                }
+                r
+            }
+            None => {
+                let max = self.cfg.max_volumes_per_node;
+                if max > 0 && self.node_records.len() as u64 >= max {
+                    return Err(Error::ResourceExhausted(format!(
+                        "this node has {max} volumes staged, its limit"
+                    )));
+                }
+                NodeRecord {
+                    id,
+                    volume_id: volume_id.to_string(),
+                    data: loc.path.clone(),
+                    backing: loc.backing,
+                    staging_path: None,
+                    block: cap.is_block(),
+                    fs_type: None,
+                    mode: cap.mode,
+                    targets: BTreeMap::new(),
+                    ephemeral,
+                }
+            }
+        };
+        rec.staging_path = Some(staging.to_path_buf());
+        rec.block = cap.is_block();
+        rec.mode = cap.mode;
+        // The intent first: an unstage after a crash knows what to undo.
+        self.node_records.put(&rec)?;
+        failpoint::hit("stage.after-intent");
+
+        let read_only = cap.mode.is_read_only();
+        let (flags, group) = match &cap.access {
+            Access::Mount {
+                mount_flags,
+                volume_mount_group,
+                ..
+            } => (mount_flags.clone(), volume_mount_group.clone()),
+            Access::Block => (Vec::new(), String::new()),
+        };
+        if loc.backing != Backing::Image {
+            // A directory volume is bind-mounted at the staging path, so that
+            // publish and the checks after it treat both kinds alike.
+            let mounts = self.mounts()?;
+            if let Some(m) = mounts.iter().find(|m| m.mount_point == staging) {
+                if self.owns(m, id, loc, &[]) {
+                    return self.finish_stage(rec, staging, &group);
+                }
+                return Err(Error::AlreadyExists(format!(
+                    "{} is a mount of something else",
+                    staging.display()
+                )));
+            }
+            make_dir(staging)?;
+            let opts = MountOptions {
+                read_only,
+                flags: flags.clone(),
+            };
+            self.sys
+                .mounter
+                .bind(&loc.path, staging, &opts)
+                .context(|| format!("binding {} at {}", loc.path.display(), staging.display()))?;
+            return self.finish_stage(rec, staging, &group);
+        }
+
+        let dev = self.attach(&loc.path)?;
+        failpoint::hit("stage.after-attach");
+        if cap.is_block() {
+            return self.finish_stage(rec, staging, "");
+        }
+        let mounts = self.mounts()?;
+        if let Some(m) = mounts.iter().find(|m| m.mount_point == staging) {
+            if self.owns(m, id, loc, std::slice::from_ref(&dev)) {
+                rec.fs_type = Some(m.fs_type.clone());
+                return self.finish_stage(rec, staging, &group);
+            }
+            return Err(Error::AlreadyExists(format!(
+                "{} is a mount of something else",
+                staging.display()
+            )));
+        }
+        let wanted = cap
+            .fs_type()
+            .map(String::from)
+            .or_else(|| context.get("fsType").cloned())
+            .unwrap_or_else(|| self.cfg.default_fstype.clone());
+        let found = self
+            .sys
+            .fs
+            .probe(&dev.device)
+            .context(|| format!("probing {}", dev.device.display()))?;
+        let (fs_type, fresh) = match found {
+            None => {
+                self.heavy(|| self.sys.fs.mkfs(&dev.device, &wanted))
+                    .context(|| format!("making {wanted} on {}", dev.device.display()))?;
+                (wanted, true)
+            }
+            Some(have) => {
+                if cap.fs_type().is_some_and(|w| w != have) {
+                    return Err(Error::invalid(format!(
+                        "volume {id} holds {have}, not the requested {wanted}; it is never \
+                         reformatted"
+                    )));
+                }
+                (have, false)
+            }
+        };
+        failpoint::hit("stage.after-mkfs");
+        if !fresh {
+            self.heavy(|| self.sys.fs.check(&dev.device, &fs_type))
+                .context(|| format!("checking the {fs_type} filesystem of volume {id}"))?;
+            if fs_type == "ext4" && self.fs_smaller_than_device(&dev.device, &fs_type) {
+                // ext4 is grown before it is mounted: online growth needs a
+                // privilege some nodes withhold, offline growth does not.
+                self.heavy(|| self.sys.fs.grow(&dev.device, None, &fs_type))
+                    .context(|| format!("growing the ext4 filesystem of volume {id}"))?;
+            }
+        }
+        make_dir(staging)?;
+        let mut mflags = flags;
+        if fs_type == "xfs" && !mflags.iter().any(|f| f == "nouuid") {
+            // Snapshots and clones share their source's UUID; xfs refuses a second
+            // mount of one UUID unless told not to check.
+            mflags.push("nouuid".into());
+        }
+        let opts = MountOptions {
+            read_only,
+            flags: mflags,
+        };
+        self.sys
+            .mounter
+            .mount(&dev.device, staging, &fs_type, &opts)
+            .context(|| format!("mounting volume {id} at {}", staging.display()))?;
+        failpoint::hit("stage.after-mount");
+        if !fresh
+            && fs_type != "ext4"
+            && !read_only
+            && self.fs_smaller_than_device(&dev.device, &fs_type)
+        {
+            self.sys
+                .fs
+                .grow(&dev.device, Some(staging), &fs_type)
+                .context(|| format!("growing the {fs_type} filesystem of volume {id}"))?;
+        }
+        rec.fs_type = Some(fs_type);
+        self.finish_stage(rec, staging, &group)
+    }
+
+    fn fs_smaller_than_device(&self, dev: &Path, fs_type: &str) -> bool {
+        match (
+            self.sys.fs.device_size(dev),
+            self.sys.fs.fs_size(dev, fs_type),
+        ) {
+            // Filesystems end on a block boundary: ignore less than a MiB.
+            (Ok(d), Ok(f)) => f + MIB <= d,
+            _ => false,
+        }
+    }
+
+    fn finish_stage(&self, rec: NodeRecord, staging: &Path, group: &str) -> Result<()> {
+        if !group.is_empty() && !rec.block {
+            apply_mount_group(staging, group)?;
+        }
+        self.node_records.put(&rec)?;
+        failpoint::hit("stage.after-commit");
+        Ok(())
+    }
+
+    fn devices(&self, loc: &Located) -> Result<Vec<LoopDevice>> {
+        if loc.backing == Backing::Image {
+            self.loops_of(&loc.path)
+        } else {
+            Ok(Vec::new())
+        }
+    }
+
+    pub fn node_unstage(&self, volume_id: &str, staging_path: &str) -> Result<()> {
+        if volume_id.is_empty() {
+            return Err(Error::invalid("volume_id is required"));
+        }
+        let staging = self.check_path("staging_target_path", staging_path)?;
+        let id = VolumeId::parse_existing(volume_id)?;
+        let _guard = self.locks.try_lock([format!("node:{id}")])?;
+        self.unstage_locked(id, &staging)
+    }
+
+    fn unstage_locked(&self, id: VolumeId, staging: &Path) -> Result<()> {
+        let rec = self.node_records.get(id);
+        let loc = self.locate(id).or_else(|| {
+            rec.as_ref().map(|r| Located {
+                pool: String::new(),
+                path: r.data.clone(),
+                backing: r.backing,
+                ephemeral: r.ephemeral,
+            })
+        });
+        let Some(loc) = loc else {
+            // Neither data nor record: nothing of this volume is left here.
+            return Ok(());
+        };
+        let devices = self.devices(&loc)?;
+        let mounts = self.mounts()?;
+        // Targets still mounted mean the CO skipped an unpublish.
+        if let Some(r) = &rec {
+            for t in r.targets.keys() {
+                if mounts
+                    .iter()
+                    .any(|m| &m.mount_point == t && self.owns(m, id, &loc, &devices))
+                {
+                    return Err(Error::precondition(format!(
+                        "volume {id} is still published at {}; unpublish it first",
+                        t.display()
+                    )));
+                }
+            }
+        }
+        self.unmount_owned(id, &loc, &devices, staging)?;
+        failpoint::hit("unstage.after-unmount");
+        let mounts = self.mounts()?;
+        for d in &devices {
+            if mounts_of(&mounts, &d.device).is_empty() {
+                self.sys
+                    .loops
+                    .detach(&d.device)
+                    .context(|| format!("detaching {}", d.device.display()))?;
+            } else {
+                tracing::warn!(device = %d.device.display(), "loop device still mounted elsewhere; kept");
+            }
+        }
+        failpoint::hit("unstage.after-detach");
+        self.node_records.remove(id)?;
+        Ok(())
+    }
+
+    /// Unmounts every mount of this volume at `path` (mounts may be stacked);
+    /// FAILED_PRECONDITION if something else is mounted there.
+    fn unmount_owned(
+        &self,
+        id: VolumeId,
+        loc: &Located,
+        devices: &[LoopDevice],
+        path: &Path,
+    ) -> Result<()> {
+        loop {
+            let mounts = self.mounts()?;
+            let Some(top) = mounts.iter().rev().find(|m| m.mount_point == path) else {
+                return Ok(());
+            };
+            if !self.owns(top, id, loc, devices) {
+                return Err(Error::precondition(format!(
+                    "{} is a mount of something other than volume {id}; it is left alone",
+                    path.display()
+                )));
+            }
+            self.sys
+                .mounter
+                .unmount(path)
+                .context(|| format!("unmounting {}", path.display()))?;
+        }
+    }
+
+    pub fn node_publish(&self, req: Publish) -> Result<()> {
+        if req.volume_id.is_empty() {
+            return Err(Error::invalid("volume_id is required"));
+        }
+        let target = self.check_path("target_path", &req.target_path)?;
+        if req.capability.is_none() {
+            return Err(Error::invalid("volume_capability is required"));
+        }
+        if req.volume_context.get(EPHEMERAL_KEY).map(String::as_str) == Some("true") {
+            return self.publish_ephemeral(&req, &target);
+        }
+        let staging = self.check_path("staging_target_path", &req.staging_path)?;
+        let (id, loc) = self.located(&req.volume_id)?;
+        let cap = Self::check_capability(req.capability.as_ref(), &loc)?;
+        let _guard = self.locks.try_lock([format!("node:{id}")])?;
+        self.publish_locked(id, &loc, &staging, &target, &cap, req.read_only)
+    }
+
+    fn publish_locked(
+        &self,
+        id: VolumeId,
+        loc: &Located,
+        staging: &Path,
+        target: &Path,
+        cap: &Capability,
+        read_only: bool,
+    ) -> Result<()> {
+        let read_only = read_only || cap.mode.is_read_only();
+        let flags = match &cap.access {
+            Access::Mount { mount_flags, .. } => mount_flags.clone(),
+            Access::Block => Vec::new(),
+        };
+        if read_only && flags.iter().any(|f| f == "rw") {
+            return Err(Error::invalid(
+                "mount flag rw contradicts a read-only publish",
+            ));
+        }
+        let mut rec = self.node_records.get(id).ok_or_else(|| {
+            Error::precondition(format!("volume {id} is not staged on this node"))
+        })?;
+        if rec.staging_path.as_deref() != Some(staging) {
+            return Err(Error::precondition(format!(
+                "volume {id} is not staged at {}",
+                staging.display()
+            )));
+        }
+        if rec.block != cap.is_block() {
+            return Err(Error::invalid(format!(
+                "volume {id} was staged for {} access",
+                if rec.block { "block" } else { "mount" }
+            )));
+        }
+        let devices = self.devices(loc)?;
+        let mounts = self.mounts()?;
+        if let Some(m) = mounts.iter().rev().find(|m| m.mount_point == target) {
+            if !self.owns(m, id, loc, &devices) {
+                return Err(Error::AlreadyExists(format!(
+                    "{} is a mount of something else",
+                    target.display()
+                )));
+            }
+            if m.read_only() != read_only {
+                return Err(Error::AlreadyExists(format!(
+                    "volume {id} is published at {} with readonly={}",
+                    target.display(),
+                    m.read_only()
+                )));
+            }
+            if !rec.targets.contains_key(target) {
+                rec.targets.insert(
+                    target.to_path_buf(),
+                    Target {
+                        read_only,
+                        block: rec.block,
+                        ro_device: None,
+                    },
+                );
+                self.node_records.put(&rec)?;
+            }
+            return Ok(());
+        }
+        // SINGLE_NODE_SINGLE_WRITER: one writer at a time.
+        if cap.mode == AccessMode::SingleNodeSingleWriter && !read_only {
+            let live: Vec<&PathBuf> = rec
+                .targets
+                .iter()
+                .filter(|(p, t)| {
+                    !t.read_only
+                        && p.as_path() != target
+                        && mounts
+                            .iter()
+                            .any(|m| &m.mount_point == *p && self.owns(m, id, loc, &devices))
+                })
+                .map(|(p, _)| p)
+                .collect();
+            if let Some(other) = live.first() {
+                return Err(Error::precondition(format!(
+                    "volume {id} is SINGLE_NODE_SINGLE_WRITER and has a writer at {}",
+                    other.display()
+                )));
+            }
+        }
+        let opts = MountOptions { read_only, flags };
+        let mut ro_device = None;
+        if rec.block {
+            let dev = devices.iter().find(|d| !d.read_only).ok_or_else(|| {
+                Error::precondition(format!("volume {id} is not staged (no loop device)"))
+            })?;
+            let source = if read_only {
+                // A read-only bind does not stop writes to a device node: a separate
+                // read-only loop device does.
+                let ro = self
+                    .sys
+                    .loops
+                    .attach(
+                        &loc.path,
+                        LoopOptions {
+                            read_only: true,
+                            direct_io: false,
+                        },
+                    )
+                    .context(|| format!("attaching {} read-only", loc.path.display()))?;
+                ro_device = Some(ro.device.clone());
+                ro.device
+            } else {
+                dev.device.clone()
+            };
+            make_file(target)?;
+            rec.targets.insert(
+                target.to_path_buf(),
+                Target {
+                    read_only,
+                    block: true,
+                    ro_device: ro_device.clone(),
+                },
+            );
+            self.node_records.put(&rec)?;
+            failpoint::hit("publish.after-intent");
+            self.sys
+                .mounter
+                .bind(&source, target, &opts)
+                .context(|| format!("binding {} at {}", source.display(), target.display()))?;
+        } else {
+            if !mounts
+                .iter()
+                .any(|m| m.mount_point == staging && self.owns(m, id, loc, &devices))
+            {
+                return Err(Error::precondition(format!(
+                    "volume {id} is not mounted at its staging path {}",
+                    staging.display()
+                )));
+            }
+            make_dir(target)?;
+            rec.targets.insert(
+                target.to_path_buf(),
+                Target {
+                    read_only,
+                    block: false,
+                    ro_device: None,
+                },
+            );
+            self.node_records.put(&rec)?;
+            failpoint::hit("publish.after-intent");
+            self.sys
+                .mounter
+                .bind(staging, target, &opts)
+                .context(|| format!("binding {} at {}", staging.display(), target.display()))?;
+        }
+        failpoint::hit("publish.after-mount");
+        Ok(())
+    }
+
+    pub fn node_unpublish(&self, volume_id: &str, target_path: &str) -> Result<()> {
+        if volume_id.is_empty() {
+            return Err(Error::invalid("volume_id is required"));
+        }
+        let target = self.check_path("target_path", target_path)?;
+        if let Some(eid) = self.ephemeral_id(volume_id) {
+            let _guard = self.locks.try_lock([format!("node:{eid}")])?;
+            return self.unpublish_ephemeral(eid, &target);
+        }
+        let id = VolumeId::parse_existing(volume_id)?;
+        let _guard = self.locks.try_lock([format!("node:{id}")])?;
+        self.unpublish_locked(id, &target)
+    }
+
+    fn unpublish_locked(&self, id: VolumeId, target: &Path) -> Result<()> {
+        let mut rec = self.node_records.get(id);
+        let loc = self.locate(id).or_else(|| {
+            rec.as_ref().map(|r| Located {
+                pool: String::new(),
+                path: r.data.clone(),
+                backing: r.backing,
+                ephemeral: r.ephemeral,
+            })
+        });
+        let devices = match &loc {
+            Some(l) => self.devices(l)?,
+            None => Vec::new(),
+        };
+        if let Some(loc) = &loc {
+            self.unmount_owned(id, loc, &devices, target)?;
+        } else if self.mounts()?.iter().any(|m| m.mount_point == target) {
+            return Err(Error::not_found(format!(
+                "volume {id} does not exist; {} is left alone",
+                target.display()
+            )));
+        }
+        failpoint::hit("unpublish.after-unmount");
+        let entry = rec.as_mut().and_then(|r| r.targets.remove(target));
+        // Remove only what publish made: an empty directory or an empty file.
+        match std::fs::symlink_metadata(target) {
+            Ok(m) if m.is_dir() => {
+                let _ = std::fs::remove_dir(target);
+            }
+            Ok(m) if m.is_file() && m.len() == 0 => {
+                let _ = std::fs::remove_file(target);
+            }
+            _ => {}
+        }
+        if let Some(dev) = entry.and_then(|t| t.ro_device) {
+            let mounts = self.mounts()?;
+            if mounts_of(&mounts, &dev).is_empty() && devices.iter().any(|d| d.device == dev) {
+                self.sys
+                    .loops
+                    .detach(&dev)
+                    .context(|| format!("detaching {}", dev.display()))?;
+            }
+        }
+        if let Some(r) = rec {
+            self.node_records.put(&r)?;
+        }
+        failpoint::hit("unpublish.after-commit");
+        Ok(())
+    }
+
+    pub fn node_stats(&self, volume_id: &str, volume_path: &str) -> Result<VolumeStats> {
+        if volume_id.is_empty() {
+            return Err(Error::invalid("volume_id is required"));
+        }
+        if volume_path.is_empty() {
+            return Err(Error::invalid("volume_path is required"));
+        }
+        let path = PathBuf::from(volume_path);
+        let id = self
+            .ephemeral_id(volume_id)
+            .map(Ok)
+            .unwrap_or_else(|| VolumeId::parse_existing(volume_id))?;
+        let loc = self.locate(id).ok_or_else(|| {
+            Error::not_found(format!("volume {volume_id} does not exist on this node"))
+        })?;
+        if std::fs::symlink_metadata(&path).is_err() {
+            return Err(Error::not_found(format!("{volume_path} does not exist")));
+        }
+        let rec = self.node_records.get(id);
+        let known = rec.as_ref().is_some_and(|r| {
+            r.staging_path.as_deref() == Some(path.as_path()) || r.targets.contains_key(&path)
+        });
+        let devices = self.devices(&loc)?;
+        let mounts = self.mounts()?;
+        let mount = mounts.iter().rev().find(|m| m.mount_point == path);
+        let mut stats = VolumeStats::default();
+        match mount {
+            None if known => {
+                stats.abnormal = Some(format!("{volume_path} is no longer mounted"));
+                return Ok(stats);
+            }
+            None => {
+                return Err(Error::not_found(format!(
+                    "{volume_path} is not a published path of volume {volume_id}"
+                )))
+            }
+            Some(m) if !self.owns(m, id, &loc, &devices) => {
+                if known {
+                    stats.abnormal = Some(format!("{volume_path} is a mount of something else"));
+                    return Ok(stats);
+                }
+                return Err(Error::not_found(format!(
+                    "{volume_path} is not a published path of volume {volume_id}"
+                )));
+            }
+            Some(m) => {
+                let block = rec.as_ref().is_some_and(|r| r.block) || m.fs_type == "devtmpfs";
+                if block {
+                    let dev = devices.first().ok_or_else(|| {
+                        Error::not_found(format!("volume {volume_id} has no loop device"))
+                    })?;
+                    stats.block = true;
+                    stats.total_bytes = self
+                        .sys
+                        .fs
+                        .device_size(&dev.device)
+                        .context(|| format!("sizing {}", dev.device.display()))?;
+                    return Ok(stats);
+                }
+                let s = self
+                    .sys
+                    .fs
+                    .stats(&path)
+                    .context(|| format!("statvfs of {volume_path}"))?;
+                stats.total_bytes = s.total_bytes;
+                stats.available_bytes = s.available_bytes;
+                stats.used_bytes = s.total_bytes.saturating_sub(s.free_bytes);
+                stats.total_inodes = s.total_inodes;
+                stats.available_inodes = s.free_inodes;
+                stats.used_inodes = s.total_inodes.saturating_sub(s.free_inodes);
+                let meant_ro = rec
+                    .as_ref()
+                    .and_then(|r| r.targets.get(&path).map(|t| t.read_only))
+                    .unwrap_or(false)
+                    || rec.as_ref().is_some_and(|r| r.mode.is_read_only());
+                if (s.read_only || m.super_options.iter().any(|o| o == "ro")) && !meant_ro {
+                    stats.abnormal = Some(format!(
+                        "the filesystem of {volume_path} is read-only though it was published \
+                         read-write (an I/O error may have forced it)"
+                    ));
+                }
+            }
+        }
+        Ok(stats)
+    }
+
+    /// NodeExpandVolume: grows the image if the controller did not, refreshes the
+    /// loop device and grows the filesystem online. Returns the new capacity.
+    pub fn node_expand(
+        &self,
+        volume_id: &str,
+        volume_path: &str,
+        range: CapacityRange,
+        capability: Option<&Capability>,
+    ) -> Result<u64> {
+        if volume_id.is_empty() {
+            return Err(Error::invalid("volume_id is required"));
+        }
+        if volume_path.is_empty() {
+            return Err(Error::invalid("volume_path is required"));
+        }
+        range.validate()?;
+        let (id, loc) = self.located(volume_id)?;
+        if let Some(c) = capability {
+            Self::check_capability(Some(c), &loc)?;
+        }
+        let path = PathBuf::from(volume_path);
+        if std::fs::symlink_metadata(&path).is_err() {
+            return Err(Error::not_found(format!("{volume_path} does not exist")));
+        }
+        let _guard = self.locks.try_lock([format!("node:{id}")])?;
+        if loc.backing != Backing::Image {
+            // The controller raised the quota (or recorded the size).
+            let size = self
+                .volumes
+                .get(id)
+                .map_or(range.required.max(0) as u64, |r| r.size);
+            return Ok(size);
+        }
+        let want = range.required.max(range.limit).max(0) as u64;
+        let len = file::file_len(&loc.path).context(|| format!("sizing {}", loc.path.display()))?;
+        if want > len {
+            let want = want.div_ceil(4096) * 4096;
+            file::grow(&loc.path, want).context(|| format!("growing {}", loc.path.display()))?;
+        }
+        let devices = self.loops_of(&loc.path)?;
+        let dev = devices.iter().find(|d| !d.read_only).ok_or_else(|| {
+            Error::precondition(format!("volume {id} is not staged on this node"))
+        })?;
+        for d in &devices {
+            self.sys
+                .loops
+                .refresh_capacity(&d.device)
+                .context(|| format!("refreshing the size of {}", d.device.display()))?;
+        }
+        let size = self
+            .sys
+            .fs
+            .device_size(&dev.device)
+            .context(|| format!("sizing {}", dev.device.display()))?;
+        let mounts = self.mounts()?;
+        let Some(m) = mounts_of(&mounts, &dev.device).into_iter().next().cloned() else {
+            return Ok(size); // block volume, or not mounted: nothing more to grow
+        };
+        match self
+            .sys
+            .fs
+            .grow(&dev.device, Some(&m.mount_point), &m.fs_type)
+        {
+            Ok(()) => Ok(size),
+            Err(SysError::PermissionDenied { .. }) => Err(Error::precondition(format!(
+                "the kernel refused to grow the mounted {} filesystem of volume {id} online \
+                 (this node withholds CAP_SYS_RESOURCE); it grows at the next NodeStageVolume",
+                m.fs_type
+            ))),
+            Err(e) => Err(Error::System {
+                context: format!("growing the {} filesystem of volume {id}", m.fs_type),
+                source: e,
+            }),
+        }
+    }
+
+    pub fn staged_count(&self) -> usize {
+        self.node_records.len()
+    }
+
+    // ---- ephemeral inline volumes ----
+
+    fn ephemeral_id(&self, volume_id: &str) -> Option<VolumeId> {
+        let id = VolumeId::for_ephemeral(volume_id);
+        self.node_records
+            .get(id)
+            .filter(|r| r.ephemeral)
+            .map(|_| id)
+            .or_else(|| self.ephemeral_volumes.get(id).map(|_| id))
+    }
+
+    fn ephemeral_staging(&self, id: VolumeId) -> PathBuf {
+        self.cfg
+            .state_dir
+            .join("ephemeral-staging")
+            .join(id.to_string())
+    }
+
+    fn publish_ephemeral(&self, req: &Publish, target: &Path) -> Result<()> {
+        validate_name("ephemeral volume", &req.volume_id)?;
+        let id = VolumeId::for_ephemeral(&req.volume_id);
+        let cap = req
+            .capability
+            .clone()
+            .ok_or_else(|| Error::invalid("volume_capability is required"))?;
+        if cap.is_block() {
+            return Err(Error::invalid("ephemeral inline volumes are mount volumes"));
+        }
+        let allowed = ["size", "type", EPHEMERAL_KEY];
+        if let Some(k) = req
+            .volume_context
+            .keys()
+            .find(|k| !allowed.contains(&k.as_str()) && !k.starts_with(crate::volumes::K8S_PREFIX))
+        {
+            return Err(Error::invalid(format!(
+                "unknown volumeAttribute {k:?} for an ephemeral volume; accepted: size, type"
+            )));
+        }
+        let size = match req.volume_context.get("size") {
+            None => EPHEMERAL_DEFAULT_SIZE,
+            Some(s) => parse_quantity(s).ok_or_else(|| {
+                Error::invalid(format!("volumeAttribute size={s:?} is not a size"))
+            })?,
+        };
+        let pool_name = req
+            .volume_context
+            .get("type")
+            .cloned()
+            .unwrap_or_else(|| self.default_pool().name.clone());
+        let pool = self.pool(&pool_name)?.clone();
+        let _guard = self.locks.try_lock([format!("node:{id}")])?;
+        if self
+            .ephemeral_volumes
+            .get(id)
+            .is_none_or(|r| r.state != RecordState::Ready)
+        {
+            let create = CreateVolume {
+                name: req.volume_id.clone(),
+                capacity: CapacityRange {
+                    required: size as i64,
+                    limit: 0,
+                },
+                capabilities: vec![cap.clone()],
+                ..Default::default()
+            };
+            let fs = cap
+                .fs_type()
+                .map(String::from)
+                .unwrap_or_else(|| self.cfg.default_fstype.clone());
+            self.create_ephemeral(id, &pool, create, fs)?;
+        }
+        failpoint::hit("ephemeral.after-create");
+        let loc = pool
+            .locate(id)
+            .ok_or_else(|| Error::internal(format!("ephemeral volume {id} vanished")))?;
+        let staging = self.ephemeral_staging(id);
+        file::mkdir_p_mode(&staging, 0o700)
+            .context(|| "making the ephemeral staging dir".into())?;
+        let mut stage_cap = cap.clone();
+        if let Access::Mount { mount_flags, .. } = &mut stage_cap.access {
+            mount_flags.clear();
+        }
+        self.stage_locked(
+            id,
+            &req.volume_id,
+            &loc,
+            &staging,
+            &stage_cap,
+            &BTreeMap::new(),
+            true,
+        )?;
+        self.publish_locked(id, &loc, &staging, target, &cap, req.read_only)
+    }
+
+    fn create_ephemeral(
+        &self,
+        id: VolumeId,
+        pool: &crate::pool::Pool,
+        req: CreateVolume,
+        fs: String,
+    ) -> Result<()> {
+        let size = (req.capacity.required as u64).max(crate::volumes::minimum_size(Some(&fs)));
+        let size = size.div_ceil(MIB) * MIB;
+        let rec = VolumeRecord {
+            id,
+            name: req.name,
+            pool: pool.name.clone(),
+            backing: Backing::Image,
+            size,
+            fs_type: Some(fs),
+            capabilities: req.capabilities,
+            parameters: BTreeMap::new(),
+            mutable_parameters: BTreeMap::new(),
+            source: None,
+            created: Timestamp::now(),
+            state: RecordState::Ready,
+            pending_size: None,
+            published: BTreeMap::new(),
+            ephemeral: true,
+        };
+        let path = pool.volume_path(id, Backing::Image, true);
+        crate::volumes::remove_data(&path)?;
+        file::create_sparse(&path, size).context(|| format!("making {}", path.display()))?;
+        self.ephemeral_volumes.put(&rec)
+    }
+
+    fn unpublish_ephemeral(&self, id: VolumeId, target: &Path) -> Result<()> {
+        self.unpublish_locked(id, target)?;
+        let remaining = self.node_records.get(id).map_or(0, |r| r.targets.len());
+        if remaining > 0 {
+            return Ok(());
+        }
+        self.unstage_locked(id, &self.ephemeral_staging(id))?;
+        failpoint::hit("ephemeral.after-unstage");
+        let _ = std::fs::remove_dir(self.ephemeral_staging(id));
+        self.remove_volume_data(id, true)?;
+        self.ephemeral_volumes.remove(id)?;
+        Ok(())
+    }
+
+    /// Start-up on the node: report mounts and loop devices of the pools that no
+    /// volume accounts for, and remove ephemeral data without a record.
+    pub(crate) fn recover_node(&self) -> Result<()> {
+        for pool in self.pools.values() {
+            self.remove_orphans(&pool.ephemeral_dir(), |stem| {
+                VolumeId::parse(stem).is_some_and(|id| self.ephemeral_volumes.get(id).is_some())
+            })?;
+        }
+        let loops = self.sys.loops.list().unwrap_or_default();
+        for d in loops {
+            if self.pools.values().any(|p| p.contains(&d.backing_file)) {
+                let known = d
+                    .backing_file
+                    .file_stem()
+                    .and_then(|s| VolumeId::parse(&s.to_string_lossy()))
+                    .is_some_and(|id| self.node_records.get(id).is_some());
+                if !known {
+                    tracing::warn!(device = %d.device.display(), file = %d.backing_file.display(),
+                        "loop device of a pool image that no staged volume accounts for");
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+fn read_attr(image: &Path, key: &str) -> Option<String> {
+    xattr::get(image, &format!("example-csi.{key}"))
+        .ok()
+        .flatten()
+        .and_then(|v| String::from_utf8(v).ok())
+}
+
+fn make_dir(path: &Path) -> Result<()> {
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if m.is_dir() => Ok(()),
+        Ok(_) => Err(Error::AlreadyExists(format!(
+            "{} exists and is not a directory",
+            path.display()
+        ))),
+        Err(_) => std::fs::create_dir(path)
+            .map_err(|e| Error::invalid(format!("cannot make {}: {e}", path.display()))),
+    }
+}
+
+fn make_file(path: &Path) -> Result<()> {
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if m.is_file() => Ok(()),
+        Ok(_) => Err(Error::AlreadyExists(format!(
+            "{} exists and is not a file",
+            path.display()
+        ))),
+        Err(_) => std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .open(path)
+            .map(drop)
+            .map_err(|e| Error::invalid(format!("cannot make {}: {e}", path.display()))),
+    }
+}
+
+/// Gives the volume's root to `group` with group write and setgid, so new files
+/// inherit the group and a pod's fsGroup works without a recursive chown.
+fn apply_mount_group(root: &Path, group: &str) -> Result<()> {
+    let gid: u32 = group.parse().map_err(|_| {
+        Error::invalid(format!(
+            "volume_mount_group {group:?} is not a numeric group id"
+        ))
+    })?;
+    let meta =
+        std::fs::metadata(root).map_err(|e| Error::internal(format!("{}: {e}", root.display())))?;
+    if meta.gid() != gid {
+        std::os::unix::fs::chown(root, None, Some(gid))
+            .map_err(|e| Error::internal(format!("chown {}: {e}", root.display())))?;
+    }
+    let mode = meta.permissions().mode() | 0o2070;
+    std::fs::set_permissions(root, std::fs::Permissions::from_mode(mode))
+        .map_err(|e| Error::internal(format!("chmod {}: {e}", root.display())))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_quantity;
+
+    #[test]
+    fn quantities() {
+        assert_eq!(parse_quantity("1Gi"), Some(1 << 30));
+        assert_eq!(parse_quantity("500M"), Some(500_000_000));
+        assert_eq!(parse_quantity("4096"), Some(4096));
+        assert_eq!(parse_quantity("1.5Gi"), None);
+        assert_eq!(parse_quantity("-1"), None);
+        assert_eq!(parse_quantity("99999999999Ti"), None);
+    }
+}

@@ -1,0 +1,442 @@
+//! Snapshots and group snapshots. A snapshot of an image volume is a reflink of the
+//! image where the pool can (O(1) in time and space) and a sparse copy elsewhere; a
+//! snapshot of a btrfs subvolume is a read-only btrfs snapshot; of a plain
+//! directory, a copy of the tree. Staged filesystems are frozen during the copy.
+//! Snapshots never depend on their source, which may be deleted.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use csi_sys::{btrfs, file};
+
+use crate::error::{Context, Error, Result};
+use crate::failpoint;
+use crate::ids::{validate_name, GroupSnapshotId, SnapshotId, VolumeId};
+use crate::model::*;
+use crate::volumes::{parse_token, remove_data, K8S_PREFIX};
+use crate::Driver;
+
+pub struct SnapshotPage {
+    pub snapshots: Vec<SnapshotRecord>,
+    pub next_token: Option<String>,
+}
+
+pub struct GroupSnapshot {
+    pub group: GroupSnapshotRecord,
+    pub members: Vec<SnapshotRecord>,
+}
+
+fn check_parameters(p: &BTreeMap<String, String>) -> Result<()> {
+    match p.keys().find(|k| !k.starts_with(K8S_PREFIX)) {
+        Some(k) => Err(Error::invalid(format!(
+            "unknown snapshot parameter {k:?}; only keys beginning {K8S_PREFIX} are accepted"
+        ))),
+        None => Ok(()),
+    }
+}
+
+impl Driver {
+    pub fn create_snapshot(
+        &self,
+        name: &str,
+        source_volume_id: &str,
+        parameters: &BTreeMap<String, String>,
+    ) -> Result<SnapshotRecord> {
+        validate_name("snapshot", name)?;
+        if source_volume_id.is_empty() {
+            return Err(Error::invalid("source_volume_id is required"));
+        }
+        check_parameters(parameters)?;
+        let vid = VolumeId::parse_existing(source_volume_id)?;
+        let sid = SnapshotId::for_name(name);
+        let _guard = self
+            .locks
+            .try_lock([format!("snapshot:{sid}"), format!("volume:{vid}")])?;
+        if let Some(existing) = self.snapshots.get(sid) {
+            if existing.state == RecordState::Ready {
+                if existing.source_volume != vid {
+                    return Err(Error::AlreadyExists(format!(
+                        "snapshot {name:?} exists already, of volume {}",
+                        existing.source_volume
+                    )));
+                }
+                return Ok(existing);
+            }
+            self.roll_back_snapshot(&existing)?;
+        }
+        let vol = self
+            .volumes
+            .get(vid)
+            .filter(|v| v.state == RecordState::Ready)
+            .ok_or_else(|| Error::not_found(format!("source volume {vid} does not exist")))?;
+        let mut rec = self.snapshot_record(sid, name.to_string(), &vol, None);
+        self.snapshots.put(&rec)?;
+        failpoint::hit("create-snapshot.after-intent");
+        let made = {
+            let src = self.pool(&vol.pool)?.volume_path(vid, vol.backing, false);
+            self.with_frozen(&[(vid, src)], || self.copy_to_snapshot(&vol, &rec))
+        };
+        if let Err(e) = made {
+            return Err(self.after_failure(e, self.roll_back_snapshot(&rec)));
+        }
+        failpoint::hit("create-snapshot.after-data");
+        rec.state = RecordState::Ready;
+        self.snapshots.put(&rec)?;
+        failpoint::hit("create-snapshot.after-commit");
+        tracing::info!(snapshot.id = %sid, volume.id = %vid, name, "snapshot created");
+        Ok(rec)
+    }
+
+    fn after_failure(&self, first: Error, cleanup: Result<()>) -> Error {
+        match cleanup {
+            Ok(()) => first,
+            Err(c) => Error::Cleanup {
+                first: Box::new(first),
+                cleanup: Box::new(c),
+            },
+        }
+    }
+
+    fn snapshot_record(
+        &self,
+        id: SnapshotId,
+        name: String,
+        vol: &VolumeRecord,
+        group: Option<GroupSnapshotId>,
+    ) -> SnapshotRecord {
+        SnapshotRecord {
+            id,
+            name,
+            source_volume: vol.id,
+            pool: vol.pool.clone(),
+            backing: vol.backing,
+            size: vol.size,
+            fs_type: vol.fs_type.clone(),
+            created: Timestamp::now(),
+            state: RecordState::Creating,
+            group,
+        }
+    }
+
+    /// Copies a volume's data into a snapshot (the caller freezes).
+    fn copy_to_snapshot(&self, vol: &VolumeRecord, snap: &SnapshotRecord) -> Result<()> {
+        let pool = self.pool(&vol.pool)?;
+        let src = pool.volume_path(vol.id, vol.backing, false);
+        let dst = pool.snapshot_path(snap.id, snap.backing);
+        let at = || format!("copying volume {} into snapshot {}", vol.id, snap.id);
+        match vol.backing {
+            Backing::Image => {
+                let reflinked = self.heavy(|| file::copy_file(&src, &dst)).context(at)?;
+                tracing::debug!(snapshot.id = %snap.id, reflinked, "image copied");
+            }
+            Backing::Subvolume => btrfs::subvolume_snapshot(&src, &dst, true).context(at)?,
+            Backing::Directory => self.heavy(|| file::copy_tree(&src, &dst)).context(at)?,
+        }
+        Ok(())
+    }
+
+    fn remove_snapshot_data(&self, rec: &SnapshotRecord) -> Result<()> {
+        let pool = self.pool(&rec.pool)?;
+        let path = pool.snapshot_path(rec.id, rec.backing);
+        remove_data(&path)?;
+        remove_data(&crate::pool::Pool::tmp_path(&path))
+    }
+
+    fn roll_back_snapshot(&self, rec: &SnapshotRecord) -> Result<()> {
+        self.remove_snapshot_data(rec)?;
+        self.snapshots.remove(rec.id)
+    }
+
+    pub fn delete_snapshot(&self, snapshot_id: &str) -> Result<()> {
+        if snapshot_id.is_empty() {
+            return Err(Error::invalid("snapshot_id is required"));
+        }
+        let Some(sid) = SnapshotId::parse(snapshot_id) else {
+            return Ok(());
+        };
+        let _guard = self.locks.try_lock([format!("snapshot:{sid}")])?;
+        let Some(mut rec) = self.snapshots.get(sid) else {
+            for pool in self.pools.values() {
+                for b in [Backing::Image, Backing::Directory] {
+                    remove_data(&pool.snapshot_path(sid, b))?;
+                }
+            }
+            return Ok(());
+        };
+        if let Some(g) = rec.group.filter(|g| self.groups.get(*g).is_some()) {
+            return Err(Error::precondition(format!(
+                "snapshot {sid} belongs to group snapshot {g}; delete the group instead"
+            )));
+        }
+        rec.state = RecordState::Deleting;
+        self.snapshots.put(&rec)?;
+        failpoint::hit("delete-snapshot.after-intent");
+        self.roll_back_snapshot(&rec)?;
+        tracing::info!(snapshot.id = %sid, "snapshot deleted");
+        Ok(())
+    }
+
+    pub fn get_snapshot(&self, snapshot_id: &str) -> Result<SnapshotRecord> {
+        let sid = SnapshotId::parse_existing(snapshot_id)?;
+        self.snapshots
+            .get(sid)
+            .filter(|s| s.state == RecordState::Ready)
+            .ok_or_else(|| Error::not_found(format!("snapshot {sid} does not exist")))
+    }
+
+    pub fn list_snapshots(
+        &self,
+        max_entries: i32,
+        starting_token: &str,
+        snapshot_id: &str,
+        source_volume_id: &str,
+    ) -> Result<SnapshotPage> {
+        if max_entries < 0 {
+            return Err(Error::invalid("max_entries must not be negative"));
+        }
+        let after = parse_token(starting_token, SnapshotId::parse)?;
+        let empty = SnapshotPage {
+            snapshots: Vec::new(),
+            next_token: None,
+        };
+        let want_source = match source_volume_id {
+            "" => None,
+            s => match VolumeId::parse(s) {
+                Some(v) => Some(v),
+                None => return Ok(empty),
+            },
+        };
+        if !snapshot_id.is_empty() {
+            let found = SnapshotId::parse(snapshot_id)
+                .and_then(|s| self.snapshots.get(s))
+                .filter(|s| s.state == RecordState::Ready)
+                .filter(|s| want_source.is_none_or(|v| s.source_volume == v));
+            return Ok(SnapshotPage {
+                snapshots: found.into_iter().collect(),
+                next_token: None,
+            });
+        }
+        let (snapshots, more) = self.snapshots.page(after, max_entries as usize, |s| {
+            s.state == RecordState::Ready && want_source.is_none_or(|v| s.source_volume == v)
+        });
+        let next_token = if more {
+            snapshots.last().map(|s| s.id.to_string())
+        } else {
+            None
+        };
+        Ok(SnapshotPage {
+            snapshots,
+            next_token,
+        })
+    }
+
+    // ---- group snapshots ----
+
+    pub fn create_group_snapshot(
+        &self,
+        name: &str,
+        source_volume_ids: &[String],
+        parameters: &BTreeMap<String, String>,
+    ) -> Result<GroupSnapshot> {
+        validate_name("group snapshot", name)?;
+        if source_volume_ids.is_empty() {
+            return Err(Error::invalid("source_volume_ids are required"));
+        }
+        check_parameters(parameters)?;
+        let mut vids = Vec::new();
+        for s in source_volume_ids {
+            let v = VolumeId::parse_existing(s)?;
+            if vids.contains(&v) {
+                return Err(Error::invalid(format!("volume {v} is named twice")));
+            }
+            vids.push(v);
+        }
+        let gid = GroupSnapshotId::for_name(name);
+        let member_id = |v: VolumeId| SnapshotId::for_name(&format!("group/{gid}/{v}"));
+        let mut keys = vec![format!("group:{gid}")];
+        for v in &vids {
+            keys.push(format!("volume:{v}"));
+            keys.push(format!("snapshot:{}", member_id(*v)));
+        }
+        let _guard = self.locks.try_lock(keys)?;
+        if let Some(existing) = self.groups.get(gid) {
+            if existing.state == RecordState::Ready {
+                let have: BTreeSet<_> = existing.source_volumes.iter().collect();
+                let want: BTreeSet<_> = vids.iter().collect();
+                if have != want {
+                    return Err(Error::AlreadyExists(format!(
+                        "group snapshot {name:?} exists already, of other volumes"
+                    )));
+                }
+                return self.group_with_members(existing);
+            }
+            self.roll_back_group(&existing)?;
+        }
+        let mut vols = Vec::new();
+        for v in &vids {
+            vols.push(
+                self.volumes
+                    .get(*v)
+                    .filter(|r| r.state == RecordState::Ready)
+                    .ok_or_else(|| Error::not_found(format!("source volume {v} does not exist")))?,
+            );
+        }
+        let mut group = GroupSnapshotRecord {
+            id: gid,
+            name: name.to_string(),
+            source_volumes: vids.clone(),
+            members: vids.iter().map(|v| member_id(*v)).collect(),
+            created: Timestamp::now(),
+            state: RecordState::Creating,
+        };
+        self.groups.put(&group)?;
+        failpoint::hit("create-group-snapshot.after-intent");
+        let mut members: Vec<SnapshotRecord> = vols
+            .iter()
+            .map(|v| {
+                self.snapshot_record(member_id(v.id), format!("{name}/{}", v.id), v, Some(gid))
+            })
+            .collect();
+        let made = (|| {
+            for m in &members {
+                self.snapshots.put(m)?;
+            }
+            let images = vols
+                .iter()
+                .map(|v| {
+                    Ok((
+                        v.id,
+                        self.pool(&v.pool)?.volume_path(v.id, v.backing, false),
+                    ))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            // One freeze over all members: their snapshots are consistent with each other.
+            self.with_frozen(&images, || {
+                for (v, m) in vols.iter().zip(&members) {
+                    self.copy_to_snapshot(v, m)?;
+                    failpoint::hit("create-group-snapshot.after-member");
+                }
+                Ok(())
+            })
+        })();
+        if let Err(e) = made {
+            return Err(self.after_failure(e, self.roll_back_group(&group)));
+        }
+        for m in &mut members {
+            m.state = RecordState::Ready;
+            self.snapshots.put(m)?;
+        }
+        failpoint::hit("create-group-snapshot.after-members");
+        group.state = RecordState::Ready;
+        self.groups.put(&group)?;
+        tracing::info!(group.id = %gid, name, members = members.len(), "group snapshot created");
+        Ok(GroupSnapshot { group, members })
+    }
+
+    fn group_with_members(&self, group: GroupSnapshotRecord) -> Result<GroupSnapshot> {
+        let members = group
+            .members
+            .iter()
+            .map(|s| {
+                self.snapshots
+                    .get(*s)
+                    .ok_or_else(|| Error::internal(format!("member snapshot {s} is missing")))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Ok(GroupSnapshot { group, members })
+    }
+
+    fn roll_back_group(&self, group: &GroupSnapshotRecord) -> Result<()> {
+        for sid in &group.members {
+            if let Some(s) = self.snapshots.get(*sid) {
+                self.roll_back_snapshot(&s)?;
+            } else {
+                for pool in self.pools.values() {
+                    for b in [Backing::Image, Backing::Directory] {
+                        remove_data(&pool.snapshot_path(*sid, b))?;
+                    }
+                }
+            }
+        }
+        self.groups.remove(group.id)
+    }
+
+    fn check_members(group: &GroupSnapshotRecord, snapshot_ids: &[String]) -> Result<()> {
+        if snapshot_ids.is_empty() {
+            return Ok(());
+        }
+        let have: BTreeSet<String> = group.members.iter().map(|s| s.to_string()).collect();
+        let want: BTreeSet<String> = snapshot_ids.iter().cloned().collect();
+        if have != want {
+            return Err(Error::precondition(format!(
+                "snapshot_ids do not match the members of group snapshot {}",
+                group.id
+            )));
+        }
+        Ok(())
+    }
+
+    pub fn delete_group_snapshot(&self, group_id: &str, snapshot_ids: &[String]) -> Result<()> {
+        if group_id.is_empty() {
+            return Err(Error::invalid("group_snapshot_id is required"));
+        }
+        let Some(gid) = GroupSnapshotId::parse(group_id) else {
+            return Ok(());
+        };
+        let _guard = self.locks.try_lock([format!("group:{gid}")])?;
+        let Some(mut group) = self.groups.get(gid) else {
+            return Ok(());
+        };
+        Self::check_members(&group, snapshot_ids)?;
+        let keys: Vec<String> = group
+            .members
+            .iter()
+            .map(|s| format!("snapshot:{s}"))
+            .collect();
+        let _members = self.locks.try_lock(keys)?;
+        group.state = RecordState::Deleting;
+        self.groups.put(&group)?;
+        failpoint::hit("delete-group-snapshot.after-intent");
+        self.roll_back_group(&group)?;
+        tracing::info!(group.id = %gid, "group snapshot deleted");
+        Ok(())
+    }
+
+    pub fn get_group_snapshot(
+        &self,
+        group_id: &str,
+        snapshot_ids: &[String],
+    ) -> Result<GroupSnapshot> {
+        let gid = GroupSnapshotId::parse_existing(group_id)?;
+        let group = self
+            .groups
+            .get(gid)
+            .filter(|g| g.state == RecordState::Ready)
+            .ok_or_else(|| Error::not_found(format!("group snapshot {gid} does not exist")))?;
+        Self::check_members(&group, snapshot_ids)?;
+        self.group_with_members(group)
+    }
+
+    /// Start-up: roll back interrupted creations, finish deletions, remove orphans.
+    pub(crate) fn recover_snapshots(&self) -> Result<()> {
+        for g in self.groups.all() {
+            if g.state != RecordState::Ready {
+                tracing::warn!(group.id = %g.id, state = ?g.state, "repairing an interrupted group snapshot");
+                self.roll_back_group(&g)?;
+            }
+        }
+        for s in self.snapshots.all() {
+            let orphan_member = s.group.is_some_and(|g| self.groups.get(g).is_none());
+            if s.state != RecordState::Ready || orphan_member {
+                tracing::warn!(snapshot.id = %s.id, state = ?s.state, "repairing an interrupted snapshot");
+                self.roll_back_snapshot(&s)?;
+            }
+        }
+        for pool in self.pools.values() {
+            self.remove_orphans(&pool.snapshots_dir(), |stem| {
+                SnapshotId::parse(stem).is_some_and(|id| self.snapshots.get(id).is_some())
+                    || self.snapshots.is_quarantined(stem)
+            })?;
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,994 @@
+//! Controller operations on volumes: create (empty, from a snapshot, from a
+//! volume), delete, expand, publish, list, get, capacity, validate and modify; and
+//! the start-up repair of what a crash left half-done.
+//!
+//! Every multi-step operation writes its intent into the volume's record first
+//! (state Creating or Deleting, or a pending size), then changes the pool, then
+//! commits the record. Start-up rolls Creating back, finishes Deleting and pending
+//! expansions, and removes pool data that no record accounts for.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use csi_sys::{btrfs, file, xattr};
+
+use crate::error::{Context, Error, Result};
+use crate::failpoint;
+use crate::ids::{validate_name, VolumeId};
+use crate::model::*;
+use crate::pool::{Pool, DEFAULT_POOL};
+use crate::Driver;
+
+pub const KIB: u64 = 1024;
+pub const MIB: u64 = 1024 * KIB;
+pub const GIB: u64 = 1024 * MIB;
+/// Size of a volume whose request names no capacity.
+pub const DEFAULT_SIZE: u64 = GIB;
+
+/// The smallest volume each filesystem can be made on (xfsprogs refuses less than
+/// 300 MiB; btrfs needs room for its metadata and system chunks).
+pub fn minimum_size(fs_type: Option<&str>) -> u64 {
+    match fs_type {
+        Some("xfs") => 300 * MIB,
+        Some("btrfs") => 128 * MIB,
+        Some(_) => 8 * MIB,
+        None => MIB,
+    }
+}
+
+/// Parameters of CreateVolume (the StorageClass's).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct VolumeParams {
+    pub pool: String,
+    pub kind: VolumeKind,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum VolumeKind {
+    Image,
+    Dir,
+}
+
+/// Accepted StorageClass parameter keys, besides the `csi.storage.k8s.io/` prefix.
+pub const PARAMETERS: [&str; 2] = ["type", "kind"];
+pub const K8S_PREFIX: &str = "csi.storage.k8s.io/";
+
+pub fn parse_parameters(p: &BTreeMap<String, String>) -> Result<VolumeParams> {
+    for k in p.keys() {
+        if !PARAMETERS.contains(&k.as_str()) && !k.starts_with(K8S_PREFIX) {
+            return Err(Error::invalid(format!(
+                "unknown parameter {k:?}; accepted: type (the pool), kind (image or dir), and \
+                 keys beginning {K8S_PREFIX}"
+            )));
+        }
+    }
+    let kind = match p.get("kind").map(String::as_str) {
+        None | Some("") | Some("image") => VolumeKind::Image,
+        Some("dir") => VolumeKind::Dir,
+        Some(other) => {
+            return Err(Error::invalid(format!(
+                "parameter kind={other:?} is not one of image, dir"
+            )))
+        }
+    };
+    let pool = match p.get("type").map(String::as_str) {
+        None | Some("") => DEFAULT_POOL.to_string(),
+        Some(t) => t.to_string(),
+    };
+    Ok(VolumeParams { pool, kind })
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct CreateVolume {
+    pub name: String,
+    pub capacity: CapacityRange,
+    pub capabilities: Vec<Capability>,
+    pub parameters: BTreeMap<String, String>,
+    pub mutable_parameters: BTreeMap<String, String>,
+    pub source: Option<ContentSource>,
+    /// accessibility_requirements.requisite, each a topology segment.
+    pub requisite: Vec<BTreeMap<String, String>>,
+    pub preferred: Vec<BTreeMap<String, String>>,
+}
+
+/// What the Controller service answers about a volume.
+#[derive(Debug, Clone)]
+pub struct VolumeInfo {
+    pub record: VolumeRecord,
+    pub context: BTreeMap<String, String>,
+    pub condition: Option<String>,
+}
+
+/// A page of ListVolumes.
+pub struct VolumePage {
+    pub volumes: Vec<VolumeInfo>,
+    pub next_token: Option<String>,
+}
+
+pub struct Capacity {
+    pub available: u64,
+    pub maximum_volume_size: u64,
+    pub minimum_volume_size: u64,
+}
+
+impl Driver {
+    fn check_capabilities(&self, caps: &[Capability]) -> Result<()> {
+        if caps.is_empty() {
+            return Err(Error::invalid("volume_capabilities are required"));
+        }
+        for c in caps {
+            if let Some(why) = c.unsupported_reason() {
+                return Err(Error::invalid(why));
+            }
+        }
+        Ok(())
+    }
+
+    pub(crate) fn check_mutable(&self, m: &BTreeMap<String, String>) -> Result<()> {
+        for (k, v) in m {
+            if !self.cfg.mutable_parameters.iter().any(|a| a == k) {
+                return Err(Error::invalid(format!(
+                    "unknown mutable parameter {k:?}; accepted: {}",
+                    self.cfg.mutable_parameters.join(", ")
+                )));
+            }
+            let ok = match k.as_str() {
+                "directIO" => v == "true" || v == "false",
+                "readAheadKiB" => v.parse::<u32>().is_ok_and(|n| n <= 65536),
+                _ => false,
+            };
+            if !ok {
+                return Err(Error::invalid(format!(
+                    "mutable parameter {k}={v:?} is invalid (directIO: true|false; \
+                     readAheadKiB: 0..65536)"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    fn topology_allows(&self, segments: &[BTreeMap<String, String>]) -> bool {
+        let mine = self.topology();
+        segments.is_empty() || segments.iter().any(|s| *s == mine)
+    }
+
+    /// The size to make for a request, or OUT_OF_RANGE.
+    fn size_for(&self, range: CapacityRange, fs: Option<&str>, at_least: u64) -> Result<u64> {
+        range.validate()?;
+        let limit = (range.limit > 0).then_some(range.limit as u64);
+        let mut size = if range.required > 0 {
+            range.required as u64
+        } else {
+            at_least.max(limit.map_or(DEFAULT_SIZE, |l| l.min(DEFAULT_SIZE)))
+        };
+        size = size.max(minimum_size(fs)).max(at_least);
+        let rounded = size.div_ceil(MIB).saturating_mul(MIB);
+        let size = match limit {
+            Some(l) if rounded > l => size.div_ceil(4096).saturating_mul(4096),
+            _ => rounded,
+        };
+        if let Some(l) = limit {
+            if size > l {
+                return Err(Error::OutOfRange(format!(
+                    "a volume of at least {size} bytes is needed (filesystem minimum {} bytes, \
+                     source {at_least} bytes) but limit_bytes is {l}",
+                    minimum_size(fs)
+                )));
+            }
+        }
+        Ok(size)
+    }
+
+    pub fn create_volume(&self, req: CreateVolume) -> Result<VolumeInfo> {
+        validate_name("volume", &req.name)?;
+        self.check_capabilities(&req.capabilities)?;
+        req.capacity.validate()?;
+        let params = parse_parameters(&req.parameters)?;
+        self.check_mutable(&req.mutable_parameters)?;
+        let pool = self.pool(&params.pool)?.clone();
+        if !self.topology_allows(&req.requisite) {
+            return Err(Error::ResourceExhausted(format!(
+                "accessibility_requirements.requisite does not include this node \
+                 ({}={}); volumes are local to the node that makes them",
+                TOPOLOGY_KEY, self.cfg.node_id
+            )));
+        }
+        let block = req.capabilities.iter().any(Capability::is_block);
+        let backing = match params.kind {
+            VolumeKind::Image => Backing::Image,
+            VolumeKind::Dir if block => {
+                return Err(Error::invalid(
+                    "block access is not possible on a kind=dir volume; use kind=image",
+                ))
+            }
+            VolumeKind::Dir if pool.is_btrfs() => Backing::Subvolume,
+            VolumeKind::Dir => Backing::Directory,
+        };
+        let mut fs_types: Vec<&str> = req
+            .capabilities
+            .iter()
+            .filter_map(|c| c.fs_type())
+            .collect();
+        fs_types.dedup();
+        if fs_types.len() > 1 {
+            return Err(Error::invalid(format!(
+                "volume_capabilities name different filesystems: {}",
+                fs_types.join(", ")
+            )));
+        }
+        let mut fs_type = match backing {
+            Backing::Image if req.capabilities.iter().all(Capability::is_block) => None,
+            Backing::Image => Some(
+                fs_types
+                    .first()
+                    .map(|s| s.to_string())
+                    .unwrap_or_else(|| self.cfg.default_fstype.clone()),
+            ),
+            _ => None,
+        };
+
+        let id = VolumeId::for_name(&req.name);
+        let mut keys = vec![format!("volume:{id}")];
+        let source = match req.source {
+            None => None,
+            Some(src) => {
+                keys.push(match src {
+                    ContentSource::Snapshot(s) => format!("snapshot:{s}"),
+                    ContentSource::Volume(v) => format!("volume:{v}"),
+                });
+                Some(src)
+            }
+        };
+        let _guard = self.locks.try_lock(keys)?;
+
+        if let Some(existing) = self.volumes.get(id) {
+            if existing.state == RecordState::Ready {
+                return self.same_volume(existing, &req, &params, backing);
+            }
+            // An earlier attempt failed or crashed part-way: start over.
+            self.roll_back_volume(&existing)?;
+        }
+
+        // The source decides the least size, the filesystem and the data.
+        let (src_path, at_least) = match source {
+            None => (None, 0),
+            Some(src) => {
+                let (src_pool, src_path, src_backing, src_size, src_fs) = self.source_data(src)?;
+                if src_pool != pool.name {
+                    return Err(Error::invalid(format!(
+                        "the content source is in pool {src_pool}; a volume made from it must \
+                         be in the same pool, not {}",
+                        pool.name
+                    )));
+                }
+                let same_kind = (src_backing == Backing::Image) == (backing == Backing::Image);
+                if !same_kind {
+                    return Err(Error::invalid(format!(
+                        "the content source is a {src_backing:?} volume; it cannot fill a \
+                         {backing:?} volume"
+                    )));
+                }
+                if let (Some(want), Some(have)) = (&fs_type, &src_fs) {
+                    if want != have && !fs_types.is_empty() {
+                        return Err(Error::invalid(format!(
+                            "the content source holds {have}, not the requested {want}"
+                        )));
+                    }
+                }
+                if src_fs.is_some() {
+                    fs_type = src_fs;
+                }
+                (Some((src_path, src_backing)), src_size)
+            }
+        };
+        let size = self.size_for(req.capacity, fs_type.as_deref(), at_least)?;
+        if at_least > 0 && req.capacity.limit > 0 && at_least > req.capacity.limit as u64 {
+            return Err(Error::OutOfRange(format!(
+                "the content source is {at_least} bytes, more than limit_bytes {}",
+                req.capacity.limit
+            )));
+        }
+        let (available, total) = pool.space()?;
+        if size > total && backing != Backing::Directory {
+            return Err(Error::OutOfRange(format!(
+                "{size} bytes exceeds the largest volume pool {} can hold ({total} bytes)",
+                pool.name
+            )));
+        }
+        if size > available && backing != Backing::Directory {
+            return Err(Error::ResourceExhausted(format!(
+                "pool {} has {available} bytes free; {size} were asked for",
+                pool.name
+            )));
+        }
+
+        let mut record = VolumeRecord {
+            id,
+            name: req.name.clone(),
+            pool: pool.name.clone(),
+            backing,
+            size,
+            fs_type,
+            capabilities: req.capabilities.clone(),
+            parameters: req.parameters.clone(),
+            mutable_parameters: req.mutable_parameters.clone(),
+            source,
+            created: Timestamp::now(),
+            state: RecordState::Creating,
+            pending_size: None,
+            published: BTreeMap::new(),
+            ephemeral: false,
+        };
+        self.volumes.put(&record)?;
+        failpoint::hit("create-volume.after-intent");
+        if let Err(e) = self.make_volume_data(
+            &pool,
+            &record,
+            src_path.as_ref().map(|(p, b)| (p.as_path(), *b)),
+        ) {
+            return Err(match self.roll_back_volume(&record) {
+                Ok(()) => e,
+                Err(c) => Error::Cleanup {
+                    first: Box::new(e),
+                    cleanup: Box::new(c),
+                },
+            });
+        }
+        failpoint::hit("create-volume.after-data");
+        record.state = RecordState::Ready;
+        self.volumes.put(&record)?;
+        failpoint::hit("create-volume.after-commit");
+        tracing::info!(volume.id = %id, name = %record.name, pool = %record.pool,
+            size = record.size, backing = ?record.backing, "volume created");
+        Ok(self.info(record))
+    }
+
+    /// A retry of a create that already succeeded: the same volume if the request
+    /// matches it, ALREADY_EXISTS otherwise.
+    fn same_volume(
+        &self,
+        existing: VolumeRecord,
+        req: &CreateVolume,
+        params: &VolumeParams,
+        backing: Backing,
+    ) -> Result<VolumeInfo> {
+        let conflict = |what: &str| {
+            Err(Error::AlreadyExists(format!(
+                "volume {:?} exists already with another {what}",
+                req.name
+            )))
+        };
+        if !req.capacity.admits(existing.size) {
+            return conflict("size");
+        }
+        if existing.pool != params.pool || existing.backing != backing {
+            return conflict("pool or kind");
+        }
+        if existing.parameters != req.parameters {
+            return conflict("set of parameters");
+        }
+        if existing.source != req.source {
+            return conflict("content source");
+        }
+        let block = |caps: &[Capability]| caps.iter().any(Capability::is_block);
+        if block(&existing.capabilities) != block(&req.capabilities) {
+            return conflict("access type");
+        }
+        if let (Some(fs), Some(want)) = (
+            &existing.fs_type,
+            req.capabilities.iter().find_map(|c| c.fs_type()),
+        ) {
+            if fs != want && existing.source.is_none() {
+                return conflict("filesystem");
+            }
+        }
+        Ok(self.info(existing))
+    }
+
+    /// The pool, path, backing, size and filesystem of a content source.
+    fn source_data(
+        &self,
+        src: ContentSource,
+    ) -> Result<(String, std::path::PathBuf, Backing, u64, Option<String>)> {
+        match src {
+            ContentSource::Snapshot(sid) => {
+                let s = self
+                    .snapshots
+                    .get(sid)
+                    .filter(|s| s.state == RecordState::Ready)
+                    .ok_or_else(|| {
+                        Error::not_found(format!("source snapshot {sid} does not exist"))
+                    })?;
+                let pool = self.pool(&s.pool)?;
+                Ok((
+                    s.pool.clone(),
+                    pool.snapshot_path(sid, s.backing),
+                    s.backing,
+                    s.size,
+                    s.fs_type,
+                ))
+            }
+            ContentSource::Volume(vid) => {
+                let v = self
+                    .volumes
+                    .get(vid)
+                    .filter(|v| v.state == RecordState::Ready)
+                    .ok_or_else(|| {
+                        Error::not_found(format!("source volume {vid} does not exist"))
+                    })?;
+                let pool = self.pool(&v.pool)?;
+                Ok((
+                    v.pool.clone(),
+                    pool.volume_path(vid, v.backing, false),
+                    v.backing,
+                    v.size,
+                    v.fs_type,
+                ))
+            }
+        }
+    }
+
+    /// Makes the data of a new volume: an empty sparse image or directory, or a copy
+    /// (reflink where the pool can) of a source.
+    fn make_volume_data(
+        &self,
+        pool: &Pool,
+        rec: &VolumeRecord,
+        source: Option<(&Path, Backing)>,
+    ) -> Result<()> {
+        let path = pool.volume_path(rec.id, rec.backing, rec.ephemeral);
+        let at = || format!("making volume {} at {}", rec.id, path.display());
+        match (rec.backing, source) {
+            (Backing::Image, None) => file::create_sparse(&path, rec.size).context(at)?,
+            (Backing::Image, Some((src, _))) => {
+                // A live source is frozen while it is copied, so the copy is a
+                // consistent filesystem.
+                let reflinked = self.with_frozen(&[(rec.id, src.to_path_buf())], || {
+                    self.heavy(|| file::copy_file(src, &path)).context(at)
+                })?;
+                failpoint::hit("create-volume.after-copy");
+                file::grow(&path, rec.size).context(at)?;
+                tracing::debug!(volume.id = %rec.id, reflinked, "image copied");
+            }
+            (Backing::Subvolume, None) => {
+                btrfs::subvolume_create(&path).context(at)?;
+                btrfs::qgroup_limit(&path, rec.size).context(at)?;
+            }
+            (Backing::Subvolume, Some((src, _))) => {
+                btrfs::subvolume_snapshot(src, &path, false).context(at)?;
+                btrfs::qgroup_limit(&path, rec.size).context(at)?;
+            }
+            (Backing::Directory, None) => {
+                file::mkdir_p_mode(&path, 0o755).context(at)?;
+            }
+            (Backing::Directory, Some((src, _))) => {
+                self.heavy(|| file::copy_tree(src, &path)).context(at)?;
+            }
+        }
+        if rec.backing == Backing::Image {
+            self.write_attributes(&path, &rec.mutable_parameters)?;
+        }
+        Ok(())
+    }
+
+    /// Keeps a volume's mutable attributes on its image, where the node reads them.
+    pub(crate) fn write_attributes(
+        &self,
+        image: &Path,
+        m: &BTreeMap<String, String>,
+    ) -> Result<()> {
+        for (k, v) in m {
+            xattr::set(image, &format!("example-csi.{k}"), v.as_bytes())
+                .context(|| format!("recording {k} on {}", image.display()))?;
+        }
+        Ok(())
+    }
+
+    /// Removes the data of a volume (whatever state it is in) and its record.
+    fn roll_back_volume(&self, rec: &VolumeRecord) -> Result<()> {
+        self.remove_volume_data(rec.id, rec.ephemeral)?;
+        if rec.ephemeral {
+            self.ephemeral_volumes.remove(rec.id)
+        } else {
+            self.volumes.remove(rec.id)
+        }
+    }
+
+    /// Removes whatever data a volume id has in any pool.
+    pub(crate) fn remove_volume_data(&self, id: VolumeId, ephemeral: bool) -> Result<()> {
+        for pool in self.pools.values() {
+            for backing in [Backing::Image, Backing::Directory] {
+                let path = pool.volume_path(id, backing, ephemeral);
+                remove_data(&path)?;
+                remove_data(&Pool::tmp_path(&path))?;
+            }
+        }
+        Ok(())
+    }
+
+    pub fn delete_volume(&self, volume_id: &str) -> Result<()> {
+        if volume_id.is_empty() {
+            return Err(Error::invalid("volume_id is required"));
+        }
+        // An id this driver never issued names nothing: deleting it succeeds.
+        let Some(id) = VolumeId::parse(volume_id) else {
+            return Ok(());
+        };
+        let _guard = self.locks.try_lock([format!("volume:{id}")])?;
+        let Some(mut rec) = self.volumes.get(id) else {
+            return self.remove_volume_data(id, false);
+        };
+        if let Some(node) = rec.published.keys().next() {
+            return Err(Error::precondition(format!(
+                "volume {id} is still published to node {node}; unpublish it first"
+            )));
+        }
+        let pool = self.pool(&rec.pool)?;
+        let path = pool.volume_path(id, rec.backing, false);
+        if rec.backing == Backing::Image {
+            let attached = self
+                .sys
+                .loops
+                .find(&path)
+                .context(|| "listing loop devices".into())?;
+            if let Some(dev) = attached.first() {
+                return Err(Error::precondition(format!(
+                    "volume {id} is in use on this node through {}; unstage it first",
+                    dev.device.display()
+                )));
+            }
+        }
+        rec.state = RecordState::Deleting;
+        self.volumes.put(&rec)?;
+        failpoint::hit("delete-volume.after-intent");
+        self.remove_volume_data(id, false)?;
+        failpoint::hit("delete-volume.after-data");
+        self.volumes.remove(id)?;
+        tracing::info!(volume.id = %id, name = %rec.name, "volume deleted");
+        Ok(())
+    }
+
+    fn existing_volume(&self, volume_id: &str) -> Result<VolumeRecord> {
+        let id = VolumeId::parse_existing(volume_id)?;
+        self.volumes
+            .get(id)
+            .filter(|r| r.state == RecordState::Ready)
+            .ok_or_else(|| Error::not_found(format!("volume {id} does not exist")))
+    }
+
+    /// Grows a volume; returns the new size and whether the node must grow it too.
+    pub fn expand_volume(
+        &self,
+        volume_id: &str,
+        range: CapacityRange,
+        capability: Option<&Capability>,
+    ) -> Result<(u64, bool)> {
+        let id = VolumeId::parse_existing(volume_id)?;
+        range.validate()?;
+        if range.required <= 0 && range.limit <= 0 {
+            return Err(Error::invalid("capacity_range is required"));
+        }
+        if let Some(c) = capability {
+            if let Some(why) = c.unsupported_reason() {
+                return Err(Error::invalid(why));
+            }
+        }
+        let _guard = self.locks.try_lock([format!("volume:{id}")])?;
+        let mut rec = self.existing_volume(volume_id)?;
+        if capability.is_some_and(|c| c.is_block()) && rec.backing != Backing::Image {
+            return Err(Error::invalid(
+                "block access is not possible on a kind=dir volume",
+            ));
+        }
+        let node_grows = rec.backing == Backing::Image;
+        let want = if range.required > 0 {
+            range.required
+        } else {
+            range.limit
+        } as u64;
+        if want <= rec.size {
+            return Ok((rec.size, node_grows));
+        }
+        let new = self.size_for(range, rec.fs_type.as_deref(), 0)?;
+        let pool = self.pool(&rec.pool)?.clone();
+        let (available, _) = pool.space()?;
+        if rec.backing != Backing::Directory && new - rec.size > available {
+            return Err(Error::ResourceExhausted(format!(
+                "pool {} has {available} bytes free; growing by {} was asked",
+                pool.name,
+                new - rec.size
+            )));
+        }
+        rec.pending_size = Some(new);
+        self.volumes.put(&rec)?;
+        failpoint::hit("expand-volume.after-intent");
+        self.apply_size(&pool, &rec, new)?;
+        failpoint::hit("expand-volume.after-grow");
+        rec.size = new;
+        rec.pending_size = None;
+        self.volumes.put(&rec)?;
+        tracing::info!(volume.id = %id, size = new, "volume expanded");
+        Ok((new, node_grows))
+    }
+
+    fn apply_size(&self, pool: &Pool, rec: &VolumeRecord, size: u64) -> Result<()> {
+        let path = pool.volume_path(rec.id, rec.backing, rec.ephemeral);
+        let at = || format!("growing volume {} to {size} bytes", rec.id);
+        match rec.backing {
+            Backing::Image => file::grow(&path, size).context(at),
+            Backing::Subvolume => btrfs::qgroup_limit(&path, size).context(at),
+            Backing::Directory => Ok(()),
+        }
+    }
+
+    fn condition(&self, rec: &VolumeRecord) -> Option<String> {
+        let Ok(pool) = self.pool(&rec.pool) else {
+            return Some(format!("pool {} is not configured on this node", rec.pool));
+        };
+        let path = pool.volume_path(rec.id, rec.backing, rec.ephemeral);
+        match rec.backing {
+            Backing::Image => match file::file_len(&path) {
+                Err(e) => Some(format!(
+                    "backing image {} is unreadable: {e}",
+                    path.display()
+                )),
+                Ok(len) if len < rec.size => Some(format!(
+                    "backing image {} is {len} bytes, smaller than the volume's {}",
+                    path.display(),
+                    rec.size
+                )),
+                Ok(_) => None,
+            },
+            Backing::Subvolume if !btrfs::is_subvolume(&path) => {
+                Some(format!("subvolume {} is missing", path.display()))
+            }
+            _ if !path.is_dir() => Some(format!("directory {} is missing", path.display())),
+            _ => None,
+        }
+    }
+
+    fn info(&self, record: VolumeRecord) -> VolumeInfo {
+        let mut context = BTreeMap::from([
+            ("pool".to_string(), record.pool.clone()),
+            (
+                "kind".to_string(),
+                match record.backing {
+                    Backing::Image => "image",
+                    _ => "dir",
+                }
+                .to_string(),
+            ),
+        ]);
+        if let Some(fs) = &record.fs_type {
+            context.insert("fsType".into(), fs.clone());
+        }
+        VolumeInfo {
+            context,
+            condition: None,
+            record,
+        }
+    }
+
+    pub fn get_volume(&self, volume_id: &str) -> Result<VolumeInfo> {
+        let rec = self.existing_volume(volume_id)?;
+        let condition = self.condition(&rec);
+        Ok(VolumeInfo {
+            condition,
+            ..self.info(rec)
+        })
+    }
+
+    pub fn list_volumes(&self, max_entries: i32, starting_token: &str) -> Result<VolumePage> {
+        if max_entries < 0 {
+            return Err(Error::invalid("max_entries must not be negative"));
+        }
+        let after = parse_token::<VolumeId>(starting_token, VolumeId::parse)?;
+        let (records, more) = self.volumes.page(after, max_entries as usize, |r| {
+            r.state == RecordState::Ready
+        });
+        let next_token = if more {
+            records.last().map(|r| r.id.to_string())
+        } else {
+            None
+        };
+        let volumes = records
+            .into_iter()
+            .map(|r| {
+                let condition = self.condition(&r);
+                VolumeInfo {
+                    condition,
+                    ..self.info(r)
+                }
+            })
+            .collect();
+        Ok(VolumePage {
+            volumes,
+            next_token,
+        })
+    }
+
+    pub fn get_capacity(
+        &self,
+        parameters: &BTreeMap<String, String>,
+        capabilities: &[Capability],
+        topology: Option<&BTreeMap<String, String>>,
+    ) -> Result<Capacity> {
+        let params = parse_parameters(parameters)?;
+        let pool = self.pool(&params.pool)?;
+        let fs = capabilities.iter().find_map(|c| c.fs_type());
+        let minimum = if params.kind == VolumeKind::Dir {
+            0
+        } else {
+            minimum_size(fs)
+        };
+        let unsupported = capabilities
+            .iter()
+            .any(|c| c.unsupported_reason().is_some())
+            || (params.kind == VolumeKind::Dir && capabilities.iter().any(Capability::is_block));
+        let elsewhere = topology.is_some_and(|t| *t != self.topology());
+        if unsupported || elsewhere {
+            return Ok(Capacity {
+                available: 0,
+                maximum_volume_size: 0,
+                minimum_volume_size: minimum,
+            });
+        }
+        let (available, _) = pool.space()?;
+        Ok(Capacity {
+            available,
+            maximum_volume_size: available,
+            minimum_volume_size: minimum,
+        })
+    }
+
+    /// ValidateVolumeCapabilities: None when confirmed, else the reason.
+    pub fn validate_capabilities(
+        &self,
+        volume_id: &str,
+        caps: &[Capability],
+        parameters: &BTreeMap<String, String>,
+        mutable: &BTreeMap<String, String>,
+    ) -> Result<Option<String>> {
+        let rec = self.existing_volume(volume_id)?;
+        if caps.is_empty() {
+            return Err(Error::invalid("volume_capabilities are required"));
+        }
+        for c in caps {
+            if let Some(why) = c.unsupported_reason() {
+                return Ok(Some(why));
+            }
+            if c.is_block() && rec.backing != Backing::Image {
+                return Ok(Some(
+                    "block access is not possible on a kind=dir volume".into(),
+                ));
+            }
+            if let (Some(want), Some(have)) = (c.fs_type(), &rec.fs_type) {
+                if want != have {
+                    return Ok(Some(format!("the volume holds {have}, not {want}")));
+                }
+            }
+        }
+        if !parameters.is_empty() && *parameters != rec.parameters {
+            return Ok(Some("parameters differ from the volume's".into()));
+        }
+        if !mutable.is_empty() && *mutable != rec.mutable_parameters {
+            return Ok(Some("mutable_parameters differ from the volume's".into()));
+        }
+        Ok(None)
+    }
+
+    /// ControllerPublishVolume: records the publication; returns the publish context.
+    pub fn publish_volume(
+        &self,
+        volume_id: &str,
+        node_id: &str,
+        capability: Option<&Capability>,
+        read_only: bool,
+    ) -> Result<BTreeMap<String, String>> {
+        if volume_id.is_empty() {
+            return Err(Error::invalid("volume_id is required"));
+        }
+        if node_id.is_empty() {
+            return Err(Error::invalid("node_id is required"));
+        }
+        let cap = capability.ok_or_else(|| Error::invalid("volume_capability is required"))?;
+        if let Some(why) = cap.unsupported_reason() {
+            return Err(Error::invalid(why));
+        }
+        let id = VolumeId::parse_existing(volume_id)?;
+        let _guard = self.locks.try_lock([format!("volume:{id}")])?;
+        let mut rec = self.existing_volume(volume_id)?;
+        if node_id != self.cfg.node_id {
+            return Err(Error::not_found(format!(
+                "node {node_id:?} is not known to this driver; volumes here are local to \
+                 node {}",
+                self.cfg.node_id
+            )));
+        }
+        if cap.is_block() && rec.backing != Backing::Image {
+            return Err(Error::invalid(
+                "block access is not possible on a kind=dir volume",
+            ));
+        }
+        if let Some(other) = rec.published.keys().find(|n| *n != node_id) {
+            return Err(Error::precondition(format!(
+                "volume {id} is published to node {other} already"
+            )));
+        }
+        match rec.published.get(node_id) {
+            Some(p) if p.read_only != read_only => {
+                return Err(Error::AlreadyExists(format!(
+                    "volume {id} is published to {node_id} with readonly={}",
+                    p.read_only
+                )))
+            }
+            Some(_) => {}
+            None => {
+                let max = self.cfg.max_volumes_per_node;
+                if max > 0 {
+                    let (on_node, _) = self
+                        .volumes
+                        .page(None, 0, |v| v.published.contains_key(node_id));
+                    if on_node.len() as u64 >= max {
+                        return Err(Error::ResourceExhausted(format!(
+                            "node {node_id} has {max} volumes published, its limit"
+                        )));
+                    }
+                }
+                rec.published
+                    .insert(node_id.to_string(), Publication { read_only });
+                self.volumes.put(&rec)?;
+            }
+        }
+        Ok(BTreeMap::from([
+            ("pool".to_string(), rec.pool.clone()),
+            ("readonly".to_string(), read_only.to_string()),
+        ]))
+    }
+
+    pub fn unpublish_volume(&self, volume_id: &str, node_id: &str) -> Result<()> {
+        if volume_id.is_empty() {
+            return Err(Error::invalid("volume_id is required"));
+        }
+        let Some(id) = VolumeId::parse(volume_id) else {
+            return Ok(());
+        };
+        let _guard = self.locks.try_lock([format!("volume:{id}")])?;
+        let Some(mut rec) = self.volumes.get(id) else {
+            return Ok(());
+        };
+        let before = rec.published.len();
+        if node_id.is_empty() {
+            rec.published.clear();
+        } else {
+            rec.published.remove(node_id);
+        }
+        if rec.published.len() != before {
+            self.volumes.put(&rec)?;
+        }
+        Ok(())
+    }
+
+    /// ControllerModifyVolume: validates every parameter before changing anything.
+    pub fn modify_volume(&self, volume_id: &str, m: &BTreeMap<String, String>) -> Result<()> {
+        let id = VolumeId::parse_existing(volume_id)?;
+        self.check_mutable(m)?;
+        let _guard = self.locks.try_lock([format!("volume:{id}")])?;
+        let mut rec = self.existing_volume(volume_id)?;
+        if rec.backing != Backing::Image && !m.is_empty() {
+            return Err(Error::invalid(
+                "directIO and readAheadKiB apply to kind=image volumes only",
+            ));
+        }
+        let pool = self.pool(&rec.pool)?.clone();
+        let path = pool.volume_path(id, rec.backing, false);
+        self.write_attributes(&path, m)?;
+        failpoint::hit("modify-volume.after-attributes");
+        for (k, v) in m {
+            rec.mutable_parameters.insert(k.clone(), v.clone());
+        }
+        self.volumes.put(&rec)?;
+        failpoint::hit("modify-volume.after-commit");
+        // A volume staged here now gets the new values; elsewhere at its next stage.
+        self.apply_attributes_live(&path)?;
+        Ok(())
+    }
+
+    /// Start-up: roll back creations, finish deletions and expansions, then remove
+    /// pool data that no record accounts for.
+    pub(crate) fn recover_volumes(&self) -> Result<()> {
+        for rec in self.volumes.all() {
+            match (rec.state, rec.pending_size) {
+                (RecordState::Creating, _) => {
+                    tracing::warn!(volume.id = %rec.id, "rolling back an interrupted create");
+                    self.roll_back_volume(&rec)?;
+                }
+                (RecordState::Deleting, _) => {
+                    tracing::warn!(volume.id = %rec.id, "finishing an interrupted delete");
+                    self.roll_back_volume(&rec)?;
+                }
+                (RecordState::Ready, Some(size)) => {
+                    tracing::warn!(volume.id = %rec.id, size, "finishing an interrupted expansion");
+                    let pool = self.pool(&rec.pool)?.clone();
+                    self.apply_size(&pool, &rec, size)?;
+                    let mut done = rec.clone();
+                    done.size = size.max(rec.size);
+                    done.pending_size = None;
+                    self.volumes.put(&done)?;
+                }
+                _ => {}
+            }
+        }
+        for pool in self.pools.values() {
+            self.remove_orphans(&pool.volumes_dir(), |stem| {
+                VolumeId::parse(stem).is_some_and(|id| self.volumes.get(id).is_some())
+                    || self.volumes.is_quarantined(stem)
+            })?;
+        }
+        Ok(())
+    }
+
+    /// Removes entries of a pool directory that `known` does not account for, and
+    /// every leftover temporary.
+    pub(crate) fn remove_orphans(&self, dir: &Path, known: impl Fn(&str) -> bool) -> Result<()> {
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            return Ok(());
+        };
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let stem = name.strip_suffix(".img").unwrap_or(&name);
+            let temp = name.starts_with('.');
+            if temp || !known(stem) {
+                let path = entry.path();
+                if !temp && name.ends_with(".img") {
+                    // An image still attached is in use by something: leave it and say so.
+                    if let Ok(devs) = self.sys.loops.find(&path) {
+                        if !devs.is_empty() {
+                            tracing::warn!(path = %path.display(),
+                                "image has no record but is attached to a loop device; kept");
+                            continue;
+                        }
+                    }
+                }
+                tracing::warn!(path = %path.display(), "removing pool data no record accounts for");
+                remove_data(&path)?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Parses a pagination token: empty is the start, anything we did not issue is ABORTED.
+pub(crate) fn parse_token<T>(token: &str, parse: impl Fn(&str) -> Option<T>) -> Result<Option<T>> {
+    if token.is_empty() {
+        return Ok(None);
+    }
+    parse(token).map(Some).ok_or_else(|| {
+        Error::Aborted(format!(
+            "starting_token {token:?} was not issued by this driver"
+        ))
+    })
+}
+
+/// Removes a file, directory tree or btrfs subvolume; absent is fine.
+pub(crate) fn remove_data(path: &Path) -> Result<()> {
+    let meta = match std::fs::symlink_metadata(path) {
+        Ok(m) => m,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(Error::internal(format!("{}: {e}", path.display()))),
+    };
+    let at = || format!("removing {}", path.display());
+    if meta.is_dir() {
+        if btrfs::is_subvolume(path) {
+            btrfs::subvolume_delete(path).context(at)?;
+        } else {
+            file::remove_tree(path).context(at)?;
+        }
+    } else {
+        file::remove_file_if_exists(path).context(at)?;
+    }
+    if let Some(parent) = path.parent() {
+        file::fsync_dir(parent).context(at)?;
+    }
+    Ok(())
+}

@@ -1,0 +1,687 @@
+//! File operations on the pools: sparse images, reflinks, sparse-aware copies,
+//! directory tree copies, crash-safe writes and filesystem figures.
+//!
+//! These work on real files only (no trait, no fake): the tests run them on real
+//! filesystems. Every function that creates a file makes it durable (fsync of the
+//! file and of its directory) before it returns, because the domain records the
+//! outcome right after and a crash must not leave a record pointing at nothing.
+//! Files are created with O_EXCL so that a retry never silently overwrites data.
+
+use std::ffi::CString;
+use std::fs::{self, File, OpenOptions};
+use std::io::{self, Write};
+use std::os::unix::ffi::OsStrExt;
+use std::os::unix::fs::{
+    DirBuilderExt, FileExt, FileTypeExt, MetadataExt, OpenOptionsExt, PermissionsExt,
+};
+use std::os::unix::io::AsRawFd;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::error::{Result, SysError};
+use crate::FsStats;
+
+/// FICLONE = _IOW(0x94, 9, int): share all extents of the source file.
+const FICLONE: u64 = 0x4004_9409;
+
+/// Errnos with which FICLONE / copy_file_range say "not here" (another filesystem,
+/// no reflink support, not a regular file) rather than "went wrong".
+fn is_unsupported_errno(errno: Option<i32>) -> bool {
+    matches!(
+        errno,
+        Some(libc::EOPNOTSUPP)
+            | Some(libc::EXDEV)
+            | Some(libc::EINVAL)
+            | Some(libc::ENOTTY)
+            | Some(libc::EBADF)
+            | Some(libc::ENOSYS)
+    )
+}
+
+pub(crate) fn cpath(path: &Path) -> Result<CString> {
+    CString::new(path.as_os_str().as_bytes()).map_err(|_| SysError::InvalidArgument {
+        what: format!("path {} contains a NUL byte", path.display()),
+    })
+}
+
+fn parent_dir(path: &Path) -> &Path {
+    match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    }
+}
+
+/// Open a new file with O_EXCL and `mode`: an existing file is an Io error of kind
+/// AlreadyExists.
+fn create_new(path: &Path, mode: u32) -> Result<File> {
+    OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(mode)
+        .custom_flags(libc::O_CLOEXEC)
+        .open(path)
+        .map_err(|e| SysError::io("create", path, e))
+}
+
+fn open_read(path: &Path) -> Result<File> {
+    File::open(path).map_err(|e| SysError::io("open", path, e))
+}
+
+/// Run `fill` on a freshly created file and make it durable; on any failure remove
+/// the file again so that no half-written copy is left for a retry to trip over.
+fn create_with<F>(path: &Path, mode: u32, fill: F) -> Result<()>
+where
+    F: FnOnce(&File) -> Result<()>,
+{
+    let file = create_new(path, mode)?;
+    let res = fill(&file)
+        .and_then(|()| file.sync_all().map_err(|e| SysError::io("fsync", path, e)))
+        .and_then(|()| fsync_dir(parent_dir(path)));
+    if res.is_err() {
+        drop(file);
+        let _ = fs::remove_file(path);
+    }
+    res
+}
+
+/// Create a new sparse file of `size` bytes (mode 0600). Fails with an Io error of
+/// kind AlreadyExists when `path` exists.
+pub fn create_sparse(path: &Path, size: u64) -> Result<()> {
+    create_with(path, 0o600, |f| {
+        f.set_len(size)
+            .map_err(|e| SysError::io("set size of", path, e))
+    })
+}
+
+/// Grow the file at `path` to `size` bytes; a file already that large is left as
+/// it is (never shrunk).
+pub fn grow(path: &Path, size: u64) -> Result<()> {
+    let f = OpenOptions::new()
+        .write(true)
+        .custom_flags(libc::O_CLOEXEC)
+        .open(path)
+        .map_err(|e| SysError::io("open", path, e))?;
+    let len = f
+        .metadata()
+        .map_err(|e| SysError::io("stat", path, e))?
+        .len();
+    if len >= size {
+        return Ok(());
+    }
+    f.set_len(size).map_err(|e| SysError::io("grow", path, e))?;
+    f.sync_all().map_err(|e| SysError::io("fsync", path, e))
+}
+
+/// Make `dst` (which must not exist) a reflink copy of `src` with FICLONE: O(1) in
+/// time and space. Returns Unsupported when the filesystem cannot (ext4, another
+/// filesystem, ...); `dst` is then removed.
+pub fn reflink(src: &Path, dst: &Path) -> Result<()> {
+    let s = open_read(src)?;
+    create_with(dst, 0o600, |d| {
+        // SAFETY: both fds are open for the duration of the call; FICLONE takes
+        // the source fd as its integer argument.
+        let r = unsafe { libc::ioctl(d.as_raw_fd(), FICLONE as _, s.as_raw_fd()) };
+        if r == 0 {
+            return Ok(());
+        }
+        let e = io::Error::last_os_error();
+        if is_unsupported_errno(e.raw_os_error()) {
+            Err(SysError::Unsupported {
+                what: format!(
+                    "reflink (FICLONE) of {} to {}: {e}",
+                    src.display(),
+                    dst.display()
+                ),
+            })
+        } else {
+            Err(SysError::io("reflink to", dst, e))
+        }
+    })
+}
+
+/// Copy `src` to the new file `dst`, copying only data extents (SEEK_DATA /
+/// SEEK_HOLE) so that holes stay holes. Uses copy_file_range (which itself shares
+/// extents on xfs and btrfs) and falls back to read/write, skipping zero blocks.
+pub fn sparse_copy(src: &Path, dst: &Path) -> Result<()> {
+    let s = open_read(src)?;
+    let len = s
+        .metadata()
+        .map_err(|e| SysError::io("stat", src, e))?
+        .len();
+    create_with(dst, 0o600, |d| {
+        // Size first: everything not written below is a hole of the right length.
+        d.set_len(len)
+            .map_err(|e| SysError::io("set size of", dst, e))?;
+        let mut copier = RangeCopier {
+            src: &s,
+            dst: d,
+            src_path: src,
+            dst_path: dst,
+            use_copy_file_range: true,
+            buf: Vec::new(),
+        };
+        let mut pos = 0;
+        while pos < len {
+            let Some(data) = seek(&s, pos, libc::SEEK_DATA, src)? else {
+                break;
+            };
+            if data >= len {
+                break;
+            }
+            let hole = seek(&s, data, libc::SEEK_HOLE, src)?
+                .unwrap_or(len)
+                .min(len);
+            if hole <= data {
+                // A filesystem that reports nonsense; copy the rest to stay correct.
+                copier.copy(data, len)?;
+                break;
+            }
+            copier.copy(data, hole)?;
+            pos = hole;
+        }
+        Ok(())
+    })
+}
+
+/// lseek with SEEK_DATA/SEEK_HOLE. None for "no more data" (ENXIO). A filesystem
+/// without support (EINVAL) is treated as all data from `pos`.
+fn seek(f: &File, pos: u64, whence: i32, path: &Path) -> Result<Option<u64>> {
+    let off = i64::try_from(pos).map_err(|_| SysError::InvalidArgument {
+        what: format!("offset {pos} of {}", path.display()),
+    })?;
+    // SAFETY: plain syscall on an open fd.
+    let r = unsafe { libc::lseek(f.as_raw_fd(), off, whence) };
+    if r >= 0 {
+        return Ok(Some(r as u64));
+    }
+    let e = io::Error::last_os_error();
+    match e.raw_os_error() {
+        Some(libc::ENXIO) => Ok(None),
+        Some(libc::EINVAL) | Some(libc::EOPNOTSUPP) => Ok(if whence == libc::SEEK_DATA {
+            Some(pos)
+        } else {
+            None
+        }),
+        _ => Err(SysError::io("seek in", path, e)),
+    }
+}
+
+struct RangeCopier<'a> {
+    src: &'a File,
+    dst: &'a File,
+    src_path: &'a Path,
+    dst_path: &'a Path,
+    use_copy_file_range: bool,
+    buf: Vec<u8>,
+}
+
+impl RangeCopier<'_> {
+    /// Copy bytes [start, end) at the same offsets.
+    fn copy(&mut self, mut start: u64, end: u64) -> Result<()> {
+        const CHUNK: u64 = 1 << 20;
+        while start < end {
+            if self.use_copy_file_range {
+                let mut off_in = start as libc::loff_t;
+                let mut off_out = start as libc::loff_t;
+                let want = (end - start).min(1 << 30) as usize;
+                // SAFETY: both fds are open; the offsets are valid pointers to
+                // locals that the kernel updates.
+                let n = unsafe {
+                    libc::copy_file_range(
+                        self.src.as_raw_fd(),
+                        &mut off_in,
+                        self.dst.as_raw_fd(),
+                        &mut off_out,
+                        want,
+                        0,
+                    )
+                };
+                if n > 0 {
+                    start += n as u64;
+                    continue;
+                }
+                if n == 0 {
+                    // The source shrank under us: nothing more to read.
+                    return Ok(());
+                }
+                let e = io::Error::last_os_error();
+                if is_unsupported_errno(e.raw_os_error()) {
+                    self.use_copy_file_range = false;
+                    continue;
+                }
+                return Err(SysError::io("copy_file_range to", self.dst_path, e));
+            }
+            let want = (end - start).min(CHUNK) as usize;
+            self.buf.resize(want, 0);
+            let n = self
+                .src
+                .read_at(&mut self.buf[..want], start)
+                .map_err(|e| SysError::io("read", self.src_path, e))?;
+            if n == 0 {
+                return Ok(());
+            }
+            let chunk = &self.buf[..n];
+            // The destination was sized up front: skipping zeros leaves holes.
+            if chunk.iter().any(|b| *b != 0) {
+                self.dst
+                    .write_all_at(chunk, start)
+                    .map_err(|e| SysError::io("write", self.dst_path, e))?;
+            }
+            start += n as u64;
+        }
+        Ok(())
+    }
+}
+
+/// Copy `src` to the new file `dst`: a reflink when the filesystem can (returns
+/// true), else a sparse-aware copy (returns false).
+pub fn copy_file(src: &Path, dst: &Path) -> Result<bool> {
+    match reflink(src, dst) {
+        Ok(()) => Ok(true),
+        Err(e) if e.is_unsupported() => {
+            tracing::debug!(src = %src.display(), dst = %dst.display(), "no reflink, sparse copy");
+            sparse_copy(src, dst).map(|()| false)
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// Copy the directory tree `src_dir` into `dst_dir` (created when missing; entries
+/// must not exist in it yet). Regular files go through [`copy_file`] (reflinks where
+/// possible), symlinks are recreated (never followed), fifos and device nodes are
+/// recreated with mknod, sockets are skipped. Owner, mode and atime/mtime are kept;
+/// extended attributes, ACLs and hard links are not (a hard-linked file becomes
+/// separate copies). `dst_dir` may not lie inside `src_dir`.
+pub fn copy_tree(src_dir: &Path, dst_dir: &Path) -> Result<()> {
+    let root_meta = fs::symlink_metadata(src_dir).map_err(|e| SysError::io("stat", src_dir, e))?;
+    if !root_meta.is_dir() {
+        return Err(SysError::InvalidArgument {
+            what: format!("copy_tree source {} is not a directory", src_dir.display()),
+        });
+    }
+    let src_real = fs::canonicalize(src_dir).map_err(|e| SysError::io("resolve", src_dir, e))?;
+    if resolve_maybe_missing(dst_dir)?.starts_with(&src_real) {
+        return Err(SysError::InvalidArgument {
+            what: format!(
+                "copy_tree destination {} lies inside its source {}",
+                dst_dir.display(),
+                src_dir.display()
+            ),
+        });
+    }
+    make_dir(dst_dir)?;
+
+    // Directories get their metadata after their contents are in place (adding
+    // entries would change their mtime), deepest first.
+    let mut dirs: Vec<(PathBuf, fs::Metadata)> = vec![(dst_dir.to_path_buf(), root_meta)];
+    let mut stack: Vec<(PathBuf, PathBuf)> = vec![(src_dir.to_path_buf(), dst_dir.to_path_buf())];
+    while let Some((s, d)) = stack.pop() {
+        let entries = fs::read_dir(&s).map_err(|e| SysError::io("read directory", &s, e))?;
+        for entry in entries {
+            let entry = entry.map_err(|e| SysError::io("read directory", &s, e))?;
+            let sp = entry.path();
+            let dp = d.join(entry.file_name());
+            let m = fs::symlink_metadata(&sp).map_err(|e| SysError::io("stat", &sp, e))?;
+            let ft = m.file_type();
+            if ft.is_dir() {
+                make_dir(&dp)?;
+                dirs.push((dp.clone(), m));
+                stack.push((sp, dp));
+            } else if ft.is_file() {
+                copy_file(&sp, &dp)?;
+                apply_metadata(&dp, &m)?;
+            } else if ft.is_symlink() {
+                let target = fs::read_link(&sp).map_err(|e| SysError::io("read link", &sp, e))?;
+                std::os::unix::fs::symlink(&target, &dp)
+                    .map_err(|e| SysError::io("create symlink", &dp, e))?;
+                apply_metadata(&dp, &m)?;
+            } else if ft.is_fifo() || ft.is_char_device() || ft.is_block_device() {
+                let c = cpath(&dp)?;
+                // SAFETY: c is a valid NUL-terminated path.
+                let r = unsafe {
+                    libc::mknod(
+                        c.as_ptr(),
+                        m.mode() as libc::mode_t,
+                        m.rdev() as libc::dev_t,
+                    )
+                };
+                if r != 0 {
+                    return Err(SysError::io("mknod", &dp, io::Error::last_os_error()));
+                }
+                apply_metadata(&dp, &m)?;
+            } else {
+                // A socket is only meaningful to the process that bound it.
+                tracing::debug!(path = %sp.display(), "copy_tree skips a socket");
+            }
+        }
+    }
+    for (d, m) in dirs.iter().rev() {
+        apply_metadata(d, m)?;
+    }
+    // One syncfs makes the whole copy durable, cheaper than an fsync per file.
+    let dir = open_read(dst_dir)?;
+    // SAFETY: plain syscall on an open fd.
+    if unsafe { libc::syncfs(dir.as_raw_fd()) } != 0 {
+        return Err(SysError::io("syncfs", dst_dir, io::Error::last_os_error()));
+    }
+    Ok(())
+}
+
+/// The absolute, symlink-resolved form of a path whose last components may not
+/// exist yet.
+fn resolve_maybe_missing(path: &Path) -> Result<PathBuf> {
+    let mut missing = Vec::new();
+    let mut cur = if path.is_absolute() {
+        path.to_path_buf()
+    } else {
+        std::env::current_dir()
+            .map_err(|e| SysError::io("get current directory for", path, e))?
+            .join(path)
+    };
+    loop {
+        match fs::canonicalize(&cur) {
+            Ok(real) => {
+                return Ok(missing
+                    .iter()
+                    .rev()
+                    .fold(real, |p, c: &std::ffi::OsString| p.join(c)));
+            }
+            Err(_) => match (cur.file_name(), cur.parent()) {
+                (Some(name), Some(parent)) => {
+                    missing.push(name.to_os_string());
+                    cur = parent.to_path_buf();
+                }
+                _ => return Ok(cur),
+            },
+        }
+    }
+}
+
+fn make_dir(path: &Path) -> Result<()> {
+    match fs::DirBuilder::new().mode(0o700).create(path) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::AlreadyExists && path.is_dir() => Ok(()),
+        Err(e) => Err(SysError::io("create directory", path, e)),
+    }
+}
+
+/// Owner, then mode (chown clears setuid bits), then times, without following a
+/// symlink at `path`.
+fn apply_metadata(path: &Path, m: &fs::Metadata) -> Result<()> {
+    std::os::unix::fs::lchown(path, Some(m.uid()), Some(m.gid()))
+        .map_err(|e| SysError::io("chown", path, e))?;
+    if !m.file_type().is_symlink() {
+        fs::set_permissions(path, fs::Permissions::from_mode(m.mode() & 0o7777))
+            .map_err(|e| SysError::io("chmod", path, e))?;
+    }
+    let times = [
+        libc::timespec {
+            tv_sec: m.atime() as libc::time_t,
+            tv_nsec: m.atime_nsec() as _,
+        },
+        libc::timespec {
+            tv_sec: m.mtime() as libc::time_t,
+            tv_nsec: m.mtime_nsec() as _,
+        },
+    ];
+    let c = cpath(path)?;
+    // SAFETY: c is a valid path and times points at two timespecs.
+    let r = unsafe {
+        libc::utimensat(
+            libc::AT_FDCWD,
+            c.as_ptr(),
+            times.as_ptr(),
+            libc::AT_SYMLINK_NOFOLLOW,
+        )
+    };
+    if r != 0 {
+        return Err(SysError::io(
+            "set times of",
+            path,
+            io::Error::last_os_error(),
+        ));
+    }
+    Ok(())
+}
+
+/// The temporary file [`write_atomic`] uses for `path`: `.<name>.tmp` next to it. A
+/// leftover one after a crash is an orphan that may be removed.
+pub fn temp_path_for(path: &Path) -> Result<PathBuf> {
+    let name = path.file_name().ok_or_else(|| SysError::InvalidArgument {
+        what: format!("{} has no file name", path.display()),
+    })?;
+    let mut tmp = std::ffi::OsString::from(".");
+    tmp.push(name);
+    tmp.push(".tmp");
+    Ok(parent_dir(path).join(tmp))
+}
+
+/// Replace the content of `path` crash-safely: write `.<name>.tmp` in the same
+/// folder, fsync it, rename it over `path`, fsync the folder. A reader sees the old
+/// or the new content, never a mix. The file gets mode 0600.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let tmp = temp_path_for(path)?;
+    let res = (|| {
+        let mut f = OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(&tmp)
+            .map_err(|e| SysError::io("create", &tmp, e))?;
+        f.write_all(bytes)
+            .map_err(|e| SysError::io("write", &tmp, e))?;
+        f.sync_all().map_err(|e| SysError::io("fsync", &tmp, e))?;
+        fs::rename(&tmp, path).map_err(|e| SysError::io("rename over", path, e))?;
+        fsync_dir(parent_dir(path))
+    })();
+    if res.is_err() {
+        let _ = fs::remove_file(&tmp);
+    }
+    res
+}
+
+/// fsync a directory, making the creation, removal or rename of its entries durable.
+pub fn fsync_dir(dir: &Path) -> Result<()> {
+    let d = open_read(dir)?;
+    d.sync_all()
+        .map_err(|e| SysError::io("fsync directory", dir, e))
+}
+
+/// Remove a file (or symlink); a missing one is Ok(false).
+pub fn remove_file_if_exists(path: &Path) -> Result<bool> {
+    match fs::remove_file(path) {
+        Ok(()) => Ok(true),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(SysError::io("remove", path, e)),
+    }
+}
+
+/// Remove `path` and, when it is a directory, everything below it. Symlinks are
+/// removed, never followed. A missing path is Ok. Refuses (Busy) when anything is
+/// mounted at or below `path`, so that a forgotten mount does not lose the data of
+/// the filesystem mounted there.
+pub fn remove_tree(path: &Path) -> Result<()> {
+    let m = match fs::symlink_metadata(path) {
+        Ok(m) => m,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(SysError::io("stat", path, e)),
+    };
+    if !m.is_dir() {
+        return remove_file_if_exists(path).map(|_| ());
+    }
+    let real = fs::canonicalize(path).map_err(|e| SysError::io("resolve", path, e))?;
+    let table = crate::mountinfo::read()?;
+    if let Some(busy) = crate::mountinfo::mounts_under(&table, &real).first() {
+        return Err(SysError::Busy {
+            what: format!(
+                "will not remove {}: {} is mounted at {}",
+                path.display(),
+                busy.source,
+                busy.mount_point.display()
+            ),
+        });
+    }
+    // std's remove_dir_all does not follow symlinks (it removes the link).
+    match fs::remove_dir_all(path) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(SysError::io("remove tree", path, e)),
+    }
+}
+
+/// Bytes allocated on disk for the file (st_blocks * 512), less than its length
+/// when it is sparse.
+pub fn allocated_bytes(path: &Path) -> Result<u64> {
+    let m = fs::metadata(path).map_err(|e| SysError::io("stat", path, e))?;
+    Ok(m.blocks().saturating_mul(512))
+}
+
+/// The length of the file in bytes.
+pub fn file_len(path: &Path) -> Result<u64> {
+    let m = fs::metadata(path).map_err(|e| SysError::io("stat", path, e))?;
+    Ok(m.len())
+}
+
+/// Whether FICLONE works in folder `dir`: two hidden probe files are created,
+/// cloned and removed. Any failure answers false.
+pub fn probe_reflink(dir: &Path) -> bool {
+    static SEQ: AtomicU64 = AtomicU64::new(0);
+    let n = SEQ.fetch_add(1, Ordering::Relaxed);
+    let a = dir.join(format!(".csi-reflink-probe-{}-{n}.a", std::process::id()));
+    let b = dir.join(format!(".csi-reflink-probe-{}-{n}.b", std::process::id()));
+    let ok = create_with(&a, 0o600, |f| {
+        f.write_all_at(&[0x5a; 4096], 0)
+            .map_err(|e| SysError::io("write", &a, e))
+    })
+    .and_then(|()| reflink(&a, &b));
+    let _ = fs::remove_file(&a);
+    let _ = fs::remove_file(&b);
+    match ok {
+        Ok(()) => true,
+        Err(e) => {
+            tracing::debug!(dir = %dir.display(), error = %e, "reflink probe failed");
+            false
+        }
+    }
+}
+
+/// statvfs figures of the filesystem holding `path`, in bytes and inodes.
+pub fn statvfs(path: &Path) -> Result<FsStats> {
+    let c = cpath(path)?;
+    // SAFETY: an all-zero statvfs is a valid value to be overwritten.
+    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+    // SAFETY: c is a valid path and st a valid out pointer.
+    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
+        return Err(SysError::io("statvfs", path, io::Error::last_os_error()));
+    }
+    let frsize = st.f_frsize as u64;
+    Ok(FsStats {
+        total_bytes: (st.f_blocks as u64).saturating_mul(frsize),
+        free_bytes: (st.f_bfree as u64).saturating_mul(frsize),
+        available_bytes: (st.f_bavail as u64).saturating_mul(frsize),
+        total_inodes: st.f_files as u64,
+        free_inodes: st.f_ffree as u64,
+        read_only: st.f_flag & libc::ST_RDONLY != 0,
+    })
+}
+
+/// The type of the filesystem holding `path`, from the statfs magic: "ext4" (also
+/// for ext2/ext3, which share the magic), "xfs", "btrfs", "tmpfs", "overlay", ...;
+/// an unknown magic as hex ("0x1234abcd").
+pub fn fs_type_name(path: &Path) -> Result<String> {
+    let c = cpath(path)?;
+    // SAFETY: an all-zero statfs is a valid value to be overwritten.
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: c is a valid path and st a valid out pointer.
+    if unsafe { libc::statfs(c.as_ptr(), &mut st) } != 0 {
+        return Err(SysError::io("statfs", path, io::Error::last_os_error()));
+    }
+    // f_type is signed on some targets; the magics are 32-bit values.
+    let magic = st.f_type as u64 & 0xffff_ffff;
+    Ok(magic_name(magic))
+}
+
+fn magic_name(magic: u64) -> String {
+    let name = match magic {
+        0xEF53 => "ext4",
+        0x5846_5342 => "xfs",
+        0x9123_683E => "btrfs",
+        0x0102_1994 => "tmpfs",
+        0x794C_7630 => "overlay",
+        0x8584_58F6 => "ramfs",
+        0xF2F5_2010 => "f2fs",
+        0x2FC1_2FC1 => "zfs",
+        0x6969 => "nfs",
+        0x6573_5546 => "fuse",
+        0x7371_7368 => "squashfs",
+        0x9FA0 => "proc",
+        0x6265_6572 => "sysfs",
+        _ => return format!("{magic:#x}"),
+    };
+    name.to_string()
+}
+
+/// Create `path` and its missing parents; each folder created here gets exactly
+/// `mode` (whatever the umask). Existing folders are left as they are.
+pub fn mkdir_p_mode(path: &Path, mode: u32) -> Result<()> {
+    let mut missing = Vec::new();
+    let mut cur = path;
+    loop {
+        match fs::symlink_metadata(cur) {
+            Ok(m) if m.is_dir() => break,
+            Ok(_) if fs::metadata(cur).map(|m| m.is_dir()).unwrap_or(false) => break,
+            Ok(_) => {
+                return Err(SysError::Io {
+                    op: "create directory",
+                    path: cur.to_path_buf(),
+                    source: io::Error::new(
+                        io::ErrorKind::AlreadyExists,
+                        "exists and is not a directory",
+                    ),
+                })
+            }
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                missing.push(cur);
+                match cur.parent() {
+                    Some(p) if !p.as_os_str().is_empty() => cur = p,
+                    _ => break,
+                }
+            }
+            Err(e) => return Err(SysError::io("stat", cur, e)),
+        }
+    }
+    for dir in missing.into_iter().rev() {
+        match fs::DirBuilder::new().mode(mode).create(dir) {
+            Ok(()) => fs::set_permissions(dir, fs::Permissions::from_mode(mode))
+                .map_err(|e| SysError::io("chmod", dir, e))?,
+            // Another thread made it meanwhile: fine.
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists && dir.is_dir() => {}
+            Err(e) => return Err(SysError::io("create directory", dir, e)),
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn magic_names() {
+        assert_eq!(magic_name(0xEF53), "ext4");
+        assert_eq!(magic_name(0x58465342), "xfs");
+        assert_eq!(magic_name(0x9123683E), "btrfs");
+        assert_eq!(magic_name(0x1234abcd), "0x1234abcd");
+    }
+
+    #[test]
+    fn temp_path() {
+        assert_eq!(
+            temp_path_for(Path::new("/s/vol-1.json")).unwrap(),
+            PathBuf::from("/s/.vol-1.json.tmp")
+        );
+        assert!(temp_path_for(Path::new("/")).is_err());
+    }
+}

@@ -1,0 +1,155 @@
+//! The system layer: every syscall and every external command the driver uses lives
+//! here, and nothing else does. Decisions belong to the domain (`csi-storage`).
+//!
+//! Node-side operations whose outcome the domain must decide on (what is mounted,
+//! which loop device serves a file) sit behind the traits [`Mounter`], [`Loops`] and
+//! [`Filesystems`], with a Linux implementation ([`linux`]) and a stateful fake
+//! ([`fake`]) for unit tests of decisions. File operations on the pools (reflink,
+//! sparse copy, atomic writes) and btrfs subvolumes are plain functions in [`file`]
+//! and [`btrfs`]: they are tested against real filesystems.
+
+pub mod btrfs;
+pub mod cmd;
+pub mod error;
+pub mod fake;
+pub mod file;
+pub mod linux;
+pub mod mountinfo;
+pub mod xattr;
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+pub use error::{Result, SysError};
+pub use mountinfo::MountEntry;
+
+/// Options of a mount made by [`Mounter::mount`] or [`Mounter::bind`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct MountOptions {
+    pub read_only: bool,
+    /// Flags such as `noatime`, `nodev`, `nosuid`, `noexec`, `sync`, `dirsync`,
+    /// `discard` (the data part) and any filesystem-specific `key=value`. The
+    /// implementation splits them into MS_* flags and the data string.
+    pub flags: Vec<String>,
+}
+
+pub trait Mounter: Send + Sync {
+    /// The current mount table of this process's mount namespace.
+    fn mounts(&self) -> Result<Vec<MountEntry>>;
+    /// Mount a filesystem of type `fstype` from `source` (a block device) at `target`.
+    fn mount(&self, source: &Path, target: &Path, fstype: &str, opts: &MountOptions) -> Result<()>;
+    /// Bind-mount `source` (a directory, or a device node onto a file) at `target`;
+    /// read-only binds are remounted read-only as the kernel requires.
+    fn bind(&self, source: &Path, target: &Path, opts: &MountOptions) -> Result<()>;
+    /// Unmount `target` (not lazily). Not mounted is an error of kind NotMounted.
+    fn unmount(&self, target: &Path) -> Result<()>;
+}
+
+/// One attached loop device.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct LoopDevice {
+    /// `/dev/loopN`
+    pub device: PathBuf,
+    /// The backing file as the kernel reports it (`/sys/block/loopN/loop/backing_file`).
+    pub backing_file: PathBuf,
+    pub read_only: bool,
+    pub direct_io: bool,
+    /// Size of the block device in bytes.
+    pub size: u64,
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LoopOptions {
+    pub read_only: bool,
+    pub direct_io: bool,
+}
+
+pub trait Loops: Send + Sync {
+    /// Every attached loop device.
+    fn list(&self) -> Result<Vec<LoopDevice>>;
+    /// The loop devices attached to `backing` (canonical path comparison).
+    fn find(&self, backing: &Path) -> Result<Vec<LoopDevice>> {
+        let want = std::fs::canonicalize(backing).unwrap_or_else(|_| backing.to_path_buf());
+        Ok(self
+            .list()?
+            .into_iter()
+            .filter(|d| d.backing_file == want)
+            .collect())
+    }
+    /// Attach `backing` to a free loop device (created through /dev/loop-control when
+    /// none is free) and return it. After a failed attach the implementation looks the
+    /// file up before retrying, so an attach that the kernel did finish is not doubled.
+    fn attach(&self, backing: &Path, opts: LoopOptions) -> Result<LoopDevice>;
+    fn detach(&self, device: &Path) -> Result<()>;
+    /// Re-read the backing file's size (LOOP_SET_CAPACITY).
+    fn refresh_capacity(&self, device: &Path) -> Result<()>;
+    fn set_direct_io(&self, device: &Path, on: bool) -> Result<()>;
+    /// Make the block device read-only or read-write (BLKROSET).
+    fn set_read_only(&self, device: &Path, read_only: bool) -> Result<()>;
+    /// Set the device's read-ahead in KiB (`/sys/block/loopN/queue/read_ahead_kb`).
+    fn set_read_ahead_kib(&self, device: &Path, kib: u32) -> Result<()> {
+        let name = device.file_name().ok_or_else(|| SysError::NotFound {
+            what: format!("device {}", device.display()),
+        })?;
+        let attr = Path::new("/sys/block")
+            .join(name)
+            .join("queue/read_ahead_kb");
+        std::fs::write(&attr, kib.to_string()).map_err(|source| SysError::Io {
+            op: "write",
+            path: attr,
+            source,
+        })
+    }
+}
+
+/// statvfs figures, in bytes and inodes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FsStats {
+    pub total_bytes: u64,
+    pub free_bytes: u64,
+    pub available_bytes: u64,
+    pub total_inodes: u64,
+    pub free_inodes: u64,
+    pub read_only: bool,
+}
+
+pub trait Filesystems: Send + Sync {
+    /// The filesystem type found on `device` by `blkid -p`, or None when it holds none.
+    fn probe(&self, device: &Path) -> Result<Option<String>>;
+    /// Make a filesystem of `fstype` (ext4, xfs, btrfs) on `device`.
+    fn mkfs(&self, device: &Path, fstype: &str) -> Result<()>;
+    /// Check (and where safe, repair) an unmounted filesystem: `e2fsck -p`,
+    /// `xfs_repair -n`, `btrfs check --readonly`.
+    fn check(&self, device: &Path, fstype: &str) -> Result<()>;
+    /// Size in bytes of the filesystem on `device` (from its superblock).
+    fn fs_size(&self, device: &Path, fstype: &str) -> Result<u64>;
+    /// Grow the filesystem to fill its device. `mountpoint` is where it is mounted
+    /// (xfs and btrfs grow only online; ext4 grows offline when it is None).
+    fn grow(&self, device: &Path, mountpoint: Option<&Path>, fstype: &str) -> Result<()>;
+    /// Give the unmounted filesystem on `device` a new UUID (a reflinked copy must not
+    /// share its source's).
+    fn new_uuid(&self, device: &Path, fstype: &str) -> Result<()>;
+    fn freeze(&self, mountpoint: &Path) -> Result<()>;
+    fn thaw(&self, mountpoint: &Path) -> Result<()>;
+    fn stats(&self, path: &Path) -> Result<FsStats>;
+    /// Size in bytes of a block device (BLKGETSIZE64).
+    fn device_size(&self, device: &Path) -> Result<u64>;
+}
+
+/// The system layer as the domain sees it.
+#[derive(Clone)]
+pub struct System {
+    pub mounter: Arc<dyn Mounter>,
+    pub loops: Arc<dyn Loops>,
+    pub fs: Arc<dyn Filesystems>,
+}
+
+impl System {
+    pub fn linux() -> Self {
+        System {
+            mounter: Arc::new(linux::LinuxMounter),
+            loops: Arc::new(linux::LinuxLoops::default()),
+            fs: Arc::new(linux::LinuxFilesystems::default()),
+        }
+    }
+}
