@@ -63,6 +63,7 @@ struct Inner {
     filesystems: BTreeMap<PathBuf, FakeFs>,
     frozen: Vec<PathBuf>,
     device_sizes: BTreeMap<PathBuf, u64>,
+    read_ahead_kib: BTreeMap<PathBuf, u32>,
     counters: FakeCounters,
     failures: Vec<(String, Failure)>,
     require_targets: bool,
@@ -138,13 +139,19 @@ impl FakeState {
         self.lock().frozen.iter().any(|p| p == mountpoint)
     }
 
+    /// The read-ahead last set on `device` with `set_read_ahead_kib`.
+    pub fn read_ahead_kib(&self, device: &Path) -> Option<u32> {
+        self.lock().read_ahead_kib.get(device).copied()
+    }
+
     pub fn counters(&self) -> FakeCounters {
         self.lock().counters.clone()
     }
 
     /// Make the next call of `op` fail with the error `make` returns. `op` is the
     /// trait method's name: "mount", "bind", "unmount", "mounts", "list", "attach",
-    /// "detach", "refresh_capacity", "set_direct_io", "set_read_only", "probe",
+    /// "detach", "refresh_capacity", "set_direct_io", "set_read_only",
+    /// "set_read_ahead_kib", "probe",
     /// "mkfs", "check", "fs_size", "grow", "new_uuid", "freeze", "thaw", "stats",
     /// "device_size".
     pub fn fail_next(&self, op: &str, make: impl FnOnce() -> SysError + Send + 'static) {
@@ -489,6 +496,14 @@ impl Loops for FakeLoops {
         }
         Ok(())
     }
+
+    fn set_read_ahead_kib(&self, device: &Path, kib: u32) -> Result<()> {
+        let mut inner = self.0.lock();
+        inner.take_failure("set_read_ahead_kib")?;
+        attached(&inner, device)?;
+        inner.read_ahead_kib.insert(device.to_path_buf(), kib);
+        Ok(())
+    }
 }
 
 fn attached(inner: &Inner, device: &Path) -> Result<u32> {
@@ -722,6 +737,8 @@ mod tests {
         sys.mounter.unmount(target).unwrap();
         assert!(sys.mounter.unmount(target).unwrap_err().is_not_mounted());
         sys.mounter.unmount(staging).unwrap();
+        sys.loops.set_read_ahead_kib(&dev.device, 4096).unwrap();
+        assert_eq!(state.read_ahead_kib(&dev.device), Some(4096));
         sys.loops.detach(&dev.device).unwrap();
         sys.loops.detach(&dev.device).unwrap();
 

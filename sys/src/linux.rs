@@ -292,7 +292,11 @@ static ATTACH_LOCK: Mutex<()> = Mutex::new(());
 /// LO_FLAGS_AUTOCLEAR: they outlive this process (the node keeps volumes staged
 /// across driver restarts).
 #[derive(Debug, Default)]
-pub struct LinuxLoops;
+pub struct LinuxLoops {
+    // Built with `LinuxLoops::default()`, so settings can be added later without
+    // touching callers.
+    _private: (),
+}
 
 fn ioctl_errno<T>(fd: &File, request: u64, arg: T) -> std::result::Result<libc::c_int, i32> {
     // SAFETY: every caller passes a request whose argument is `arg`: an integer, or
@@ -363,8 +367,8 @@ fn read_loop(n: u32) -> Option<LoopDevice> {
 
 /// The node /dev/loopN, created when missing (no udev here). The device number is
 /// read from sysfs, since loop's minors depend on its max_part setting.
-fn ensure_node(n: u32) -> Result<PathBuf> {
-    let dev = PathBuf::from(format!("/dev/loop{n}"));
+fn ensure_node(dev_dir: &Path, n: u32) -> Result<PathBuf> {
+    let dev = dev_dir.join(format!("loop{n}"));
     match std::fs::metadata(&dev) {
         Ok(m) if m.file_type().is_block_device() => return Ok(dev),
         Ok(_) => {
@@ -413,14 +417,8 @@ fn get_free_loop() -> Result<u32> {
     })
 }
 
-/// Bind `file` to the loop device `dev`: LOOP_CONFIGURE in one step, or the older
-/// LOOP_SET_FD + LOOP_SET_STATUS64 on kernels without it. Returns the errno.
-fn configure(
-    dev: &File,
-    file: &File,
-    backing: &Path,
-    opts: LoopOptions,
-) -> std::result::Result<(), i32> {
+/// The loop_info64 for attaching `backing` with `opts`.
+fn loop_info(backing: &Path, opts: LoopOptions) -> LoopInfo64 {
     let mut info = LoopInfo64::zeroed();
     if opts.read_only {
         info.lo_flags |= LO_FLAGS_READ_ONLY;
@@ -432,6 +430,18 @@ fn configure(
     let name = backing.as_os_str().as_encoded_bytes();
     let len = name.len().min(LO_NAME_SIZE - 1);
     info.lo_file_name[..len].copy_from_slice(&name[..len]);
+    info
+}
+
+/// Bind `file` to the loop device `dev`: LOOP_CONFIGURE in one step, or the older
+/// LOOP_SET_FD + LOOP_SET_STATUS64 on kernels without it. Returns the errno.
+fn configure(
+    dev: &File,
+    file: &File,
+    backing: &Path,
+    opts: LoopOptions,
+) -> std::result::Result<(), i32> {
+    let info = loop_info(backing, opts);
     let fd = u32::try_from(file.as_raw_fd()).map_err(|_| libc::EBADF)?;
     let config = LoopConfig {
         fd,
@@ -440,14 +450,18 @@ fn configure(
         reserved: [0; 8],
     };
     match ioctl_errno(dev, LOOP_CONFIGURE, &config as *const LoopConfig) {
-        Ok(_) => return Ok(()),
+        Ok(_) => Ok(()),
         // Kernels before 5.8 answer EINVAL (or ENOTTY) to an unknown loop ioctl.
-        Err(libc::EINVAL) | Err(libc::ENOTTY) => {}
-        Err(e) => return Err(e),
+        Err(libc::EINVAL) | Err(libc::ENOTTY) => configure_legacy(dev, file, info),
+        Err(e) => Err(e),
     }
+}
+
+/// LOOP_SET_FD + LOOP_SET_STATUS64. Read-only follows from how `file` was opened;
+/// direct I/O is turned on afterwards by the caller when asked.
+fn configure_legacy(dev: &File, file: &File, mut info: LoopInfo64) -> std::result::Result<(), i32> {
     ioctl_errno(dev, LOOP_SET_FD, file.as_raw_fd() as libc::c_ulong)?;
-    // SET_STATUS64 ignores flags other than autoclear/partscan; direct I/O is set
-    // afterwards by the caller when asked.
+    // SET_STATUS64 ignores flags other than autoclear/partscan.
     info.lo_flags &= !(LO_FLAGS_READ_ONLY | LO_FLAGS_DIRECT_IO);
     if let Err(e) = ioctl_errno(dev, LOOP_SET_STATUS64, &info as *const LoopInfo64) {
         let _ = ioctl_errno(dev, LOOP_CLR_FD, 0 as libc::c_ulong);
@@ -487,7 +501,7 @@ impl LinuxLoops {
         let mut last_err = None;
         for attempt in 0..ATTACH_ATTEMPTS {
             let n = get_free_loop()?;
-            let device = ensure_node(n)?;
+            let device = ensure_node(Path::new("/dev"), n)?;
             let dev = open_device(&device, true, false)?;
             match configure(&dev, &file, &real, opts) {
                 Ok(()) => {
@@ -1248,6 +1262,84 @@ mod tests {
         assert_eq!(std::mem::size_of::<LoopConfig>(), 304);
         assert_eq!(loop_number(Path::new("/dev/loop12")), Some(12));
         assert_eq!(loop_number(Path::new("/dev/sda")), None);
+    }
+
+    fn is_root() -> bool {
+        if nix::unistd::geteuid().is_root() {
+            return true;
+        }
+        assert_ne!(
+            std::env::var("CI").as_deref(),
+            Ok("true"),
+            "CI must run as root"
+        );
+        eprintln!("SKIP: needs root");
+        false
+    }
+
+    #[test]
+    fn root_ensure_node_creates_a_block_device_node() {
+        if !is_root() {
+            return;
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let n = get_free_loop().unwrap();
+        let dev = ensure_node(tmp.path(), n).unwrap();
+        let m = std::fs::metadata(&dev).unwrap();
+        assert!(m.file_type().is_block_device());
+        let want = sysfs_read(Path::new(&format!("/sys/block/loop{n}/dev"))).unwrap();
+        let rdev = m.rdev();
+        assert_eq!(
+            format!("{}:{}", libc::major(rdev), libc::minor(rdev)),
+            want.trim()
+        );
+        // Existing node: returned as is.
+        assert_eq!(ensure_node(tmp.path(), n).unwrap(), dev);
+    }
+
+    /// The path for kernels without LOOP_CONFIGURE, exercised directly.
+    #[test]
+    fn root_legacy_set_fd_and_status_attach() {
+        if !is_root() {
+            return;
+        }
+        let tmp = tempfile::tempdir().unwrap();
+        let img = tmp.path().join("legacy.img");
+        crate::file::create_sparse(&img, 8 << 20).unwrap();
+        let real = std::fs::canonicalize(&img).unwrap();
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&real)
+            .unwrap();
+        let _guard = ATTACH_LOCK.lock().unwrap_or_else(|p| p.into_inner());
+        let n = get_free_loop().unwrap();
+        let device = ensure_node(Path::new("/dev"), n).unwrap();
+        let dev = open_device(&device, true, false).unwrap();
+        let opts = LoopOptions::default();
+        configure_legacy(&dev, &file, loop_info(&real, opts)).unwrap();
+        drop(dev);
+        let loops = LinuxLoops::default();
+        let res = std::panic::catch_unwind(|| {
+            let state = read_loop(n).expect("attached");
+            assert_eq!(state.backing_file, real);
+            assert_eq!(state.size, 8 << 20);
+            assert_eq!(
+                sysfs_read(Path::new(&format!("/sys/block/loop{n}/loop/autoclear"))).as_deref(),
+                Some("0")
+            );
+            let found = loops.find(&img).unwrap();
+            assert_eq!(found.len(), 1);
+            assert_eq!(backing_identity(&device), {
+                let m = std::fs::metadata(&real).unwrap();
+                Some((m.dev(), m.ino()))
+            });
+        });
+        loops.detach(&device).unwrap();
+        assert!(read_loop(n).is_none() || read_loop(n).unwrap().backing_file != real);
+        if let Err(p) = res {
+            std::panic::resume_unwind(p);
+        }
     }
 
     #[test]

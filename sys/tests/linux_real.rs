@@ -27,7 +27,7 @@ fn root_loop_attach_find_resize_flags_detach() {
     }
     let tmp = tempfile::tempdir().unwrap();
     let img = image(tmp.path(), "vol.img", 64 * MIB);
-    let loops = LinuxLoops;
+    let loops = LinuxLoops::default();
     let real = std::fs::canonicalize(&img).unwrap();
     let dev_path;
     {
@@ -132,7 +132,10 @@ fn root_loop_concurrent_attaches_get_distinct_devices() {
     devs.dedup();
     assert_eq!(devs.len(), 4);
     for (g, img) in guards.iter().zip(&images) {
-        assert_eq!(LinuxLoops.find(img).unwrap(), vec![g.dev.clone()]);
+        assert_eq!(
+            LinuxLoops::default().find(img).unwrap(),
+            vec![g.dev.clone()]
+        );
     }
 }
 
@@ -151,14 +154,14 @@ fn root_loop_detach_of_mounted_device_is_busy() {
         .mount(a.path(), &mnt, "ext4", &MountOptions::default())
         .unwrap();
     let m = Mounted::guard(&mnt);
-    let err = LinuxLoops.detach(a.path()).unwrap_err();
+    let err = LinuxLoops::default().detach(a.path()).unwrap_err();
     assert!(err.is_busy(), "{err:?}");
     // Still attached and still mounted.
-    assert_eq!(LinuxLoops.find(&img).unwrap().len(), 1);
+    assert_eq!(LinuxLoops::default().find(&img).unwrap().len(), 1);
     assert_eq!(sysfs(a.path(), "loop/autoclear"), "0");
     drop(m);
-    LinuxLoops.detach(a.path()).unwrap();
-    assert!(LinuxLoops.find(&img).unwrap().is_empty());
+    LinuxLoops::default().detach(a.path()).unwrap();
+    assert!(LinuxLoops::default().find(&img).unwrap().is_empty());
 }
 
 /// mkfs, probe, size, check, mount, bind read-only, unmount, for one fstype.
@@ -325,7 +328,7 @@ fn root_grow_xfs_online() {
     assert!(fs.grow(a.path(), None, "xfs").unwrap_err().is_unsupported());
 
     file::grow(&img, 512 * MIB).unwrap();
-    LinuxLoops.refresh_capacity(a.path()).unwrap();
+    LinuxLoops::default().refresh_capacity(a.path()).unwrap();
     assert_eq!(fs.device_size(a.path()).unwrap(), 512 * MIB);
     fs.grow(a.path(), Some(&mnt), "xfs").unwrap();
     assert_eq!(fs.fs_size(a.path(), "xfs").unwrap(), 512 * MIB);
@@ -351,7 +354,7 @@ fn root_grow_btrfs_online() {
         .unwrap();
     let _m = Mounted::guard(&mnt);
     file::grow(&img, 384 * MIB).unwrap();
-    LinuxLoops.refresh_capacity(a.path()).unwrap();
+    LinuxLoops::default().refresh_capacity(a.path()).unwrap();
     fs.grow(a.path(), Some(&mnt), "btrfs").unwrap();
     // The superblock on disk is written at commit.
     nix::unistd::sync();
@@ -379,7 +382,7 @@ fn root_grow_ext4_offline() {
         std::fs::write(mnt.join("f"), vec![7u8; 1 << 20]).unwrap();
     }
     file::grow(&img, 128 * MIB).unwrap();
-    LinuxLoops.refresh_capacity(a.path()).unwrap();
+    LinuxLoops::default().refresh_capacity(a.path()).unwrap();
     fs.grow(a.path(), None, "ext4").unwrap();
     assert_eq!(fs.fs_size(a.path(), "ext4").unwrap(), 128 * MIB);
     fs.check(a.path(), "ext4").unwrap();
@@ -410,7 +413,7 @@ fn root_grow_ext4_online_succeeds_or_reports_permission_denied() {
         .unwrap();
     let _m = Mounted::guard(&mnt);
     file::grow(&img, 128 * MIB).unwrap();
-    LinuxLoops.refresh_capacity(a.path()).unwrap();
+    LinuxLoops::default().refresh_capacity(a.path()).unwrap();
     match fs.grow(a.path(), Some(&mnt), "ext4") {
         Ok(()) => assert!(fs.stats(&mnt).unwrap().total_bytes > 100 * MIB),
         Err(e) => {
@@ -450,6 +453,7 @@ fn root_freeze_blocks_writes_until_thaw() {
         let r = std::fs::OpenOptions::new()
             .write(true)
             .create(true)
+            .truncate(true)
             .mode(0o644)
             .open(&target)
             .and_then(|mut f| f.write_all(b"x"));

@@ -107,7 +107,7 @@ pub struct Attached {
 
 impl Attached {
     pub fn new(backing: &Path, opts: LoopOptions) -> Self {
-        let dev = LinuxLoops.attach(backing, opts).expect("attach");
+        let dev = LinuxLoops::default().attach(backing, opts).expect("attach");
         Attached { dev }
     }
 
@@ -119,7 +119,7 @@ impl Attached {
 impl Drop for Attached {
     fn drop(&mut self) {
         for _ in 0..50 {
-            match LinuxLoops.detach(&self.dev.device) {
+            match LinuxLoops::default().detach(&self.dev.device) {
                 Ok(()) => return,
                 Err(_) => std::thread::sleep(Duration::from_millis(100)),
             }

@@ -1,0 +1,387 @@
+//! Test harness: real pools on loop-mounted filesystem images, the real
+//! `csi-driver` binary on a temporary socket, and the generated tonic clients.
+//! Everything a test makes is torn down by Drop, also when the test fails.
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use csi_proto::csi::{
+    self, controller_client::ControllerClient, group_controller_client::GroupControllerClient,
+    identity_client::IdentityClient, node_client::NodeClient, volume_capability,
+};
+use tonic::transport::Channel;
+
+pub const MIB: i64 = 1024 * 1024;
+pub const GIB: i64 = 1024 * MIB;
+
+/// True when the test may run: root. Without root the test is skipped with a
+/// notice, except under CI=true, where it fails.
+pub fn require_root() -> bool {
+    if nix::unistd::geteuid().is_root() {
+        return true;
+    }
+    if std::env::var("CI").as_deref() == Ok("true") {
+        panic!("this test needs root (loop devices, mkfs, mounts) and CI=true forbids skipping it");
+    }
+    eprintln!("SKIPPED: this test needs root");
+    false
+}
+
+pub fn sh(cmd: &str, args: &[&str]) -> String {
+    let out = Command::new(cmd)
+        .args(args)
+        .env(
+            "PATH",
+            "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+        )
+        .output()
+        .unwrap_or_else(|e| panic!("{cmd}: {e}"));
+    assert!(
+        out.status.success(),
+        "{cmd} {args:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// Loop devices whose backing file lies below `dir`.
+pub fn loops_below(dir: &Path) -> Vec<String> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/sys/block")
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        let f = e.path().join("loop/backing_file");
+        if let Ok(b) = std::fs::read_to_string(&f) {
+            if Path::new(b.trim().trim_end_matches(" (deleted)")).starts_with(dir) {
+                out.push(format!("/dev/{}", e.file_name().to_string_lossy()));
+            }
+        }
+    }
+    out
+}
+
+/// Mount points at or below `dir`.
+pub fn mounts_below(dir: &Path) -> Vec<PathBuf> {
+    let text = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();
+    text.lines()
+        .filter_map(|l| l.split(' ').nth(4))
+        .map(|m| PathBuf::from(m.replace("\\040", " ")))
+        .filter(|m| m.starts_with(dir))
+        .collect()
+}
+
+/// A scratch directory holding a pool: a sparse image of `fs`, loop-mounted.
+pub struct Pool {
+    pub dir: tempfile::TempDir,
+    pub path: PathBuf,
+    image: PathBuf,
+}
+
+impl Pool {
+    pub fn new(fs: &str) -> Pool {
+        Self::with_size(fs, "8G")
+    }
+
+    pub fn with_size(fs: &str, size: &str) -> Pool {
+        let dir = tempfile::Builder::new()
+            .prefix("example-csi-test")
+            .tempdir_in("/tmp")
+            .unwrap();
+        let image = dir.path().join("pool.img");
+        let path = dir.path().join("pool");
+        std::fs::create_dir(&path).unwrap();
+        sh("truncate", &["-s", size, image.to_str().unwrap()]);
+        match fs {
+            "xfs" => sh(
+                "mkfs.xfs",
+                &["-q", "-m", "reflink=1", image.to_str().unwrap()],
+            ),
+            "btrfs" => sh("mkfs.btrfs", &["-q", image.to_str().unwrap()]),
+            "ext4" => sh("mkfs.ext4", &["-q", "-F", image.to_str().unwrap()]),
+            other => panic!("no pool filesystem {other}"),
+        };
+        sh(
+            "mount",
+            &[
+                "-o",
+                "loop",
+                image.to_str().unwrap(),
+                path.to_str().unwrap(),
+            ],
+        );
+        Pool { dir, path, image }
+    }
+
+    /// A directory for staging and target paths, outside the pool.
+    pub fn scratch(&self, name: &str) -> PathBuf {
+        let p = self.dir.path().join("scratch").join(name);
+        std::fs::create_dir_all(&p).unwrap();
+        p
+    }
+
+    /// Bytes used in the pool's filesystem.
+    pub fn used_bytes(&self) -> u64 {
+        let s = nix::sys::statvfs::statvfs(&self.path).unwrap();
+        (s.blocks() - s.blocks_free()) * s.fragment_size()
+    }
+}
+
+impl Drop for Pool {
+    fn drop(&mut self) {
+        let top = self.dir.path().to_path_buf();
+        for _ in 0..3 {
+            let mut ms = mounts_below(&top);
+            ms.sort();
+            for m in ms.iter().rev() {
+                let _ = nix::mount::umount2(m, nix::mount::MntFlags::empty())
+                    .or_else(|_| nix::mount::umount2(m, nix::mount::MntFlags::MNT_DETACH));
+            }
+            for d in loops_below(&top) {
+                let _ = Command::new("losetup").args(["-d", &d]).status();
+            }
+        }
+        let _ = &self.image;
+    }
+}
+
+/// The real driver binary on a temporary socket.
+pub struct Driver {
+    pub child: Option<Child>,
+    pub socket: PathBuf,
+    pub state: PathBuf,
+    pub args: Vec<String>,
+    pub envs: Vec<(String, String)>,
+    pub log: PathBuf,
+}
+
+pub struct Clients {
+    pub identity: IdentityClient<Channel>,
+    pub controller: ControllerClient<Channel>,
+    pub node: NodeClient<Channel>,
+    pub group: GroupControllerClient<Channel>,
+}
+
+impl Driver {
+    /// Starts the driver on `pool` with extra flags.
+    pub fn start(pool: &Pool, extra: &[&str]) -> Driver {
+        Self::start_with_env(pool, extra, &[])
+    }
+
+    pub fn start_with_env(pool: &Pool, extra: &[&str], envs: &[(&str, &str)]) -> Driver {
+        let base = pool.dir.path().join("driver");
+        std::fs::create_dir_all(&base).unwrap();
+        let socket = base.join("csi.sock");
+        let state = base.join("state");
+        let mut args = vec![
+            format!("--endpoint=unix://{}", socket.display()),
+            "--nodeid=test-node".to_string(),
+            format!("--pool=default={}", pool.path.display()),
+            format!("--state-dir={}", state.display()),
+            "--log-level=debug".to_string(),
+        ];
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let mut d = Driver {
+            child: None,
+            socket,
+            state,
+            args,
+            envs: envs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            log: base.join("driver.log"),
+        };
+        d.spawn();
+        d
+    }
+
+    pub fn spawn(&mut self) {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .unwrap();
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_csi-driver"));
+        cmd.args(&self.args)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().unwrap())
+            .stderr(log);
+        for (k, v) in &self.envs {
+            cmd.env(k, v);
+        }
+        self.child = Some(cmd.spawn().expect("start csi-driver"));
+        self.wait_ready();
+    }
+
+    /// Waits until the socket answers, or the process exits.
+    pub fn wait_ready(&mut self) {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < deadline {
+            if std::os::unix::net::UnixStream::connect(&self.socket).is_ok() {
+                return;
+            }
+            if let Some(c) = self.child.as_mut() {
+                if let Ok(Some(status)) = c.try_wait() {
+                    self.child = None;
+                    panic!(
+                        "csi-driver exited with {status} at start:\n{}",
+                        self.log_text()
+                    );
+                }
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!(
+            "csi-driver did not listen within 30 s:\n{}",
+            self.log_text()
+        );
+    }
+
+    /// Waits for the process to end by itself (a failpoint's abort), up to `secs`.
+    pub fn wait_exit(&mut self, secs: u64) -> Option<std::process::ExitStatus> {
+        let deadline = Instant::now() + Duration::from_secs(secs);
+        while Instant::now() < deadline {
+            if let Some(c) = self.child.as_mut() {
+                if let Ok(Some(status)) = c.try_wait() {
+                    self.child = None;
+                    return Some(status);
+                }
+            } else {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        None
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().map(|c| c.id()).unwrap_or(0)
+    }
+
+    /// SIGKILL, as a crash.
+    pub fn kill9(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// SIGTERM, then wait.
+    pub fn stop(&mut self) -> Option<std::process::ExitStatus> {
+        let mut c = self.child.take()?;
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(c.id() as i32),
+            nix::sys::signal::Signal::SIGTERM,
+        );
+        c.wait().ok()
+    }
+
+    pub fn restart(&mut self) {
+        self.kill9();
+        self.spawn();
+    }
+
+    pub async fn clients(&self) -> Clients {
+        let ch = csi_glue::connect(&format!("unix://{}", self.socket.display()))
+            .await
+            .expect("connect");
+        Clients {
+            identity: IdentityClient::new(ch.clone()),
+            controller: ControllerClient::new(ch.clone()),
+            node: NodeClient::new(ch.clone()),
+            group: GroupControllerClient::new(ch),
+        }
+    }
+}
+
+impl Drop for Driver {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+pub fn mount_cap(fs: &str, mode: volume_capability::access_mode::Mode) -> csi::VolumeCapability {
+    csi::VolumeCapability {
+        access_type: Some(volume_capability::AccessType::Mount(
+            volume_capability::MountVolume {
+                fs_type: fs.to_string(),
+                mount_flags: vec![],
+                volume_mount_group: String::new(),
+            },
+        )),
+        access_mode: Some(volume_capability::AccessMode { mode: mode as i32 }),
+    }
+}
+
+pub fn block_cap(mode: volume_capability::access_mode::Mode) -> csi::VolumeCapability {
+    csi::VolumeCapability {
+        access_type: Some(volume_capability::AccessType::Block(
+            volume_capability::BlockVolume {},
+        )),
+        access_mode: Some(volume_capability::AccessMode { mode: mode as i32 }),
+    }
+}
+
+pub fn writer() -> volume_capability::access_mode::Mode {
+    volume_capability::access_mode::Mode::SingleNodeWriter
+}
+
+pub fn create_req(
+    name: &str,
+    size: i64,
+    cap: csi::VolumeCapability,
+    params: &[(&str, &str)],
+) -> csi::CreateVolumeRequest {
+    csi::CreateVolumeRequest {
+        name: name.to_string(),
+        capacity_range: Some(csi::CapacityRange {
+            required_bytes: size,
+            limit_bytes: 0,
+        }),
+        volume_capabilities: vec![cap],
+        parameters: params
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect::<HashMap<_, _>>(),
+        ..Default::default()
+    }
+}
+
+pub fn stage_req(
+    volume_id: &str,
+    staging: &Path,
+    cap: csi::VolumeCapability,
+) -> csi::NodeStageVolumeRequest {
+    csi::NodeStageVolumeRequest {
+        volume_id: volume_id.to_string(),
+        staging_target_path: staging.display().to_string(),
+        volume_capability: Some(cap),
+        ..Default::default()
+    }
+}
+
+pub fn publish_req(
+    volume_id: &str,
+    staging: &Path,
+    target: &Path,
+    cap: csi::VolumeCapability,
+    readonly: bool,
+) -> csi::NodePublishVolumeRequest {
+    csi::NodePublishVolumeRequest {
+        volume_id: volume_id.to_string(),
+        staging_target_path: staging.display().to_string(),
+        target_path: target.display().to_string(),
+        volume_capability: Some(cap),
+        readonly,
+        ..Default::default()
+    }
+}
