@@ -39,21 +39,25 @@ fi
 
 work=$(mktemp -d /tmp/example-csi-sanity.XXXXXX)
 pid=""
-teardown() {
-  set +e
-  if [ -n "$pid" ]; then kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null; pid=""; fi
-  # Unmount whatever is left below the work dir, deepest first.
-  findmnt -rn -o TARGET | grep "^$work/" | sort -r | while read -r m; do umount "$m" 2>/dev/null || umount -l "$m"; done
-  # Detach loop devices whose backing file lives in the work dir.
-  for f in /sys/block/loop*/loop/backing_file; do
-    [ -e "$f" ] || continue
-    case "$(cat "$f")" in "$work"/*) dev=/dev/$(basename "$(dirname "$(dirname "$f")")"); losetup -d "$dev" 2>/dev/null;; esac
-  done
-  findmnt -rn -o TARGET | grep "^$work/" | sort -r | while read -r m; do umount -l "$m" 2>/dev/null; done
+detach_below() { # detach loop devices whose backing file lies in the work dir
   for f in /sys/block/loop*/loop/backing_file; do
     [ -e "$f" ] || continue
     case "$(cat "$f")" in "$work"/*) losetup -d "/dev/$(basename "$(dirname "$(dirname "$f")")")" 2>/dev/null;; esac
   done
+}
+teardown() {
+  set +e
+  if [ -n "$pid" ]; then kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null; pid=""; fi
+  # Volumes' mounts first (deepest first), then their loop devices, then the pools:
+  # a pool unmounted lazily while an image in it is attached would hide that image's
+  # path and leak its loop device.
+  findmnt -rn -o TARGET | grep "^$work/.*/target/" | sort -r | while read -r m; do umount "$m"; done
+  for f in /sys/block/loop*/loop/backing_file; do
+    [ -e "$f" ] || continue
+    case "$(cat "$f")" in "$work"/*/pool/*) losetup -d "/dev/$(basename "$(dirname "$(dirname "$f")")")";; esac
+  done
+  findmnt -rn -o TARGET | grep "^$work/" | sort -r | while read -r m; do umount "$m" || umount -l "$m"; done
+  detach_below
 }
 cleanup_all() { teardown; rm -rf "$work"; }
 trap cleanup_all EXIT
@@ -70,11 +74,12 @@ skips_for() { # config name -> ginkgo skip regex from skip.txt
   echo "$re"
 }
 
-total_ran=0 total_passed=0 total_failed=0 total_skipped=0 failed_configs=()
+configs_run=0 total_ran=0 total_passed=0 total_failed=0 total_skipped=0 failed_configs=()
 selected=("$@")
 for entry in "${CONFIGS[@]}"; do
   IFS='|' read -r name fs flags params mib <<<"$entry"
   if [ ${#selected[@]} -gt 0 ] && [[ ! " ${selected[*]} " == *" $name "* ]]; then continue; fi
+  configs_run=$((configs_run + 1))
   echo "== csi-sanity: $name (pool $fs, $flags, parameters $params)"
   d="$work/$name"; mkdir -p "$d/pool" "$d/state" "$d/target"
   truncate -s 20G "$d/pool.img"
@@ -127,7 +132,7 @@ for entry in "${CONFIGS[@]}"; do
   mkdir -p "$here/.work"; cp "$d/sanity.log" "$here/.work/$name.log"; cp "$d/driver.log" "$here/.work/$name.driver.log"
 done
 
-echo "== csi-sanity total: ran $total_ran specs in ${#CONFIGS[@]} configurations"
+echo "== csi-sanity total: ran $total_ran specs in $configs_run configurations"
 echo "csi-sanity: $total_passed passed, $total_failed failed, $total_skipped skipped"
 if [ ${#failed_configs[@]} -gt 0 ]; then
   echo "csi-sanity FAILED in: ${failed_configs[*]} (logs in csi-sanity/.work/)"

@@ -60,7 +60,7 @@ pub enum SysError {
 
     /// EPERM or EACCES. Note: on machines that withhold CAP_SYS_RESOURCE, online
     /// `resize2fs` of ext4 ends here.
-    #[error("permission denied: {op} {}", path.display())]
+    #[error("{}", permission_text(op, path))]
     PermissionDenied { op: String, path: PathBuf },
 
     /// A syscall failed; `what` says which and on what (e.g. "mount /dev/loop3
@@ -75,6 +75,16 @@ pub enum SysError {
     /// The caller passed something malformed (a mount flag with a NUL byte, ...).
     #[error("invalid argument: {what}")]
     InvalidArgument { what: String },
+}
+
+/// "<op> <path>: permission denied", without repeating a path that `op` names.
+fn permission_text(op: &str, path: &Path) -> String {
+    let p = path.display().to_string();
+    if op.contains(&p) {
+        format!("{op}: permission denied")
+    } else {
+        format!("{op} {p}: permission denied")
+    }
 }
 
 fn exit_text(status: Option<i32>) -> String {
@@ -219,6 +229,17 @@ mod tests {
             seconds: 1,
         };
         assert!(e.to_string().contains("sleep 10"));
+        let e = SysError::errno("open", "/dev/loop1", libc::EACCES);
+        assert_eq!(e.to_string(), "open /dev/loop1: permission denied");
+        let e = SysError::syscall("mount /dev/loop1 at /m".into(), "/m", libc::EPERM);
+        assert_eq!(e.to_string(), "mount /dev/loop1 at /m: permission denied");
+        let e = SysError::syscall("mount /dev/loop1 at /m".into(), "/m", libc::EINVAL);
+        assert!(
+            e.to_string()
+                .starts_with("mount /dev/loop1 at /m: Invalid argument"),
+            "{e}"
+        );
+        assert_eq!(e.raw_os_error(), Some(libc::EINVAL));
         let e = SysError::NotMounted {
             path: "/mnt/a b".into(),
         };

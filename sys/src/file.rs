@@ -291,7 +291,8 @@ pub fn copy_file(src: &Path, dst: &Path) -> Result<bool> {
 /// possible), symlinks are recreated (never followed), fifos and device nodes are
 /// recreated with mknod, sockets are skipped. Owner, mode and atime/mtime are kept;
 /// extended attributes, ACLs and hard links are not (a hard-linked file becomes
-/// separate copies). `dst_dir` may not lie inside `src_dir`.
+/// separate copies). `dst_dir` may not lie inside `src_dir`. Filesystems mounted
+/// inside `src_dir` are copied as seen (the walk does not stop at mount points).
 pub fn copy_tree(src_dir: &Path, dst_dir: &Path) -> Result<()> {
     let root_meta = fs::symlink_metadata(src_dir).map_err(|e| SysError::io("stat", src_dir, e))?;
     if !root_meta.is_dir() {

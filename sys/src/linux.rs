@@ -1074,22 +1074,30 @@ impl Filesystems for LinuxFilesystems {
             }
             ("ext4", Some(_)) => match self.run("resize2fs", &[device.as_os_str()]) {
                 Err(SysError::Command { stderr, .. })
-                    if stderr.contains("Operation not permitted") || stderr.contains("Permission denied") =>
+                    if stderr.contains("Operation not permitted")
+                        || stderr.contains("Permission denied") =>
                 {
+                    tracing::debug!(%stderr, "resize2fs refused the online grow");
                     Err(SysError::PermissionDenied {
-                        op: format!(
-                            "online grow of ext4 with resize2fs (needs CAP_SYS_RESOURCE; grow it while unmounted instead): {stderr}"
-                        ),
+                        op: "online grow of ext4 with resize2fs (it needs CAP_SYS_RESOURCE; grow it while unmounted instead) on"
+                            .to_string(),
                         path: device.to_path_buf(),
                     })
                 }
                 other => other.map(|_| ()),
             },
-            ("xfs", Some(mnt)) => self.run("xfs_growfs", &["-d".as_ref(), mnt.as_os_str()]).map(|_| ()),
+            ("xfs", Some(mnt)) => self
+                .run("xfs_growfs", &["-d".as_ref(), mnt.as_os_str()])
+                .map(|_| ()),
             ("btrfs", Some(mnt)) => self
                 .run(
                     "btrfs",
-                    &["filesystem".as_ref(), "resize".as_ref(), "max".as_ref(), mnt.as_os_str()],
+                    &[
+                        "filesystem".as_ref(),
+                        "resize".as_ref(),
+                        "max".as_ref(),
+                        mnt.as_os_str(),
+                    ],
                 )
                 .map(|_| ()),
             (_, _) => Err(SysError::Unsupported {
