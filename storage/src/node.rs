@@ -526,6 +526,19 @@ impl Driver {
             }
         }
         self.unmount_owned(id, &loc, &devices, staging)?;
+        if let Some(old) = rec
+            .as_ref()
+            .and_then(|r| r.staging_path.as_ref())
+            .filter(|p| p.as_path() != staging)
+        {
+            if mounts
+                .iter()
+                .any(|m| &m.mount_point == old && self.owns(m, id, &loc, &devices))
+            {
+                // Nothing of the volume at this path; it stays staged where it is.
+                return Ok(());
+            }
+        }
         failpoint::hit("unstage.after-unmount");
         let mounts = self.mounts()?;
         for d in &devices {
@@ -563,10 +576,24 @@ impl Driver {
                     path.display()
                 )));
             }
-            self.sys
-                .mounter
-                .unmount(path)
-                .context(|| format!("unmounting {}", path.display()))?;
+            // A process forked at the wrong moment (or a scanner) can hold the
+            // mount for a moment: EBUSY is retried briefly before it is an error.
+            let mut tries = 0;
+            loop {
+                match self.sys.mounter.unmount(path) {
+                    Ok(()) => break,
+                    Err(SysError::Busy { .. }) if tries < 20 => {
+                        tries += 1;
+                        std::thread::sleep(std::time::Duration::from_millis(50));
+                    }
+                    Err(e) => {
+                        return Err(Error::System {
+                            context: format!("unmounting {}", path.display()),
+                            source: e,
+                        })
+                    }
+                }
+            }
         }
     }
 
@@ -680,18 +707,36 @@ impl Driver {
             })?;
             let source = if read_only {
                 // A read-only bind does not stop writes to a device node: a separate
-                // read-only loop device does.
-                let ro = self
-                    .sys
-                    .loops
-                    .attach(
-                        &loc.path,
-                        LoopOptions {
-                            read_only: true,
-                            direct_io: false,
-                        },
-                    )
-                    .context(|| format!("attaching {} read-only", loc.path.display()))?;
+                // read-only loop device does. One attached by an earlier try that
+                // crashed (recorded for this target, or not yet recorded at all) is
+                // reused, so that retries never leak devices.
+                let others: Vec<&Path> = rec
+                    .targets
+                    .iter()
+                    .filter(|(p, _)| p.as_path() != target)
+                    .filter_map(|(_, t)| t.ro_device.as_deref())
+                    .collect();
+                let recorded = rec.targets.get(target).and_then(|t| t.ro_device.clone());
+                let spare = devices
+                    .iter()
+                    .filter(|d| d.read_only && mounts_of(&mounts, &d.device).is_empty())
+                    .filter(|d| !others.contains(&d.device.as_path()))
+                    .min_by_key(|d| recorded.as_ref() != Some(&d.device))
+                    .cloned();
+                let ro = match spare {
+                    Some(d) => d,
+                    None => self
+                        .sys
+                        .loops
+                        .attach(
+                            &loc.path,
+                            LoopOptions {
+                                read_only: true,
+                                direct_io: false,
+                            },
+                        )
+                        .context(|| format!("attaching {} read-only", loc.path.display()))?,
+                };
                 ro_device = Some(ro.device.clone());
                 ro.device
             } else {
@@ -751,7 +796,10 @@ impl Driver {
             let _guard = self.locks.try_lock([format!("node:{eid}")])?;
             return self.unpublish_ephemeral(eid, &target);
         }
-        let id = VolumeId::parse_existing(volume_id)?;
+        // An id that is no volume id of this driver may be an ephemeral volume
+        // torn down already: unpublish stays idempotent for it (and still leaves a
+        // mount it does not own alone).
+        let id = VolumeId::parse(volume_id).unwrap_or_else(|| VolumeId::for_ephemeral(volume_id));
         let _guard = self.locks.try_lock([format!("node:{id}")])?;
         self.unpublish_locked(id, &target)
     }
@@ -925,7 +973,9 @@ impl Driver {
                 .map_or(range.required.max(0) as u64, |r| r.size);
             return Ok(size);
         }
-        let want = range.required.max(range.limit).max(0) as u64;
+        // The controller grew the image already; the node only makes up for a
+        // missed growth, never beyond what was required.
+        let want = range.required.max(0) as u64;
         let len = file::file_len(&loc.path).context(|| format!("sizing {}", loc.path.display()))?;
         if want > len {
             let want = want.div_ceil(4096) * 4096;
@@ -1121,6 +1171,47 @@ impl Driver {
             })?;
         }
         let loops = self.sys.loops.list().unwrap_or_default();
+        let known_id =
+            |id: Option<VolumeId>| id.is_some_and(|id| self.node_records.get(id).is_some());
+        // Mounts of pool volumes: of their loop devices, or binds of their directories.
+        for m in self.mounts().unwrap_or_default() {
+            if self
+                .pools
+                .values()
+                .any(|p| m.mount_point.starts_with(&p.root))
+            {
+                continue; // the pool itself, or mounts inside it
+            }
+            let by_device = loops.iter().find(|d| {
+                self.pools.values().any(|p| p.contains(&d.backing_file))
+                    && is_mount_of(&m, &d.device)
+            });
+            let id = if let Some(d) = by_device {
+                Some(
+                    d.backing_file
+                        .file_stem()
+                        .and_then(|s| VolumeId::parse(&s.to_string_lossy())),
+                )
+            } else if m
+                .root
+                .parent()
+                .is_some_and(|p| p.ends_with("volumes") || p.ends_with("ephemeral"))
+            {
+                m.root
+                    .file_name()
+                    .and_then(|s| VolumeId::parse(&s.to_string_lossy()))
+                    .filter(|id| self.locate(*id).is_some())
+                    .map(Some)
+            } else {
+                None
+            };
+            if let Some(id) = id {
+                if !known_id(id) {
+                    tracing::warn!(mountpoint = %m.mount_point.display(), source = %m.source,
+                        "mount of a pool volume that no staged volume accounts for");
+                }
+            }
+        }
         for d in loops {
             if self.pools.values().any(|p| p.contains(&d.backing_file)) {
                 let known = d

@@ -135,6 +135,20 @@ impl Drop for Pool {
     fn drop(&mut self) {
         let top = self.dir.path().to_path_buf();
         for _ in 0..3 {
+            // Volume mounts first, then the volumes' loop devices, then the pool: a
+            // pool unmounted lazily while an image in it is attached would hide the
+            // image's path, and its loop device would leak.
+            let mut ms: Vec<PathBuf> = mounts_below(&top)
+                .into_iter()
+                .filter(|m| *m != self.path)
+                .collect();
+            ms.sort();
+            for m in ms.iter().rev() {
+                let _ = nix::mount::umount2(m, nix::mount::MntFlags::empty());
+            }
+            for d in loops_below(&self.path) {
+                let _ = Command::new("losetup").args(["-d", &d]).status();
+            }
             let mut ms = mounts_below(&top);
             ms.sort();
             for m in ms.iter().rev() {

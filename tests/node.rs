@@ -1,0 +1,1695 @@
+//! The node side through the real binary (issue 4): stage, publish, block
+//! volumes, read-only publishes, idempotency, volume_mount_group, stats,
+//! expansion, ephemeral inline volumes, access modes, validation, concurrency,
+//! and recovery after driver crashes (failpoints) and a simulated node reboot.
+//! Every test uses its own pool; the pool's Drop unmounts and detaches whatever a
+//! failed test left behind.
+
+mod common;
+
+use std::collections::HashMap;
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use common::*;
+use csi_proto::csi::{self, volume_capability};
+use tonic::Code;
+
+type Mode = volume_capability::access_mode::Mode;
+
+const FAILPOINTS: &str = "EXAMPLE_CSI_FAILPOINTS";
+
+// ---------------------------------------------------------------- helpers
+
+struct Fx {
+    pool: Pool,
+    driver: Driver,
+    c: Clients,
+}
+
+/// Also when a test fails: the driver is stopped and the volumes' mounts and loop
+/// devices go before the pool's own mount, which they would otherwise keep busy
+/// (a lazily detached pool hides their backing files from `loops_below`).
+impl Drop for Fx {
+    fn drop(&mut self) {
+        self.driver.kill9();
+        let top = self.pool.dir.path().to_path_buf();
+        for _ in 0..3 {
+            let mut ms: Vec<PathBuf> = mounts_below(&top)
+                .into_iter()
+                .filter(|m| m != &self.pool.path)
+                .collect();
+            ms.sort();
+            for m in ms.iter().rev() {
+                let _ = nix::mount::umount2(m, nix::mount::MntFlags::empty());
+            }
+            for d in loops_below(&self.pool.path) {
+                let _ = std::process::Command::new("losetup")
+                    .args(["-d", &d])
+                    .status();
+            }
+        }
+    }
+}
+
+async fn fixture(pool_fs: &str, extra: &[&str]) -> Fx {
+    let pool = Pool::new(pool_fs);
+    let driver = Driver::start(&pool, extra);
+    let c = driver.clients().await;
+    Fx { pool, driver, c }
+}
+
+impl Fx {
+    async fn reconnect(&mut self) {
+        self.c = self.driver.clients().await;
+    }
+
+    async fn create(
+        &mut self,
+        name: &str,
+        size: i64,
+        cap: csi::VolumeCapability,
+        params: &[(&str, &str)],
+    ) -> String {
+        self.c
+            .controller
+            .create_volume(create_req(name, size, cap, params))
+            .await
+            .unwrap_or_else(|e| panic!("CreateVolume {name}: {e:?}"))
+            .into_inner()
+            .volume
+            .unwrap()
+            .volume_id
+    }
+
+    async fn delete(&mut self, id: &str) {
+        self.c
+            .controller
+            .delete_volume(csi::DeleteVolumeRequest {
+                volume_id: id.to_string(),
+                secrets: Default::default(),
+            })
+            .await
+            .unwrap_or_else(|e| panic!("DeleteVolume {id}: {e:?}"));
+    }
+
+    async fn stage(
+        &mut self,
+        id: &str,
+        staging: &Path,
+        cap: &csi::VolumeCapability,
+    ) -> Result<(), tonic::Status> {
+        self.c
+            .node
+            .node_stage_volume(stage_req(id, staging, cap.clone()))
+            .await
+            .map(drop)
+    }
+
+    async fn publish(
+        &mut self,
+        id: &str,
+        staging: &Path,
+        target: &Path,
+        cap: &csi::VolumeCapability,
+        ro: bool,
+    ) -> Result<(), tonic::Status> {
+        self.c
+            .node
+            .node_publish_volume(publish_req(id, staging, target, cap.clone(), ro))
+            .await
+            .map(drop)
+    }
+
+    async fn unpublish(&mut self, id: &str, target: &Path) -> Result<(), tonic::Status> {
+        self.c
+            .node
+            .node_unpublish_volume(csi::NodeUnpublishVolumeRequest {
+                volume_id: id.to_string(),
+                target_path: target.display().to_string(),
+            })
+            .await
+            .map(drop)
+    }
+
+    async fn unstage(&mut self, id: &str, staging: &Path) -> Result<(), tonic::Status> {
+        self.c
+            .node
+            .node_unstage_volume(csi::NodeUnstageVolumeRequest {
+                volume_id: id.to_string(),
+                staging_target_path: staging.display().to_string(),
+            })
+            .await
+            .map(drop)
+    }
+
+    async fn stats(
+        &mut self,
+        id: &str,
+        path: &Path,
+    ) -> Result<csi::NodeGetVolumeStatsResponse, tonic::Status> {
+        self.c
+            .node
+            .node_get_volume_stats(csi::NodeGetVolumeStatsRequest {
+                volume_id: id.to_string(),
+                volume_path: path.display().to_string(),
+                staging_target_path: String::new(),
+            })
+            .await
+            .map(|r| r.into_inner())
+    }
+
+    /// Loop devices of the volumes (the pool's own device is not below its mount).
+    fn volume_loops(&self) -> Vec<String> {
+        let mut v = loops_below(&self.pool.path);
+        v.sort();
+        v
+    }
+
+    fn all_mounts(&self) -> Vec<PathBuf> {
+        let mut v = mounts_below(self.pool.dir.path());
+        v.sort();
+        v
+    }
+
+    /// Restarts the driver with `envs` (a failpoint, or none) and reconnects.
+    async fn respawn(&mut self, envs: &[(&str, &str)]) {
+        self.driver.kill9();
+        self.driver.envs = envs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        self.driver.spawn();
+        self.reconnect().await;
+    }
+}
+
+fn code(r: Result<(), tonic::Status>) -> Code {
+    match r {
+        Ok(()) => Code::Ok,
+        Err(s) => s.code(),
+    }
+}
+
+/// How many mounts sit exactly at `p`.
+fn mount_count(p: &Path) -> usize {
+    mounts_below(p).iter().filter(|m| m.as_path() == p).count()
+}
+
+fn cap_with(fs: &str, mode: Mode, flags: &[&str], group: &str) -> csi::VolumeCapability {
+    let mut c = mount_cap(fs, mode);
+    c.access_type = Some(volume_capability::AccessType::Mount(
+        volume_capability::MountVolume {
+            fs_type: fs.to_string(),
+            mount_flags: flags.iter().map(|s| s.to_string()).collect(),
+            volume_mount_group: group.to_string(),
+        },
+    ));
+    c
+}
+
+fn pattern(len: usize, seed: u8) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i as u32).wrapping_mul(2654435761).to_le_bytes()[1] ^ seed)
+        .collect()
+}
+
+fn write_synced(path: &Path, data: &[u8]) {
+    let mut f = std::fs::File::create(path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    f.write_all(data).unwrap();
+    f.sync_all().unwrap();
+}
+
+fn statvfs(p: &Path) -> nix::sys::statvfs::Statvfs {
+    nix::sys::statvfs::statvfs(p).unwrap()
+}
+
+fn fs_bytes(p: &Path) -> u64 {
+    let s = statvfs(p);
+    s.blocks() * s.fragment_size()
+}
+
+fn usage(r: &csi::NodeGetVolumeStatsResponse, unit: csi::volume_usage::Unit) -> &csi::VolumeUsage {
+    r.usage
+        .iter()
+        .find(|u| u.unit == unit as i32)
+        .unwrap_or_else(|| panic!("no {unit:?} usage in {r:?}"))
+}
+
+fn umount(p: &Path) {
+    nix::mount::umount2(p, nix::mount::MntFlags::empty())
+        .unwrap_or_else(|e| panic!("umount {}: {e}", p.display()));
+}
+
+fn detach(dev: &str) {
+    sh("losetup", &["-d", dev]);
+}
+
+// ---------------------------------------------------------------- data paths
+
+async fn round_trip(vol_fs: &str, size: i64) {
+    let mut fx = fixture("xfs", &[]).await;
+    let before_loops = fx.volume_loops();
+    let before_mounts = fx.all_mounts();
+    let cap = mount_cap(vol_fs, writer());
+    let id = fx
+        .create(&format!("pvc-rt-{vol_fs}"), size, cap.clone(), &[])
+        .await;
+    let staging = fx.pool.scratch("staging");
+    let target = fx.pool.scratch("pods").join("target");
+    let data = pattern(3 * 1024 * 1024 + 17, 7);
+    for round in 0..2 {
+        fx.stage(&id, &staging, &cap).await.unwrap();
+        fx.publish(&id, &staging, &target, &cap, false)
+            .await
+            .unwrap();
+        let m = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+        let line = m
+            .lines()
+            .find(|l| l.split(' ').nth(4) == Some(staging.to_str().unwrap()))
+            .expect("staging is mounted");
+        assert!(
+            line.contains(&format!(" - {vol_fs} ")),
+            "staging holds {vol_fs}: {line}"
+        );
+        let file = target.join("data.bin");
+        if round == 0 {
+            write_synced(&file, &data);
+        } else {
+            assert!(std::fs::read(&file).unwrap() == data, "data differs");
+        }
+        fx.unpublish(&id, &target).await.unwrap();
+        assert!(!target.exists());
+        fx.unstage(&id, &staging).await.unwrap();
+        assert_eq!(mount_count(&staging), 0);
+        assert_eq!(fx.volume_loops(), before_loops);
+    }
+    fx.delete(&id).await;
+    assert_eq!(fx.all_mounts(), before_mounts);
+}
+
+#[tokio::test]
+async fn root_round_trip_ext4() {
+    if !require_root() {
+        return;
+    }
+    round_trip("ext4", 64 * MIB).await;
+}
+
+#[tokio::test]
+async fn root_round_trip_xfs() {
+    if !require_root() {
+        return;
+    }
+    round_trip("xfs", 300 * MIB).await;
+}
+
+#[tokio::test]
+async fn root_round_trip_btrfs() {
+    if !require_root() {
+        return;
+    }
+    round_trip("btrfs", 128 * MIB).await;
+}
+
+#[tokio::test]
+async fn root_small_volume_refuses_writes_past_its_size() {
+    if !require_root() {
+        return;
+    }
+    let mut fx = fixture("xfs", &[]).await;
+    let cap = mount_cap("ext4", writer());
+    let id = fx.create("pvc-full", 64 * MIB, cap.clone(), &[]).await;
+    let staging = fx.pool.scratch("staging");
+    let target = fx.pool.scratch("pods").join("t");
+    fx.stage(&id, &staging, &cap).await.unwrap();
+    fx.publish(&id, &staging, &target, &cap, false)
+        .await
+        .unwrap();
+    let mut f = std::fs::File::create(target.join("big")).unwrap();
+    let chunk = vec![0x5au8; 1024 * 1024];
+    let mut written = 0u64;
+    let mut err = None;
+    for _ in 0..100 {
+        match f.write_all(&chunk) {
+            Ok(()) => written += chunk.len() as u64,
+            Err(e) => {
+                err = Some(e);
+                break;
+            }
+        }
+    }
+    let err = err
+        .or_else(|| f.sync_all().err())
+        .expect("a 64 MiB volume took 100 MiB");
+    assert_eq!(err.raw_os_error(), Some(libc::ENOSPC), "{err}");
+    assert!(written <= 64 * 1024 * 1024, "wrote {written} bytes");
+    drop(f);
+    fx.unpublish(&id, &target).await.unwrap();
+    fx.unstage(&id, &staging).await.unwrap();
+    fx.delete(&id).await;
+}
+
+#[tokio::test]
+async fn root_read_only_publish_refuses_writes() {
+    if !require_root() {
+        return;
+    }
+    let mut fx = fixture("xfs", &[]).await;
+    let cap = mount_cap("ext4", writer());
+    let id = fx.create("pvc-ro", 64 * MIB, cap.clone(), &[]).await;
+    let staging = fx.pool.scratch("staging");
+    let rw = fx.pool.scratch("pods").join("rw");
+    let ro = fx.pool.scratch("pods").join("ro");
+    fx.stage(&id, &staging, &cap).await.unwrap();
+    fx.publish(&id, &staging, &rw, &cap, false).await.unwrap();
+    write_synced(&rw.join("f"), b"written read-write");
+    fx.unpublish(&id, &rw).await.unwrap();
+    fx.publish(&id, &staging, &ro, &cap, true).await.unwrap();
+    assert_eq!(std::fs::read(ro.join("f")).unwrap(), b"written read-write");
+    let e = std::fs::File::create(ro.join("g")).unwrap_err();
+    assert_eq!(e.raw_os_error(), Some(libc::EROFS), "{e}");
+    let e = std::fs::OpenOptions::new()
+        .append(true)
+        .open(ro.join("f"))
+        .unwrap_err();
+    assert_eq!(e.raw_os_error(), Some(libc::EROFS), "{e}");
+    // Publishing the same target read-write now is a conflict, not a silent change.
+    assert_eq!(
+        code(fx.publish(&id, &staging, &ro, &cap, false).await),
+        Code::AlreadyExists
+    );
+    fx.unpublish(&id, &ro).await.unwrap();
+    fx.unstage(&id, &staging).await.unwrap();
+    fx.delete(&id).await;
+    assert!(fx.volume_loops().is_empty());
+}
+
+#[tokio::test]
+async fn root_block_publish_read_only_refuses_writes_and_rw_works() {
+    if !require_root() {
+        return;
+    }
+    let mut fx = fixture("xfs", &[]).await;
+    let cap = block_cap(Mode::SingleNodeMultiWriter);
+    let id = fx.create("pvc-block", 64 * MIB, cap.clone(), &[]).await;
+    let staging = fx.pool.scratch("staging");
+    let rw = fx.pool.scratch("pods").join("rw");
+    let ro = fx.pool.scratch("pods").join("ro");
+    fx.stage(&id, &staging, &cap).await.unwrap();
+    assert_eq!(mount_count(&staging), 0, "a block volume is not mounted");
+    assert_eq!(fx.volume_loops().len(), 1);
+    fx.publish(&id, &staging, &rw, &cap, false).await.unwrap();
+    fx.publish(&id, &staging, &ro, &cap, true).await.unwrap();
+    assert_eq!(mount_count(&rw), 1);
+    assert_eq!(mount_count(&ro), 1);
+    // Read-write: write a pattern through the device and read it back.
+    let data = pattern(1024 * 1024, 3);
+    {
+        let mut f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&rw)
+            .unwrap();
+        f.seek(SeekFrom::Start(4 * 1024 * 1024)).unwrap();
+        f.write_all(&data).unwrap();
+        f.sync_all().unwrap();
+    }
+    {
+        let mut f = std::fs::File::open(&rw).unwrap();
+        f.seek(SeekFrom::Start(4 * 1024 * 1024)).unwrap();
+        let mut back = vec![0u8; data.len()];
+        f.read_exact(&mut back).unwrap();
+        assert!(back == data, "block data read back differs");
+        assert_eq!(f.seek(SeekFrom::End(0)).unwrap(), 64 * 1024 * 1024);
+    }
+    // Read-only: the device itself refuses writes, whatever the opener does.
+    let refused = match std::fs::OpenOptions::new().write(true).open(&ro) {
+        Err(_) => true,
+        Ok(mut f) => f
+            .write_all(&[1u8; 4096])
+            .and_then(|_| f.sync_all())
+            .is_err(),
+    };
+    assert!(refused, "a read-only block publish took a write");
+    // Also with O_DIRECT, past the page cache: the write must fail.
+    let refused_direct = match std::fs::OpenOptions::new()
+        .write(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(&ro)
+    {
+        Err(_) => true,
+        Ok(f) => {
+            let mut buf = vec![0u8; 3 * 4096];
+            let off = buf.as_ptr().align_offset(4096);
+            let aligned = &mut buf[off..off + 4096];
+            aligned.fill(0xee);
+            use std::os::unix::fs::FileExt;
+            f.write_at(aligned, 0).is_err()
+        }
+    };
+    assert!(
+        refused_direct,
+        "a read-only block device took an O_DIRECT write"
+    );
+    // The read-only device sees the same data.
+    {
+        let mut f = std::fs::File::open(&ro).unwrap();
+        f.seek(SeekFrom::Start(4 * 1024 * 1024)).unwrap();
+        let mut back = vec![0u8; data.len()];
+        f.read_exact(&mut back).unwrap();
+        assert!(back == data);
+    }
+    // Block stats: the device size.
+    let s = fx.stats(&id, &rw).await.unwrap();
+    assert_eq!(
+        usage(&s, csi::volume_usage::Unit::Bytes).total,
+        64 * 1024 * 1024
+    );
+    fx.unpublish(&id, &ro).await.unwrap();
+    assert_eq!(
+        fx.volume_loops().len(),
+        1,
+        "the read-only device is detached"
+    );
+    fx.unpublish(&id, &rw).await.unwrap();
+    assert!(!rw.exists() && !ro.exists());
+    fx.unstage(&id, &staging).await.unwrap();
+    assert!(fx.volume_loops().is_empty());
+    fx.delete(&id).await;
+}
+
+#[tokio::test]
+async fn root_publish_twice_is_one_mount_and_unpublish_twice_succeeds() {
+    if !require_root() {
+        return;
+    }
+    let mut fx = fixture("xfs", &[]).await;
+    let cap = mount_cap("ext4", writer());
+    let id = fx.create("pvc-idem", 64 * MIB, cap.clone(), &[]).await;
+    let staging = fx.pool.scratch("staging");
+    let target = fx.pool.scratch("pods").join("t");
+    fx.stage(&id, &staging, &cap).await.unwrap();
+    fx.stage(&id, &staging, &cap).await.unwrap();
+    assert_eq!(mount_count(&staging), 1, "stage twice gives one mount");
+    fx.publish(&id, &staging, &target, &cap, false)
+        .await
+        .unwrap();
+    fx.publish(&id, &staging, &target, &cap, false)
+        .await
+        .unwrap();
+    assert_eq!(mount_count(&target), 1, "publish twice gives one mount");
+    fx.unpublish(&id, &target).await.unwrap();
+    fx.unpublish(&id, &target).await.unwrap();
+    assert_eq!(mount_count(&target), 0);
+    // A path that never was mounted, and one that does not exist at all.
+    let never = fx.pool.scratch("pods").join("never");
+    std::fs::create_dir(&never).unwrap();
+    fx.unpublish(&id, &never).await.unwrap();
+    fx.unpublish(&id, &fx.pool.scratch("pods").join("missing"))
+        .await
+        .unwrap();
+    // Unstage at a path where the volume is not staged succeeds and leaves the
+    // real staging alone: publish still works afterwards.
+    fx.unstage(&id, &fx.pool.scratch("elsewhere"))
+        .await
+        .unwrap();
+    assert_eq!(mount_count(&staging), 1, "the real staging mount stays");
+    fx.publish(&id, &staging, &target, &cap, false)
+        .await
+        .unwrap();
+    fx.unpublish(&id, &target).await.unwrap();
+    fx.unstage(&id, &staging).await.unwrap();
+    fx.unstage(&id, &staging).await.unwrap();
+    fx.unstage(&id, &fx.pool.scratch("nowhere")).await.unwrap();
+    assert!(fx.volume_loops().is_empty());
+    fx.delete(&id).await;
+}
+
+#[tokio::test]
+async fn root_unpublish_never_does_not_touch_foreign_mounts() {
+    if !require_root() {
+        return;
+    }
+    let mut fx = fixture("xfs", &[]).await;
+    let cap = mount_cap("ext4", writer());
+    let id = fx.create("pvc-foreign", 64 * MIB, cap.clone(), &[]).await;
+    // A tmpfs that is not the volume's sits at the target.
+    let target = fx.pool.scratch("pods").join("foreign");
+    std::fs::create_dir(&target).unwrap();
+    sh("mount", &["-t", "tmpfs", "tmpfs", target.to_str().unwrap()]);
+    let r = fx.unpublish(&id, &target).await;
+    assert_eq!(mount_count(&target), 1, "a foreign mount is left alone");
+    assert_ne!(code(r), Code::Ok);
+    umount(&target);
+    fx.delete(&id).await;
+}
+
+#[tokio::test]
+async fn root_volume_mount_group_gives_group_and_setgid() {
+    if !require_root() {
+        return;
+    }
+    let mut fx = fixture("xfs", &[]).await;
+    for fs in ["ext4", "xfs"] {
+        let cap = cap_with(fs, writer(), &[], "4321");
+        let size = if fs == "xfs" { 300 * MIB } else { 64 * MIB };
+        let id = fx
+            .create(&format!("pvc-group-{fs}"), size, cap.clone(), &[])
+            .await;
+        let staging = fx.pool.scratch(&format!("staging-{fs}"));
+        let target = fx.pool.scratch("pods").join(fs);
+        fx.stage(&id, &staging, &cap).await.unwrap();
+        fx.publish(&id, &staging, &target, &cap, false)
+            .await
+            .unwrap();
+        let m = std::fs::metadata(&target).unwrap();
+        assert_eq!(m.gid(), 4321, "{fs}: the root belongs to the group");
+        let mode = m.permissions().mode();
+        assert!(mode & 0o2000 != 0, "{fs}: setgid: {mode:o}");
+        assert!(mode & 0o020 != 0, "{fs}: group write: {mode:o}");
+        std::fs::create_dir(target.join("sub")).unwrap();
+        write_synced(&target.join("file"), b"x");
+        assert_eq!(std::fs::metadata(target.join("file")).unwrap().gid(), 4321);
+        assert_eq!(std::fs::metadata(target.join("sub")).unwrap().gid(), 4321);
+        fx.unpublish(&id, &target).await.unwrap();
+        fx.unstage(&id, &staging).await.unwrap();
+        fx.delete(&id).await;
+    }
+    assert!(fx.volume_loops().is_empty());
+}
+
+// ---------------------------------------------------------------- stats
+
+#[tokio::test]
+async fn root_stats_match_df_and_report_vanished_mounts() {
+    if !require_root() {
+        return;
+    }
+    let mut fx = fixture("xfs", &[]).await;
+    let cap = mount_cap("ext4", writer());
+    let id = fx.create("pvc-stats", 64 * MIB, cap.clone(), &[]).await;
+    let staging = fx.pool.scratch("staging");
+    let target = fx.pool.scratch("pods").join("t");
+    fx.stage(&id, &staging, &cap).await.unwrap();
+    fx.publish(&id, &staging, &target, &cap, false)
+        .await
+        .unwrap();
+    write_synced(&target.join("some"), &pattern(5 * 1024 * 1024, 1));
+    for i in 0..20 {
+        write_synced(&target.join(format!("f{i}")), b"i");
+    }
+    let s = fx.stats(&id, &target).await.unwrap();
+    let v = statvfs(&target);
+    let fr = v.fragment_size();
+    let bytes = usage(&s, csi::volume_usage::Unit::Bytes);
+    assert_eq!(bytes.total as u64, v.blocks() * fr);
+    assert_eq!(bytes.available as u64, v.blocks_available() * fr);
+    assert_eq!(bytes.used as u64, (v.blocks() - v.blocks_free()) * fr);
+    let inodes = usage(&s, csi::volume_usage::Unit::Inodes);
+    assert_eq!(inodes.total as u64, v.files());
+    assert_eq!(inodes.available as u64, v.files_free());
+    assert_eq!(inodes.used as u64, v.files() - v.files_free());
+    // And `df` agrees.
+    let df = sh(
+        "df",
+        &["-B1", "--output=size,used,avail", target.to_str().unwrap()],
+    );
+    let nums: Vec<i64> = df
+        .lines()
+        .nth(1)
+        .unwrap()
+        .split_whitespace()
+        .map(|n| n.parse().unwrap())
+        .collect();
+    assert_eq!(
+        nums,
+        vec![bytes.total, bytes.used, bytes.available],
+        "df: {df}"
+    );
+    let dfi = sh(
+        "df",
+        &["--output=itotal,iused,iavail", target.to_str().unwrap()],
+    );
+    let nums: Vec<i64> = dfi
+        .lines()
+        .nth(1)
+        .unwrap()
+        .split_whitespace()
+        .map(|n| n.parse().unwrap())
+        .collect();
+    assert_eq!(
+        nums,
+        vec![inodes.total, inodes.used, inodes.available],
+        "df -i: {dfi}"
+    );
+    let cond = s.volume_condition.unwrap();
+    assert!(!cond.abnormal, "{cond:?}");
+    // The staging path answers too.
+    assert!(
+        !fx.stats(&id, &staging)
+            .await
+            .unwrap()
+            .volume_condition
+            .unwrap()
+            .abnormal
+    );
+    // A path that is no published path of the volume: NOT_FOUND.
+    let other = fx.pool.scratch("other");
+    assert_eq!(
+        fx.stats(&id, &other).await.unwrap_err().code(),
+        Code::NotFound
+    );
+    assert_eq!(
+        fx.stats(&id, &fx.pool.scratch("x").join("missing"))
+            .await
+            .unwrap_err()
+            .code(),
+        Code::NotFound
+    );
+    // The filesystem turns read-only under a read-write publish (as ext4's
+    // errors=remount-ro does): abnormal.
+    sh("mount", &["-o", "remount,ro", staging.to_str().unwrap()]);
+    let cond = fx
+        .stats(&id, &target)
+        .await
+        .unwrap()
+        .volume_condition
+        .unwrap();
+    sh("mount", &["-o", "remount,rw", staging.to_str().unwrap()]);
+    assert!(
+        cond.abnormal && cond.message.contains("read-only"),
+        "{cond:?}"
+    );
+    let cond = fx
+        .stats(&id, &target)
+        .await
+        .unwrap()
+        .volume_condition
+        .unwrap();
+    assert!(!cond.abnormal, "{cond:?}");
+    // The mount vanishes behind the driver's back: abnormal, with a message.
+    umount(&target);
+    let s = fx.stats(&id, &target).await.unwrap();
+    let cond = s.volume_condition.unwrap();
+    assert!(cond.abnormal, "{cond:?}");
+    assert!(!cond.message.is_empty());
+    fx.unpublish(&id, &target).await.unwrap();
+    fx.unstage(&id, &staging).await.unwrap();
+    fx.delete(&id).await;
+    assert!(fx.volume_loops().is_empty());
+}
+
+// ---------------------------------------------------------------- expansion
+
+async fn controller_expand(
+    fx: &mut Fx,
+    id: &str,
+    size: i64,
+) -> csi::ControllerExpandVolumeResponse {
+    fx.c.controller
+        .controller_expand_volume(csi::ControllerExpandVolumeRequest {
+            volume_id: id.to_string(),
+            capacity_range: Some(csi::CapacityRange {
+                required_bytes: size,
+                limit_bytes: 0,
+            }),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+}
+
+async fn node_expand(
+    fx: &mut Fx,
+    id: &str,
+    path: &Path,
+    size: i64,
+    cap: &csi::VolumeCapability,
+) -> Result<i64, tonic::Status> {
+    fx.c.node
+        .node_expand_volume(csi::NodeExpandVolumeRequest {
+            volume_id: id.to_string(),
+            volume_path: path.display().to_string(),
+            capacity_range: Some(csi::CapacityRange {
+                required_bytes: size,
+                limit_bytes: 0,
+            }),
+            staging_target_path: String::new(),
+            volume_capability: Some(cap.clone()),
+            secrets: Default::default(),
+        })
+        .await
+        .map(|r| r.into_inner().capacity_bytes)
+}
+
+async fn online_expand(vol_fs: &str, size: i64) {
+    let mut fx = fixture("xfs", &[]).await;
+    let cap = mount_cap(vol_fs, writer());
+    let id = fx
+        .create(&format!("pvc-grow-{vol_fs}"), size, cap.clone(), &[])
+        .await;
+    let staging = fx.pool.scratch("staging");
+    let target = fx.pool.scratch("pods").join("t");
+    fx.stage(&id, &staging, &cap).await.unwrap();
+    fx.publish(&id, &staging, &target, &cap, false)
+        .await
+        .unwrap();
+    let data = pattern(1024 * 1024, 9);
+    write_synced(&target.join("keep"), &data);
+    let before = fs_bytes(&target);
+    let new = 2 * size;
+    let r = controller_expand(&mut fx, &id, new).await;
+    assert!(r.capacity_bytes >= new);
+    assert!(r.node_expansion_required);
+    let got = node_expand(&mut fx, &id, &target, new, &cap).await.unwrap();
+    assert!(got >= new, "answered {got}");
+    let after = fs_bytes(&target);
+    assert!(
+        after > before + (size as u64) * 9 / 10,
+        "{vol_fs} grew online from {before} to {after}"
+    );
+    // Again: idempotent.
+    node_expand(&mut fx, &id, &target, new, &cap).await.unwrap();
+    assert_eq!(std::fs::read(target.join("keep")).unwrap(), data);
+    fx.unpublish(&id, &target).await.unwrap();
+    fx.unstage(&id, &staging).await.unwrap();
+    fx.delete(&id).await;
+    assert!(fx.volume_loops().is_empty());
+}
+
+#[tokio::test]
+async fn root_node_expand_grows_xfs_online() {
+    if !require_root() {
+        return;
+    }
+    online_expand("xfs", 300 * MIB).await;
+}
+
+#[tokio::test]
+async fn root_node_expand_grows_btrfs_online() {
+    if !require_root() {
+        return;
+    }
+    online_expand("btrfs", 128 * MIB).await;
+}
+
+#[tokio::test]
+async fn root_node_expand_ext4_grows_online_or_at_next_stage() {
+    if !require_root() {
+        return;
+    }
+    let mut fx = fixture("xfs", &[]).await;
+    let cap = mount_cap("ext4", writer());
+    let id = fx.create("pvc-grow-ext4", 64 * MIB, cap.clone(), &[]).await;
+    let staging = fx.pool.scratch("staging");
+    let target = fx.pool.scratch("pods").join("t");
+    fx.stage(&id, &staging, &cap).await.unwrap();
+    fx.publish(&id, &staging, &target, &cap, false)
+        .await
+        .unwrap();
+    let data = pattern(1024 * 1024, 11);
+    write_synced(&target.join("keep"), &data);
+    let before = fs_bytes(&target);
+    controller_expand(&mut fx, &id, 128 * MIB).await;
+    match node_expand(&mut fx, &id, &target, 128 * MIB, &cap).await {
+        Ok(n) => {
+            // A machine that allows online ext4 growth.
+            assert!(n >= 128 * MIB);
+            assert!(fs_bytes(&target) > before + 50 * 1024 * 1024);
+        }
+        Err(s) => {
+            // This machine withholds CAP_SYS_RESOURCE: the kernel refuses it.
+            assert_eq!(s.code(), Code::FailedPrecondition, "{s:?}");
+            eprintln!("online ext4 grow refused here, as expected: {}", s.message());
+            assert!(
+                s.message().contains("NodeStageVolume") && s.message().contains("online"),
+                "the message says why and what happens next: {}",
+                s.message()
+            );
+            assert_eq!(fs_bytes(&target), before);
+        }
+    }
+    // At the next stage it grows (or stays grown).
+    fx.unpublish(&id, &target).await.unwrap();
+    fx.unstage(&id, &staging).await.unwrap();
+    fx.stage(&id, &staging, &cap).await.unwrap();
+    let after = fs_bytes(&staging);
+    assert!(
+        after > before + 50 * 1024 * 1024,
+        "ext4 grew at stage: {before} -> {after}"
+    );
+    fx.publish(&id, &staging, &target, &cap, false)
+        .await
+        .unwrap();
+    assert_eq!(std::fs::read(target.join("keep")).unwrap(), data);
+    fx.unpublish(&id, &target).await.unwrap();
+    fx.unstage(&id, &staging).await.unwrap();
+    fx.delete(&id).await;
+    assert!(fx.volume_loops().is_empty());
+}
+
+#[tokio::test]
+async fn root_expand_while_unstaged_completes_at_stage() {
+    if !require_root() {
+        return;
+    }
+    let mut fx = fixture("xfs", &[]).await;
+    for (fs, size) in [("xfs", 300 * MIB), ("btrfs", 128 * MIB)] {
+        let cap = mount_cap(fs, writer());
+        let id = fx
+            .create(&format!("pvc-offline-{fs}"), size, cap.clone(), &[])
+            .await;
+        let staging = fx.pool.scratch(&format!("staging-{fs}"));
+        fx.stage(&id, &staging, &cap).await.unwrap();
+        let before = fs_bytes(&staging);
+        fx.unstage(&id, &staging).await.unwrap();
+        controller_expand(&mut fx, &id, 2 * size).await;
+        fx.stage(&id, &staging, &cap).await.unwrap();
+        let after = fs_bytes(&staging);
+        assert!(
+            after > before + (size as u64) * 9 / 10,
+            "{fs}: {before} -> {after}"
+        );
+        fx.unstage(&id, &staging).await.unwrap();
+        fx.delete(&id).await;
+    }
+    assert!(fx.volume_loops().is_empty());
+}
+
+// ---------------------------------------------------------------- ephemeral
+
+#[tokio::test]
+async fn root_ephemeral_inline_volume_lives_and_dies_with_the_pod() {
+    if !require_root() {
+        return;
+    }
+    let mut fx = fixture("xfs", &[]).await;
+    let mounts_before = fx.all_mounts();
+    let target = fx.pool.scratch("pods").join("inline");
+    let ctx: HashMap<String, String> = [
+        ("csi.storage.k8s.io/ephemeral", "true"),
+        ("size", "100Mi"),
+        ("csi.storage.k8s.io/pod.name", "web-0"),
+    ]
+    .iter()
+    .map(|(k, v)| (k.to_string(), v.to_string()))
+    .collect();
+    let cap = mount_cap("", writer());
+    let req = csi::NodePublishVolumeRequest {
+        volume_id: "csi-0123456789abcdef".into(),
+        target_path: target.display().to_string(),
+        volume_capability: Some(cap.clone()),
+        volume_context: ctx.clone(),
+        ..Default::default()
+    };
+    fx.c.node.node_publish_volume(req.clone()).await.unwrap();
+    fx.c.node.node_publish_volume(req.clone()).await.unwrap();
+    assert_eq!(mount_count(&target), 1);
+    let total = fs_bytes(&target);
+    assert!(
+        total > 80 * 1024 * 1024 && total <= 100 * 1024 * 1024,
+        "size=100Mi gives about 100 MiB: {total}"
+    );
+    write_synced(&target.join("scratch"), &pattern(4096, 2));
+    assert_eq!(fx.volume_loops().len(), 1);
+    let eph = fx.pool.path.join("ephemeral");
+    assert_eq!(std::fs::read_dir(&eph).unwrap().count(), 1);
+    let s = fx.stats("csi-0123456789abcdef", &target).await.unwrap();
+    assert!(!s.volume_condition.unwrap().abnormal);
+    fx.unpublish("csi-0123456789abcdef", &target).await.unwrap();
+    assert!(!target.exists());
+    assert!(fx.volume_loops().is_empty(), "no loop device is left");
+    assert_eq!(
+        std::fs::read_dir(&eph).unwrap().count(),
+        0,
+        "no image is left in <pool>/ephemeral"
+    );
+    assert_eq!(fx.all_mounts(), mounts_before);
+    assert!(mounts_below(&fx.driver.state).is_empty());
+    fx.unpublish("csi-0123456789abcdef", &target).await.unwrap();
+}
+
+// ---------------------------------------------------------------- access modes
+
+#[tokio::test]
+async fn root_single_writer_refuses_second_writer_multi_writer_allows() {
+    if !require_root() {
+        return;
+    }
+    let mut fx = fixture("xfs", &[]).await;
+    let single = mount_cap("ext4", Mode::SingleNodeSingleWriter);
+    let id = fx.create("pvc-single", 64 * MIB, single.clone(), &[]).await;
+    let staging = fx.pool.scratch("staging-single");
+    let a = fx.pool.scratch("pods").join("a");
+    let b = fx.pool.scratch("pods").join("b");
+    fx.stage(&id, &staging, &single).await.unwrap();
+    fx.publish(&id, &staging, &a, &single, false).await.unwrap();
+    let r = fx.publish(&id, &staging, &b, &single, false).await;
+    assert_eq!(code(r), Code::FailedPrecondition);
+    assert_eq!(mount_count(&b), 0, "a refused publish changes nothing");
+    // Once the writer is gone, another may write.
+    fx.unpublish(&id, &a).await.unwrap();
+    fx.publish(&id, &staging, &b, &single, false).await.unwrap();
+    fx.unpublish(&id, &b).await.unwrap();
+    fx.unstage(&id, &staging).await.unwrap();
+    fx.delete(&id).await;
+
+    let multi = mount_cap("ext4", Mode::SingleNodeMultiWriter);
+    let id = fx.create("pvc-multi", 64 * MIB, multi.clone(), &[]).await;
+    let staging = fx.pool.scratch("staging-multi");
+    fx.stage(&id, &staging, &multi).await.unwrap();
+    fx.publish(&id, &staging, &a, &multi, false).await.unwrap();
+    fx.publish(&id, &staging, &b, &multi, false).await.unwrap();
+    write_synced(&a.join("shared"), b"seen from b");
+    assert_eq!(std::fs::read(b.join("shared")).unwrap(), b"seen from b");
+    // Unstage while published is refused.
+    assert_eq!(
+        code(fx.unstage(&id, &staging).await),
+        Code::FailedPrecondition
+    );
+    fx.unpublish(&id, &a).await.unwrap();
+    assert_eq!(mount_count(&b), 1, "the other target stays");
+    fx.unpublish(&id, &b).await.unwrap();
+    fx.unstage(&id, &staging).await.unwrap();
+    fx.delete(&id).await;
+    assert!(fx.volume_loops().is_empty());
+}
+
+// ---------------------------------------------------------------- validation
+
+#[tokio::test]
+async fn root_validation_refuses_bad_paths_and_capabilities() {
+    if !require_root() {
+        return;
+    }
+    let mut fx = fixture("btrfs", &[]).await;
+    let cap = mount_cap("ext4", writer());
+    let id = fx.create("pvc-valid", 64 * MIB, cap.clone(), &[]).await;
+    let staging = fx.pool.scratch("staging");
+    let mounts_before = fx.all_mounts();
+    fx.stage(&id, &staging, &cap).await.unwrap();
+    let state_target = fx.driver.state.join("evil");
+    let pool_target = fx.pool.path.join("volumes").join("evil");
+    let link = fx.pool.scratch("pods").join("link");
+    std::os::unix::fs::symlink(fx.pool.scratch("elsewhere"), &link).unwrap();
+    let link_parent = fx.pool.scratch("pods").join("linkdir");
+    std::os::unix::fs::symlink(&fx.pool.path, &link_parent).unwrap();
+    let bad: Vec<(String, &str)> = vec![
+        (pool_target.display().to_string(), "inside the pool"),
+        (fx.pool.path.display().to_string(), "the pool itself"),
+        (state_target.display().to_string(), "inside the state dir"),
+        ("relative/target".into(), "relative"),
+        (
+            format!(
+                "{}/pods/../pods/t",
+                fx.pool.dir.path().join("scratch").display()
+            ),
+            "with ..",
+        ),
+        (link.display().to_string(), "a symlink"),
+        (
+            link_parent.join("t").display().to_string(),
+            "through a symlink into the pool",
+        ),
+        ("".into(), "empty"),
+        ("/etc/evil".into(), "system directory"),
+    ];
+    for (t, why) in &bad {
+        let mut req = publish_req(&id, &staging, Path::new(t), cap.clone(), false);
+        req.target_path = t.clone();
+        let r = fx.c.node.node_publish_volume(req).await;
+        assert_eq!(
+            r.map(drop).unwrap_err().code(),
+            Code::InvalidArgument,
+            "publish to {t} ({why})"
+        );
+        let r =
+            fx.c.node
+                .node_unpublish_volume(csi::NodeUnpublishVolumeRequest {
+                    volume_id: id.clone(),
+                    target_path: t.clone(),
+                })
+                .await;
+        assert_eq!(
+            r.map(drop).unwrap_err().code(),
+            Code::InvalidArgument,
+            "unpublish of {t} ({why})"
+        );
+        let mut sreq = stage_req(&id, &staging, cap.clone());
+        sreq.staging_target_path = t.clone();
+        let r = fx.c.node.node_stage_volume(sreq).await;
+        assert_eq!(
+            r.map(drop).unwrap_err().code(),
+            Code::InvalidArgument,
+            "stage at {t} ({why})"
+        );
+    }
+    assert!(!state_target.exists() && !pool_target.exists());
+    assert!(std::fs::read_dir(fx.pool.scratch("elsewhere"))
+        .unwrap()
+        .next()
+        .is_none());
+    // Missing pieces.
+    let target = fx.pool.scratch("pods").join("t");
+    let mut req = publish_req(&id, &staging, &target, cap.clone(), false);
+    req.volume_capability = None;
+    assert_eq!(
+        fx.c.node.node_publish_volume(req).await.unwrap_err().code(),
+        Code::InvalidArgument
+    );
+    let mut req = publish_req("", &staging, &target, cap.clone(), false);
+    req.volume_id.clear();
+    assert_eq!(
+        fx.c.node.node_publish_volume(req).await.unwrap_err().code(),
+        Code::InvalidArgument
+    );
+    // Unknown volumes.
+    let unknown = uuid::Uuid::new_v4().to_string();
+    assert_eq!(
+        code(fx.stage(&unknown, &staging, &cap).await),
+        Code::NotFound
+    );
+    assert_eq!(
+        code(fx.publish(&unknown, &staging, &target, &cap, false).await),
+        Code::NotFound
+    );
+    assert_eq!(
+        code(fx.stage("no-such-volume", &staging, &cap).await),
+        Code::NotFound
+    );
+    // Block access on a kind=dir volume.
+    let dir = fx
+        .create("pvc-dir", 64 * MIB, cap.clone(), &[("kind", "dir")])
+        .await;
+    let dstaging = fx.pool.scratch("dstaging");
+    assert_eq!(
+        code(fx.stage(&dir, &dstaging, &block_cap(writer())).await),
+        Code::InvalidArgument
+    );
+    assert_eq!(mount_count(&dstaging), 0);
+    // The dir volume works as a mount volume.
+    fx.stage(&dir, &dstaging, &cap).await.unwrap();
+    let dt = fx.pool.scratch("pods").join("dt");
+    fx.publish(&dir, &dstaging, &dt, &cap, false).await.unwrap();
+    write_synced(&dt.join("x"), b"dir data");
+    assert_eq!(
+        code(
+            fx.publish(
+                &dir,
+                &dstaging,
+                &fx.pool.scratch("pods").join("db"),
+                &block_cap(writer()),
+                false
+            )
+            .await
+        ),
+        Code::InvalidArgument
+    );
+    fx.unpublish(&dir, &dt).await.unwrap();
+    fx.unstage(&dir, &dstaging).await.unwrap();
+    fx.delete(&dir).await;
+    // Nothing changed by the refused calls.
+    assert!(target.symlink_metadata().is_err());
+    fx.unstage(&id, &staging).await.unwrap();
+    assert_eq!(fx.all_mounts(), mounts_before);
+    fx.delete(&id).await;
+    assert!(fx.volume_loops().is_empty());
+}
+
+// ---------------------------------------------------------------- concurrency
+
+#[tokio::test]
+async fn root_concurrent_calls_on_one_volume_abort_others_proceed() {
+    if !require_root() {
+        return;
+    }
+    let mut fx = fixture("xfs", &[]).await;
+    let cap = mount_cap("xfs", writer());
+    let id = fx.create("pvc-conc", 300 * MIB, cap.clone(), &[]).await;
+    let other = fx.create("pvc-conc-2", 300 * MIB, cap.clone(), &[]).await;
+    let staging = fx.pool.scratch("staging");
+    let staging2 = fx.pool.scratch("staging2");
+    // Several stages of one volume at once (mkfs, check and mount take a while):
+    // each either does the work or is ABORTED; a second volume is not held up.
+    let mut calls = Vec::new();
+    for _ in 0..6 {
+        let mut n = fx.c.node.clone();
+        let req = stage_req(&id, &staging, cap.clone());
+        calls.push(tokio::spawn(async move {
+            n.node_stage_volume(req).await.map(drop)
+        }));
+    }
+    let mut n2 = fx.c.node.clone();
+    let req2 = stage_req(&other, &staging2, cap.clone());
+    let second = tokio::spawn(async move { n2.node_stage_volume(req2).await.map(drop) });
+    let mut ok = 0;
+    let mut aborted = 0;
+    for c in calls {
+        match c.await.unwrap() {
+            Ok(()) => ok += 1,
+            Err(s) if s.code() == Code::Aborted => aborted += 1,
+            Err(s) => panic!("unexpected {s:?}"),
+        }
+    }
+    second.await.unwrap().expect("another volume proceeds");
+    assert!(ok >= 1, "one call did the work");
+    assert!(aborted >= 1, "concurrent calls were ABORTED ({ok} ok)");
+    assert_eq!(mount_count(&staging), 1);
+    assert_eq!(mount_count(&staging2), 1);
+    // The retries kubelet makes afterwards succeed.
+    fx.stage(&id, &staging, &cap).await.unwrap();
+    fx.unstage(&id, &staging).await.unwrap();
+    fx.unstage(&other, &staging2).await.unwrap();
+    fx.delete(&id).await;
+    fx.delete(&other).await;
+    assert!(fx.volume_loops().is_empty());
+}
+
+// ---------------------------------------------------------------- crashes
+
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Phase {
+    Stage,
+    Publish,
+    Unpublish,
+    Unstage,
+}
+
+#[derive(Clone, Copy, PartialEq, Debug)]
+enum Kind {
+    Mount,
+    Block,
+    BlockRo,
+}
+
+/// Brings a volume to just before `phase`, crashes the driver at `point` during
+/// it, restarts, retries as kubelet would, checks the state, then finishes the
+/// volume's life and checks nothing leaked.
+async fn crash_at(point: &str, phase: Phase, kind: Kind) {
+    let mut fx = fixture("xfs", &[]).await;
+    let loops_before = fx.volume_loops();
+    let mounts_before = fx.all_mounts();
+    let cap = match kind {
+        Kind::Mount => mount_cap("ext4", writer()),
+        _ => block_cap(writer()),
+    };
+    let ro = kind == Kind::BlockRo;
+    let id = fx.create("pvc-crash", 64 * MIB, cap.clone(), &[]).await;
+    let staging = fx.pool.scratch("staging");
+    let target = fx.pool.scratch("pods").join("t");
+    let data = pattern(256 * 1024, 5);
+    let write = |t: &Path| {
+        if kind == Kind::Mount {
+            write_synced(&t.join("d"), &data);
+        } else if !ro {
+            let mut f = std::fs::OpenOptions::new().write(true).open(t).unwrap();
+            f.write_all(&data).unwrap();
+            f.sync_all().unwrap();
+        }
+    };
+    let check = |t: &Path| {
+        if kind == Kind::Mount {
+            assert!(std::fs::read(t.join("d")).unwrap() == data, "data differs");
+        } else if !ro {
+            let mut back = vec![0u8; data.len()];
+            std::fs::File::open(t)
+                .unwrap()
+                .read_exact(&mut back)
+                .unwrap();
+            assert!(back == data, "block data differs");
+        }
+    };
+    // Before the phase.
+    if phase != Phase::Stage {
+        fx.stage(&id, &staging, &cap).await.unwrap();
+    }
+    if matches!(phase, Phase::Unpublish | Phase::Unstage) {
+        fx.publish(&id, &staging, &target, &cap, ro).await.unwrap();
+        write(&target);
+    }
+    if phase == Phase::Unstage {
+        fx.unpublish(&id, &target).await.unwrap();
+    }
+    // The crash.
+    fx.respawn(&[(FAILPOINTS, point)]).await;
+    let call = async {
+        match phase {
+            Phase::Stage => fx.stage(&id, &staging, &cap).await,
+            Phase::Publish => fx.publish(&id, &staging, &target, &cap, ro).await,
+            Phase::Unpublish => fx.unpublish(&id, &target).await,
+            Phase::Unstage => fx.unstage(&id, &staging).await,
+        }
+    };
+    let r = tokio::time::timeout(Duration::from_secs(60), call).await;
+    assert!(
+        !matches!(r, Ok(Ok(()))),
+        "{point}: the call succeeded, the failpoint was not reached"
+    );
+    let status = fx.driver.wait_exit(30);
+    assert!(status.is_some(), "{point}: the driver did not die");
+    assert!(fx
+        .driver
+        .log_text()
+        .contains(&format!("failpoint {point} reached")));
+    // The retry after the restart.
+    fx.respawn(&[]).await;
+    let retry = match phase {
+        Phase::Stage => fx.stage(&id, &staging, &cap).await,
+        Phase::Publish => fx.publish(&id, &staging, &target, &cap, ro).await,
+        Phase::Unpublish => fx.unpublish(&id, &target).await,
+        Phase::Unstage => fx.unstage(&id, &staging).await,
+    };
+    retry.unwrap_or_else(|e| panic!("{point}: retry failed: {e:?}\n{}", fx.driver.log_text()));
+    // A second retry changes nothing.
+    let again = match phase {
+        Phase::Stage => fx.stage(&id, &staging, &cap).await,
+        Phase::Publish => fx.publish(&id, &staging, &target, &cap, ro).await,
+        Phase::Unpublish => fx.unpublish(&id, &target).await,
+        Phase::Unstage => fx.unstage(&id, &staging).await,
+    };
+    again.unwrap_or_else(|e| panic!("{point}: second retry failed: {e:?}"));
+    let block = kind != Kind::Mount;
+    let staged_loops = loops_before.len() + 1;
+    match phase {
+        Phase::Stage => {
+            assert_eq!(mount_count(&staging), usize::from(!block), "{point}");
+            assert_eq!(fx.volume_loops().len(), staged_loops, "{point}");
+        }
+        Phase::Publish => {
+            assert_eq!(mount_count(&target), 1, "{point}");
+            assert_eq!(mount_count(&staging), usize::from(!block), "{point}");
+            assert_eq!(
+                fx.volume_loops().len(),
+                staged_loops + usize::from(ro),
+                "{point}: exactly the loop devices expected: {:?}",
+                fx.volume_loops()
+            );
+        }
+        Phase::Unpublish => {
+            assert_eq!(mount_count(&target), 0, "{point}");
+            assert!(!target.exists(), "{point}: the target is removed");
+            assert_eq!(mount_count(&staging), usize::from(!block), "{point}");
+            assert_eq!(fx.volume_loops().len(), staged_loops, "{point}");
+        }
+        Phase::Unstage => {
+            assert_eq!(mount_count(&staging), 0, "{point}");
+            assert_eq!(fx.volume_loops(), loops_before, "{point}");
+        }
+    }
+    // The rest of the volume's life, with the data checked.
+    if matches!(phase, Phase::Stage | Phase::Publish) {
+        if phase == Phase::Stage {
+            fx.publish(&id, &staging, &target, &cap, ro).await.unwrap();
+        }
+        write(&target);
+        check(&target);
+        fx.unpublish(&id, &target).await.unwrap();
+    }
+    if phase == Phase::Unpublish {
+        fx.publish(&id, &staging, &target, &cap, ro).await.unwrap();
+        check(&target);
+        fx.unpublish(&id, &target).await.unwrap();
+    }
+    if phase != Phase::Unstage {
+        fx.unstage(&id, &staging).await.unwrap();
+    } else {
+        fx.stage(&id, &staging, &cap).await.unwrap();
+        fx.publish(&id, &staging, &target, &cap, ro).await.unwrap();
+        check(&target);
+        fx.unpublish(&id, &target).await.unwrap();
+        fx.unstage(&id, &staging).await.unwrap();
+    }
+    fx.delete(&id).await;
+    assert_eq!(
+        fx.volume_loops(),
+        loops_before,
+        "{point}: loop devices leaked"
+    );
+    assert_eq!(fx.all_mounts(), mounts_before, "{point}: mounts leaked");
+}
+
+macro_rules! crash_tests {
+    ($($name:ident: $point:expr, $phase:expr, $kind:expr;)*) => {$(
+        #[tokio::test]
+        async fn $name() {
+            if !require_root() {
+                return;
+            }
+            crash_at($point, $phase, $kind).await;
+        }
+    )*};
+}
+
+crash_tests! {
+    root_crash_stage_after_intent: "stage.after-intent", Phase::Stage, Kind::Mount;
+    root_crash_stage_after_attach: "stage.after-attach", Phase::Stage, Kind::Mount;
+    root_crash_stage_after_mkfs: "stage.after-mkfs", Phase::Stage, Kind::Mount;
+    root_crash_stage_after_mount: "stage.after-mount", Phase::Stage, Kind::Mount;
+    root_crash_stage_after_commit: "stage.after-commit", Phase::Stage, Kind::Mount;
+    root_crash_stage_block_after_attach: "stage.after-attach", Phase::Stage, Kind::Block;
+    root_crash_publish_after_intent: "publish.after-intent", Phase::Publish, Kind::Mount;
+    root_crash_publish_after_mount: "publish.after-mount", Phase::Publish, Kind::Mount;
+    root_crash_publish_block_after_intent: "publish.after-intent", Phase::Publish, Kind::Block;
+    root_crash_publish_block_ro_after_intent: "publish.after-intent", Phase::Publish, Kind::BlockRo;
+    root_crash_publish_block_ro_after_mount: "publish.after-mount", Phase::Publish, Kind::BlockRo;
+    root_crash_unpublish_after_unmount: "unpublish.after-unmount", Phase::Unpublish, Kind::Mount;
+    root_crash_unpublish_after_commit: "unpublish.after-commit", Phase::Unpublish, Kind::Mount;
+    root_crash_unpublish_block_ro_after_unmount: "unpublish.after-unmount", Phase::Unpublish, Kind::BlockRo;
+    root_crash_unstage_after_unmount: "unstage.after-unmount", Phase::Unstage, Kind::Mount;
+    root_crash_unstage_after_detach: "unstage.after-detach", Phase::Unstage, Kind::Mount;
+    root_crash_unstage_block_after_detach: "unstage.after-detach", Phase::Unstage, Kind::Block;
+}
+
+// ---------------------------------------------------------------- reboot
+
+/// Kills the driver and removes every mount and loop device of the volumes, as a
+/// node reboot does.
+async fn simulate_reboot(fx: &mut Fx, paths: &[&Path]) {
+    fx.driver.kill9();
+    for p in paths {
+        while mount_count(p) > 0 {
+            umount(p);
+        }
+    }
+    for d in fx.volume_loops() {
+        detach(&d);
+    }
+    assert!(fx.volume_loops().is_empty());
+    fx.respawn(&[]).await;
+}
+
+async fn reboot(vol_fs: &str, size: i64) {
+    let mut fx = fixture("xfs", &[]).await;
+    let mounts_before = fx.all_mounts();
+    let cap = mount_cap(vol_fs, writer());
+    let id = fx
+        .create(&format!("pvc-reboot-{vol_fs}"), size, cap.clone(), &[])
+        .await;
+    let staging = fx.pool.scratch("staging");
+    let target = fx.pool.scratch("pods").join("t");
+    let data = pattern(2 * 1024 * 1024 + 5, 13);
+    fx.stage(&id, &staging, &cap).await.unwrap();
+    fx.publish(&id, &staging, &target, &cap, false)
+        .await
+        .unwrap();
+    write_synced(&target.join("d"), &data);
+    simulate_reboot(&mut fx, &[&target, &staging]).await;
+    // Stats before kubelet's retries: the volume is abnormal, not an error.
+    let s = fx.stats(&id, &target).await.unwrap();
+    assert!(s.volume_condition.unwrap().abnormal);
+    fx.stage(&id, &staging, &cap).await.unwrap();
+    fx.publish(&id, &staging, &target, &cap, false)
+        .await
+        .unwrap();
+    assert!(
+        std::fs::read(target.join("d")).unwrap() == data,
+        "data intact"
+    );
+    assert_eq!(mount_count(&target), 1);
+    assert_eq!(mount_count(&staging), 1);
+    assert_eq!(fx.volume_loops().len(), 1);
+    fx.unpublish(&id, &target).await.unwrap();
+    fx.unstage(&id, &staging).await.unwrap();
+    fx.delete(&id).await;
+    assert!(fx.volume_loops().is_empty());
+    assert_eq!(fx.all_mounts(), mounts_before);
+}
+
+#[tokio::test]
+async fn root_reboot_ext4_data_intact() {
+    if !require_root() {
+        return;
+    }
+    reboot("ext4", 64 * MIB).await;
+}
+
+#[tokio::test]
+async fn root_reboot_xfs_data_intact() {
+    if !require_root() {
+        return;
+    }
+    reboot("xfs", 300 * MIB).await;
+}
+
+#[tokio::test]
+async fn root_reboot_btrfs_data_intact() {
+    if !require_root() {
+        return;
+    }
+    reboot("btrfs", 128 * MIB).await;
+}
+
+#[tokio::test]
+async fn root_reboot_block_volumes_come_back() {
+    if !require_root() {
+        return;
+    }
+    let mut fx = fixture("xfs", &[]).await;
+    let cap = block_cap(writer());
+    let id = fx
+        .create("pvc-reboot-block", 64 * MIB, cap.clone(), &[])
+        .await;
+    let staging = fx.pool.scratch("staging");
+    let rw = fx.pool.scratch("pods").join("rw");
+    let ro = fx.pool.scratch("pods").join("ro");
+    fx.stage(&id, &staging, &cap).await.unwrap();
+    fx.publish(&id, &staging, &rw, &cap, false).await.unwrap();
+    fx.publish(&id, &staging, &ro, &cap, true).await.unwrap();
+    let data = pattern(64 * 1024, 21);
+    {
+        let mut f = std::fs::OpenOptions::new().write(true).open(&rw).unwrap();
+        f.write_all(&data).unwrap();
+        f.sync_all().unwrap();
+    }
+    simulate_reboot(&mut fx, &[&rw, &ro]).await;
+    fx.stage(&id, &staging, &cap).await.unwrap();
+    fx.publish(&id, &staging, &rw, &cap, false).await.unwrap();
+    fx.publish(&id, &staging, &ro, &cap, true).await.unwrap();
+    assert_eq!(fx.volume_loops().len(), 2, "{:?}", fx.volume_loops());
+    let mut back = vec![0u8; data.len()];
+    std::fs::File::open(&ro)
+        .unwrap()
+        .read_exact(&mut back)
+        .unwrap();
+    assert!(back == data);
+    assert!(std::fs::OpenOptions::new()
+        .write(true)
+        .open(&ro)
+        .and_then(|mut f| f.write_all(&[0u8; 512]).and_then(|_| f.sync_all()))
+        .is_err());
+    fx.unpublish(&id, &ro).await.unwrap();
+    fx.unpublish(&id, &rw).await.unwrap();
+    fx.unstage(&id, &staging).await.unwrap();
+    fx.delete(&id).await;
+    assert!(fx.volume_loops().is_empty());
+}
+
+#[tokio::test]
+async fn root_unpublish_unstage_succeed_when_mounts_vanished() {
+    if !require_root() {
+        return;
+    }
+    let mut fx = fixture("xfs", &[]).await;
+    let mounts_before = fx.all_mounts();
+    let cap = mount_cap("ext4", writer());
+    let id = fx.create("pvc-vanish", 64 * MIB, cap.clone(), &[]).await;
+    let staging = fx.pool.scratch("staging");
+    let target = fx.pool.scratch("pods").join("t");
+    fx.stage(&id, &staging, &cap).await.unwrap();
+    fx.publish(&id, &staging, &target, &cap, false)
+        .await
+        .unwrap();
+    // Without a restart: the mounts vanish under a running driver.
+    umount(&target);
+    umount(&staging);
+    fx.unpublish(&id, &target).await.unwrap();
+    assert!(!target.exists());
+    fx.unstage(&id, &staging).await.unwrap();
+    assert!(fx.volume_loops().is_empty(), "the loop device is detached");
+    // And after a reboot with the devices gone too.
+    fx.stage(&id, &staging, &cap).await.unwrap();
+    fx.publish(&id, &staging, &target, &cap, false)
+        .await
+        .unwrap();
+    simulate_reboot(&mut fx, &[&target, &staging]).await;
+    fx.unpublish(&id, &target).await.unwrap();
+    fx.unstage(&id, &staging).await.unwrap();
+    fx.delete(&id).await;
+    assert!(fx.volume_loops().is_empty());
+    assert_eq!(fx.all_mounts(), mounts_before);
+}
+
+// ---------------------------------------------------------------- info, ephemeral crashes, orphans
+
+#[tokio::test]
+async fn root_node_info_and_capabilities() {
+    if !require_root() {
+        return;
+    }
+    let mut fx = fixture("xfs", &["--max-volumes-per-node=7"]).await;
+    let info =
+        fx.c.node
+            .node_get_info(csi::NodeGetInfoRequest {})
+            .await
+            .unwrap()
+            .into_inner();
+    assert_eq!(info.node_id, "test-node");
+    assert_eq!(info.max_volumes_per_node, 7);
+    let topo = info.accessible_topology.unwrap().segments;
+    assert_eq!(
+        topo.get("topology.example.csi.k8s.io/node")
+            .map(String::as_str),
+        Some("test-node")
+    );
+    use csi::node_service_capability::rpc::Type as T;
+    let caps: Vec<i32> =
+        fx.c.node
+            .node_get_capabilities(csi::NodeGetCapabilitiesRequest {})
+            .await
+            .unwrap()
+            .into_inner()
+            .capabilities
+            .into_iter()
+            .filter_map(|c| match c.r#type {
+                Some(csi::node_service_capability::Type::Rpc(r)) => Some(r.r#type),
+                _ => None,
+            })
+            .collect();
+    for t in [
+        T::StageUnstageVolume,
+        T::GetVolumeStats,
+        T::VolumeCondition,
+        T::ExpandVolume,
+        T::SingleNodeMultiWriter,
+        T::VolumeMountGroup,
+    ] {
+        assert!(caps.contains(&(t as i32)), "{t:?} advertised");
+    }
+}
+
+fn ephemeral_req(target: &Path) -> csi::NodePublishVolumeRequest {
+    csi::NodePublishVolumeRequest {
+        volume_id: "csi-ephemeral-crash".into(),
+        target_path: target.display().to_string(),
+        volume_capability: Some(mount_cap("", writer())),
+        volume_context: [("csi.storage.k8s.io/ephemeral", "true"), ("size", "64Mi")]
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+        ..Default::default()
+    }
+}
+
+/// A crash inside an ephemeral volume's publish or unpublish: the retry
+/// completes it and nothing is left after the unpublish.
+async fn ephemeral_crash(point: &str, during_publish: bool) {
+    let mut fx = fixture("xfs", &[]).await;
+    let mounts_before = fx.all_mounts();
+    let target = fx.pool.scratch("pods").join("inline");
+    let req = ephemeral_req(&target);
+    let eph = fx.pool.path.join("ephemeral");
+    if !during_publish {
+        fx.c.node.node_publish_volume(req.clone()).await.unwrap();
+        write_synced(&target.join("x"), b"scratch");
+    }
+    fx.respawn(&[(FAILPOINTS, point)]).await;
+    let r = if during_publish {
+        fx.c.node.node_publish_volume(req.clone()).await.map(drop)
+    } else {
+        fx.unpublish("csi-ephemeral-crash", &target).await
+    };
+    assert!(r.is_err(), "{point} was not reached");
+    assert!(
+        fx.driver.wait_exit(30).is_some(),
+        "{point}: the driver did not die"
+    );
+    fx.respawn(&[]).await;
+    if during_publish {
+        fx.c.node.node_publish_volume(req.clone()).await.unwrap();
+        assert_eq!(mount_count(&target), 1);
+        assert_eq!(fx.volume_loops().len(), 1);
+        write_synced(&target.join("x"), b"scratch");
+    }
+    fx.unpublish("csi-ephemeral-crash", &target).await.unwrap();
+    fx.unpublish("csi-ephemeral-crash", &target).await.unwrap();
+    assert!(!target.exists(), "{point}");
+    assert!(
+        fx.volume_loops().is_empty(),
+        "{point}: {:?}",
+        fx.volume_loops()
+    );
+    assert_eq!(std::fs::read_dir(&eph).unwrap().count(), 0, "{point}");
+    assert_eq!(fx.all_mounts(), mounts_before, "{point}");
+}
+
+#[tokio::test]
+async fn root_crash_ephemeral_after_create() {
+    if !require_root() {
+        return;
+    }
+    ephemeral_crash("ephemeral.after-create", true).await;
+}
+
+#[tokio::test]
+async fn root_crash_ephemeral_publish_after_mount() {
+    if !require_root() {
+        return;
+    }
+    ephemeral_crash("stage.after-mount", true).await;
+}
+
+#[tokio::test]
+async fn root_crash_ephemeral_after_unstage() {
+    if !require_root() {
+        return;
+    }
+    ephemeral_crash("ephemeral.after-unstage", false).await;
+}
+
+#[tokio::test]
+async fn root_crash_ephemeral_unpublish_after_unmount() {
+    if !require_root() {
+        return;
+    }
+    ephemeral_crash("unpublish.after-unmount", false).await;
+}
+
+#[tokio::test]
+async fn root_start_reports_loop_devices_and_mounts_no_volume_accounts_for() {
+    if !require_root() {
+        return;
+    }
+    let mut fx = fixture("xfs", &[]).await;
+    let cap = mount_cap("ext4", writer());
+    let id = fx.create("pvc-orphan", 64 * MIB, cap.clone(), &[]).await;
+    let staging = fx.pool.scratch("staging");
+    fx.stage(&id, &staging, &cap).await.unwrap();
+    // The driver forgets the volume was staged (its node state is lost) while
+    // the device and mount stay: the next start reports both.
+    fx.driver.kill9();
+    let node_state = fx.driver.state.join("node");
+    if node_state.exists() {
+        std::fs::remove_dir_all(&node_state).unwrap();
+        std::fs::create_dir(&node_state).unwrap();
+    }
+    fx.respawn(&[]).await;
+    std::thread::sleep(Duration::from_millis(300));
+    let log = fx.driver.log_text();
+    assert!(
+        log.contains("no staged volume accounts for"),
+        "the orphan loop device is reported: {log}"
+    );
+    assert!(
+        log.contains("mount of a pool volume that no staged volume accounts for"),
+        "the orphan mount is reported"
+    );
+    // Kubelet's retry brings the record back; the volume then leaves cleanly.
+    fx.stage(&id, &staging, &cap).await.unwrap();
+    fx.unstage(&id, &staging).await.unwrap();
+    fx.delete(&id).await;
+    assert!(fx.volume_loops().is_empty());
+}
