@@ -204,6 +204,20 @@ impl Driver {
     pub fn snapshot_count(&self) -> usize {
         self.snapshots.len()
     }
+
+    /// Volume and snapshot records per pool (every configured pool, zeros
+    /// included), for metrics.
+    pub fn objects_by_pool(&self) -> BTreeMap<String, (usize, usize)> {
+        let mut out: BTreeMap<String, (usize, usize)> =
+            self.pools.keys().map(|k| (k.clone(), (0, 0))).collect();
+        for v in self.volumes.all() {
+            out.entry(v.pool).or_default().0 += 1;
+        }
+        for s in self.snapshots.all() {
+            out.entry(s.pool).or_default().1 += 1;
+        }
+        out
+    }
 }
 
 /// A counting semaphore for blocking code.

@@ -149,7 +149,7 @@ impl Driver {
 
     fn topology_allows(&self, segments: &[BTreeMap<String, String>]) -> bool {
         let mine = self.topology();
-        segments.is_empty() || segments.iter().any(|s| *s == mine)
+        segments.is_empty() || segments.contains(&mine)
     }
 
     /// The size to make for a request, or OUT_OF_RANGE.
@@ -289,7 +289,8 @@ impl Driver {
             )));
         }
         let (available, total) = pool.space()?;
-        if size > total && backing != Backing::Directory {
+        // No volume, not even an unenforced directory, can be larger than its pool.
+        if size > total {
             return Err(Error::OutOfRange(format!(
                 "{size} bytes exceeds the largest volume pool {} can hold ({total} bytes)",
                 pool.name
@@ -456,6 +457,7 @@ impl Driver {
             }
             (Backing::Subvolume, Some((src, _))) => {
                 btrfs::subvolume_snapshot(src, &path, false).context(at)?;
+                failpoint::hit("create-volume.after-copy");
                 btrfs::qgroup_limit(&path, rec.size).context(at)?;
             }
             (Backing::Directory, None) => {
@@ -463,6 +465,7 @@ impl Driver {
             }
             (Backing::Directory, Some((src, _))) => {
                 self.heavy(|| file::copy_tree(src, &path)).context(at)?;
+                failpoint::hit("create-volume.after-copy");
             }
         }
         if rec.backing == Backing::Image {
@@ -591,7 +594,13 @@ impl Driver {
         }
         let new = self.size_for(range, rec.fs_type.as_deref(), 0)?;
         let pool = self.pool(&rec.pool)?.clone();
-        let (available, _) = pool.space()?;
+        let (available, total) = pool.space()?;
+        if new > total {
+            return Err(Error::OutOfRange(format!(
+                "{new} bytes exceeds the largest volume pool {} can hold ({total} bytes)",
+                pool.name
+            )));
+        }
         if rec.backing != Backing::Directory && new - rec.size > available {
             return Err(Error::ResourceExhausted(format!(
                 "pool {} has {available} bytes free; growing by {} was asked",
@@ -798,6 +807,13 @@ impl Driver {
         let id = VolumeId::parse_existing(volume_id)?;
         let _guard = self.locks.try_lock([format!("volume:{id}")])?;
         let mut rec = self.existing_volume(volume_id)?;
+        // A single-node volume published elsewhere is the wrong state, whichever node
+        // is asked for now; checked first so that the answer says so.
+        if let Some(other) = rec.published.keys().find(|n| *n != node_id) {
+            return Err(Error::precondition(format!(
+                "volume {id} is published to node {other} already"
+            )));
+        }
         if node_id != self.cfg.node_id {
             return Err(Error::not_found(format!(
                 "node {node_id:?} is not known to this driver; volumes here are local to \
@@ -809,11 +825,6 @@ impl Driver {
             return Err(Error::invalid(
                 "block access is not possible on a kind=dir volume",
             ));
-        }
-        if let Some(other) = rec.published.keys().find(|n| *n != node_id) {
-            return Err(Error::precondition(format!(
-                "volume {id} is published to node {other} already"
-            )));
         }
         match rec.published.get(node_id) {
             Some(p) if p.read_only != read_only => {
@@ -898,25 +909,34 @@ impl Driver {
     /// pool data that no record accounts for.
     pub(crate) fn recover_volumes(&self) -> Result<()> {
         for rec in self.volumes.all() {
-            match (rec.state, rec.pending_size) {
+            // A record that cannot be repaired now stays as it is: it is not listed
+            // (Creating, Deleting) and a retry of its call repairs it, so one bad
+            // record never keeps the driver from starting.
+            let repaired = match (rec.state, rec.pending_size) {
                 (RecordState::Creating, _) => {
                     tracing::warn!(volume.id = %rec.id, "rolling back an interrupted create");
-                    self.roll_back_volume(&rec)?;
+                    self.roll_back_volume(&rec)
                 }
                 (RecordState::Deleting, _) => {
                     tracing::warn!(volume.id = %rec.id, "finishing an interrupted delete");
-                    self.roll_back_volume(&rec)?;
+                    self.roll_back_volume(&rec)
                 }
                 (RecordState::Ready, Some(size)) => {
                     tracing::warn!(volume.id = %rec.id, size, "finishing an interrupted expansion");
-                    let pool = self.pool(&rec.pool)?.clone();
-                    self.apply_size(&pool, &rec, size)?;
-                    let mut done = rec.clone();
-                    done.size = size.max(rec.size);
-                    done.pending_size = None;
-                    self.volumes.put(&done)?;
+                    self.pool(&rec.pool)
+                        .and_then(|pool| self.apply_size(pool, &rec, size))
+                        .and_then(|()| {
+                            let mut done = rec.clone();
+                            done.size = size.max(rec.size);
+                            done.pending_size = None;
+                            self.volumes.put(&done)
+                        })
                 }
-                _ => {}
+                _ => Ok(()),
+            };
+            if let Err(e) = repaired {
+                tracing::error!(volume.id = %rec.id, error = %e,
+                    "could not repair the volume at start; a retry of its call will");
             }
         }
         for pool in self.pools.values() {
