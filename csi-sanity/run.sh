@@ -15,9 +15,9 @@ export PATH="$PATH:/usr/local/go/bin:$(go env GOPATH 2>/dev/null || echo /root/g
 # (xfs cannot be made smaller than 300 MiB, btrfs than 128 MiB)
 CONFIGS=(
   "xfs-image|xfs|--default-fstype=xfs --enable-attach --max-volumes-per-node=16|kind=image|512"
-  "btrfs-dir|btrfs|--default-fstype=ext4 --enable-attach|kind=dir|64"
-  "ext4-image|ext4|--default-fstype=ext4 --enable-attach|kind=image|64"
-  "btrfs-image|btrfs|--default-fstype=btrfs --enable-attach|kind=image|256"
+  "btrfs-dir|btrfs|--default-fstype=ext4 --enable-attach --max-volumes-per-node=16|kind=dir|64"
+  "ext4-image|ext4|--default-fstype=ext4 --enable-attach --max-volumes-per-node=16|kind=image|64"
+  "btrfs-image|btrfs|--default-fstype=btrfs --enable-attach --max-volumes-per-node=16|kind=image|256"
 )
 
 if [ "$(id -u)" != 0 ]; then
@@ -92,7 +92,12 @@ for entry in "${CONFIGS[@]}"; do
   : > "$d/params.yaml"
   IFS=',' read -ra kvs <<<"$params"
   for kv in "${kvs[@]}"; do echo "${kv%%=*}: \"${kv#*=}\"" >> "$d/params.yaml"; done
-  printf 'directIO: "true"\nreadAheadKiB: "256"\n' > "$d/mutable.yaml"
+  # The mutable parameters that mean something for the configuration's volumes.
+  if [ "$fs" = btrfs ] && [ "$params" = kind=dir ]; then
+    printf 'compression: "zstd"\n' > "$d/mutable.yaml"
+  else
+    printf 'directIO: "true"\nreadAheadKiB: "256"\n' > "$d/mutable.yaml"
+  fi
   # shellcheck disable=SC2086
   "$driver" --endpoint "unix://$d/csi.sock" --nodeid sanity-node --pool "$d/pool" \
     --state-dir "$d/state" --log-level "${CSI_LOG_LEVEL:-info}" $flags > "$d/driver.log" 2>&1 &

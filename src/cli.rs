@@ -28,6 +28,9 @@ pub const DEFAULT_POOL_PATH: &str = "/var/lib/example-csi/pool";
 #[command(
     name = "csi-driver",
     version,
+    // A flag given twice takes its last value, as with the Go flag package the
+    // sidecars use (an overlay may patch a flag the base already sets).
+    args_override_self = true,
     about = "example-csi: a CSI driver for node-local storage (image files on loop devices, \
              directories, btrfs subvolumes)"
 )]
@@ -80,7 +83,7 @@ pub struct Cli {
         long,
         env = "CSI_MUTABLE_PARAMETERS",
         value_delimiter = ',',
-        default_value = "directIO,readAheadKiB"
+        default_value = "directIO,readAheadKiB,compression"
     )]
     pub mutable_parameters: Vec<String>,
 
@@ -102,6 +105,12 @@ pub struct Cli {
           value_parser = clap::value_parser!(u64).range(1..=256))]
     pub heavy_operations: u64,
 
+    /// Seconds an external filesystem tool (mkfs, fsck, resize2fs, xfs_growfs,
+    /// tune2fs) may run before it is killed and the call fails with DEADLINE_EXCEEDED.
+    #[arg(long, env = "CSI_COMMAND_TIMEOUT", default_value_t = 120,
+          value_parser = clap::value_parser!(u64).range(1..=86400))]
+    pub command_timeout: u64,
+
     /// Seconds to let running RPCs finish after SIGTERM/SIGINT.
     #[arg(long, env = "CSI_SHUTDOWN_TIMEOUT", default_value_t = 30)]
     pub shutdown_timeout: u64,
@@ -121,6 +130,43 @@ pub struct Cli {
 
     #[command(subcommand)]
     pub command: Option<Command>,
+}
+
+/// Parses the command line. A bad flag is one line on stderr and exit status 2;
+/// --help and --version print as usual.
+pub fn parse() -> Result<Cli, std::process::ExitCode> {
+    match Cli::try_parse() {
+        Ok(c) => Ok(c),
+        Err(e) => {
+            use clap::error::ErrorKind;
+            match e.kind() {
+                ErrorKind::DisplayHelp | ErrorKind::DisplayVersion => {
+                    let _ = e.print();
+                    return Err(std::process::ExitCode::SUCCESS);
+                }
+                ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand => {
+                    let _ = e.print();
+                    return Err(std::process::ExitCode::from(2));
+                }
+                _ => {}
+            }
+            let text = e.render().to_string();
+            let line = text
+                .lines()
+                .map(str::trim)
+                .find(|l| !l.is_empty())
+                .unwrap_or("bad command line");
+            let line = line.strip_prefix("error: ").unwrap_or(line);
+            let hint = text
+                .lines()
+                .map(str::trim)
+                .find(|l| l.starts_with("[possible values:"))
+                .map(|l| format!(" {l}"))
+                .unwrap_or_default();
+            eprintln!("csi-driver: {line}{hint} (see --help)");
+            Err(std::process::ExitCode::from(2))
+        }
+    }
 }
 
 #[derive(Debug, Subcommand)]

@@ -18,7 +18,9 @@ use crate::store::Store;
 
 /// Mutable parameters this driver understands (ControllerModifyVolume and
 /// CreateVolume's mutable_parameters).
-pub const MUTABLE_PARAMETERS: [&str; 2] = ["directIO", "readAheadKiB"];
+/// `directIO` and `readAheadKiB` are attributes of an image volume's loop device;
+/// `compression` is the btrfs compression of a subvolume (`kind: dir` on btrfs).
+pub const MUTABLE_PARAMETERS: [&str; 3] = ["directIO", "readAheadKiB", "compression"];
 
 #[derive(Debug, Clone)]
 pub struct Config {

@@ -39,12 +39,17 @@ struct Frozen<'a> {
 
 impl Drop for Frozen<'_> {
     fn drop(&mut self) {
+        let mut thawed = true;
         for mp in self.mountpoints.iter().rev() {
             if let Err(e) = self.driver.sys.fs.thaw(mp) {
                 tracing::error!(path = %mp.display(), error = %e, "thaw failed");
+                thawed = false;
             }
         }
-        let _ = std::fs::remove_file(&self.marker);
+        // A marker whose thaw failed stays, so that the next start tries again.
+        if thawed {
+            let _ = std::fs::remove_file(&self.marker);
+        }
     }
 }
 
@@ -59,6 +64,12 @@ impl Driver {
         images: &[(VolumeId, PathBuf)],
         f: impl FnOnce() -> Result<T>,
     ) -> Result<T> {
+        // The node's lock on every volume: an unpublish or unstage cannot unmount a
+        // filesystem while it is frozen (the thaw would then find no mount point,
+        // and the filesystem would stay frozen).
+        let _node = self
+            .locks
+            .try_lock(images.iter().map(|(id, _)| format!("node:{id}")))?;
         let mounts = self
             .sys
             .mounter

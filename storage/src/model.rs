@@ -204,6 +204,9 @@ impl Timestamp {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Publication {
     pub read_only: bool,
+    /// Published for block access (else mount).
+    #[serde(default)]
+    pub block: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

@@ -71,10 +71,15 @@ impl Driver {
         let mut rec = self.snapshot_record(sid, name.to_string(), &vol, None);
         self.snapshots.put(&rec)?;
         failpoint::hit("create-snapshot.after-intent");
-        let made = {
-            let src = self.pool(&vol.pool)?.volume_path(vid, vol.backing, false);
-            self.with_frozen(&[(vid, src)], || self.copy_to_snapshot(&vol, &rec))
-        };
+        let made = self
+            .pool(&vol.pool)
+            .map(|p| p.volume_path(vid, vol.backing, false));
+        // The heavy-operation slot is taken before the freeze: waiting for one
+        // while frozen would stall the volume's writers for as long as other
+        // copies take.
+        let made = made.and_then(|src| {
+            self.heavy(|| self.with_frozen(&[(vid, src)], || self.copy_to_snapshot(&vol, &rec)))
+        });
         if let Err(e) = made {
             return Err(self.after_failure(e, self.roll_back_snapshot(&rec)));
         }
@@ -117,7 +122,8 @@ impl Driver {
         }
     }
 
-    /// Copies a volume's data into a snapshot (the caller freezes).
+    /// Copies a volume's data into a snapshot (the caller takes a heavy-operation
+    /// slot, then freezes).
     fn copy_to_snapshot(&self, vol: &VolumeRecord, snap: &SnapshotRecord) -> Result<()> {
         let pool = self.pool(&vol.pool)?;
         let src = pool.volume_path(vol.id, vol.backing, false);
@@ -125,11 +131,11 @@ impl Driver {
         let at = || format!("copying volume {} into snapshot {}", vol.id, snap.id);
         match vol.backing {
             Backing::Image => {
-                let reflinked = self.heavy(|| file::copy_file(&src, &dst)).context(at)?;
+                let reflinked = file::copy_file(&src, &dst).context(at)?;
                 tracing::debug!(snapshot.id = %snap.id, reflinked, "image copied");
             }
             Backing::Subvolume => btrfs::subvolume_snapshot(&src, &dst, true).context(at)?,
-            Backing::Directory => self.heavy(|| file::copy_tree(&src, &dst)).context(at)?,
+            Backing::Directory => file::copy_tree(&src, &dst).context(at)?,
         }
         Ok(())
     }
@@ -309,13 +315,16 @@ impl Driver {
                     ))
                 })
                 .collect::<Result<Vec<_>>>()?;
-            // One freeze over all members: their snapshots are consistent with each other.
-            self.with_frozen(&images, || {
-                for (v, m) in vols.iter().zip(&members) {
-                    self.copy_to_snapshot(v, m)?;
-                    failpoint::hit("create-group-snapshot.after-member");
-                }
-                Ok(())
+            // One freeze over all members: their snapshots are consistent with each
+            // other. One heavy slot, taken before the freeze, covers every copy.
+            self.heavy(|| {
+                self.with_frozen(&images, || {
+                    for (v, m) in vols.iter().zip(&members) {
+                        self.copy_to_snapshot(v, m)?;
+                        failpoint::hit("create-group-snapshot.after-member");
+                    }
+                    Ok(())
+                })
             })
         })();
         if let Err(e) = made {

@@ -135,12 +135,39 @@ impl Driver {
             let ok = match k.as_str() {
                 "directIO" => v == "true" || v == "false",
                 "readAheadKiB" => v.parse::<u32>().is_ok_and(|n| n <= 65536),
+                "compression" => ["zstd", "lzo", "zlib", "none"].contains(&v.as_str()),
                 _ => false,
             };
             if !ok {
                 return Err(Error::invalid(format!(
                     "mutable parameter {k}={v:?} is invalid (directIO: true|false; \
-                     readAheadKiB: 0..65536)"
+                     readAheadKiB: 0..65536; compression: zstd|lzo|zlib|none)"
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Checks that every mutable parameter means something for this kind of volume.
+    pub(crate) fn check_mutable_applies(
+        backing: Backing,
+        m: &BTreeMap<String, String>,
+    ) -> Result<()> {
+        for k in m.keys() {
+            let applies = match backing {
+                Backing::Image => k == "directIO" || k == "readAheadKiB",
+                Backing::Subvolume => k == "compression",
+                Backing::Directory => false,
+            };
+            if !applies {
+                return Err(Error::invalid(format!(
+                    "mutable parameter {k} does not apply to a {} volume (image volumes take \
+                     directIO and readAheadKiB; kind=dir volumes on btrfs take compression)",
+                    match backing {
+                        Backing::Image => "kind=image",
+                        Backing::Subvolume => "kind=dir (btrfs subvolume)",
+                        Backing::Directory => "kind=dir on a non-btrfs pool",
+                    }
                 )));
             }
         }
@@ -204,6 +231,7 @@ impl Driver {
             VolumeKind::Dir if pool.is_btrfs() => Backing::Subvolume,
             VolumeKind::Dir => Backing::Directory,
         };
+        Self::check_mutable_applies(backing, &req.mutable_parameters)?;
         let mut fs_types: Vec<&str> = req
             .capabilities
             .iter()
@@ -444,8 +472,16 @@ impl Driver {
             (Backing::Image, Some((src, _))) => {
                 // A live source is frozen while it is copied, so the copy is a
                 // consistent filesystem.
-                let reflinked = self.with_frozen(&[(rec.id, src.to_path_buf())], || {
-                    self.heavy(|| file::copy_file(src, &path)).context(at)
+                // The slot is taken before the freeze, so a frozen source never waits
+                // for another copy to finish; the freeze is keyed by the source.
+                let key = match rec.source {
+                    Some(ContentSource::Volume(v)) => v,
+                    _ => rec.id,
+                };
+                let reflinked = self.heavy(|| {
+                    self.with_frozen(&[(key, src.to_path_buf())], || {
+                        file::copy_file(src, &path).context(at)
+                    })
                 })?;
                 failpoint::hit("create-volume.after-copy");
                 file::grow(&path, rec.size).context(at)?;
@@ -468,21 +504,26 @@ impl Driver {
                 failpoint::hit("create-volume.after-copy");
             }
         }
-        if rec.backing == Backing::Image {
-            self.write_attributes(&path, &rec.mutable_parameters)?;
-        }
+        self.write_attributes(&path, rec.backing, &rec.mutable_parameters)?;
         Ok(())
     }
 
-    /// Keeps a volume's mutable attributes on its image, where the node reads them.
+    /// Applies a volume's mutable attributes to its data: an image keeps them as
+    /// xattrs, where the node reads them at stage; a subvolume takes its btrfs
+    /// compression property at once.
     pub(crate) fn write_attributes(
         &self,
-        image: &Path,
+        path: &Path,
+        backing: Backing,
         m: &BTreeMap<String, String>,
     ) -> Result<()> {
         for (k, v) in m {
-            xattr::set(image, &format!("example-csi.{k}"), v.as_bytes())
-                .context(|| format!("recording {k} on {}", image.display()))?;
+            match backing {
+                Backing::Subvolume => btrfs::set_compression(path, v)
+                    .context(|| format!("setting compression={v} on {}", path.display()))?,
+                _ => xattr::set(path, &format!("example-csi.{k}"), v.as_bytes())
+                    .context(|| format!("recording {k} on {}", path.display()))?,
+            }
         }
         Ok(())
     }
@@ -827,10 +868,12 @@ impl Driver {
             ));
         }
         match rec.published.get(node_id) {
-            Some(p) if p.read_only != read_only => {
+            Some(p) if p.read_only != read_only || p.block != cap.is_block() => {
                 return Err(Error::AlreadyExists(format!(
-                    "volume {id} is published to {node_id} with readonly={}",
-                    p.read_only
+                    "volume {id} is published to {node_id} already, with readonly={} and {} \
+                     access",
+                    p.read_only,
+                    if p.block { "block" } else { "mount" }
                 )))
             }
             Some(_) => {}
@@ -846,8 +889,13 @@ impl Driver {
                         )));
                     }
                 }
-                rec.published
-                    .insert(node_id.to_string(), Publication { read_only });
+                rec.published.insert(
+                    node_id.to_string(),
+                    Publication {
+                        read_only,
+                        block: cap.is_block(),
+                    },
+                );
                 self.volumes.put(&rec)?;
             }
         }
@@ -886,14 +934,10 @@ impl Driver {
         self.check_mutable(m)?;
         let _guard = self.locks.try_lock([format!("volume:{id}")])?;
         let mut rec = self.existing_volume(volume_id)?;
-        if rec.backing != Backing::Image && !m.is_empty() {
-            return Err(Error::invalid(
-                "directIO and readAheadKiB apply to kind=image volumes only",
-            ));
-        }
+        Self::check_mutable_applies(rec.backing, m)?;
         let pool = self.pool(&rec.pool)?.clone();
         let path = pool.volume_path(id, rec.backing, false);
-        self.write_attributes(&path, m)?;
+        self.write_attributes(&path, rec.backing, m)?;
         failpoint::hit("modify-volume.after-attributes");
         for (k, v) in m {
             rec.mutable_parameters.insert(k.clone(), v.clone());
@@ -901,7 +945,9 @@ impl Driver {
         self.volumes.put(&rec)?;
         failpoint::hit("modify-volume.after-commit");
         // A volume staged here now gets the new values; elsewhere at its next stage.
-        self.apply_attributes_live(&path)?;
+        if rec.backing == Backing::Image {
+            self.apply_attributes_live(&path)?;
+        }
         Ok(())
     }
 

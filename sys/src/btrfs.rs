@@ -216,6 +216,43 @@ pub fn qgroup_limit(subvol_path: &Path, bytes: u64) -> Result<()> {
     .map(|_| ())
 }
 
+/// Sets the compression of new writes in a subvolume (`zstd`, `lzo`, `zlib`, or
+/// `none` to turn it off); data already written keeps its form.
+pub fn set_compression(subvol_path: &Path, algorithm: &str) -> Result<()> {
+    // The property takes an empty value for "no compression".
+    let value = if algorithm == "none" { "" } else { algorithm };
+    btrfs(
+        &[
+            "property".as_ref(),
+            "set".as_ref(),
+            subvol_path.as_os_str(),
+            "compression".as_ref(),
+            value.as_ref(),
+        ],
+        SHORT_TIMEOUT,
+    )
+    .map(|_| ())
+}
+
+/// The compression property of a subvolume (empty when none).
+pub fn compression(subvol_path: &Path) -> Result<String> {
+    let out = btrfs(
+        &[
+            "property".as_ref(),
+            "get".as_ref(),
+            subvol_path.as_os_str(),
+            "compression".as_ref(),
+        ],
+        SHORT_TIMEOUT,
+    )?;
+    let text = String::from_utf8_lossy(&out.stdout);
+    Ok(text
+        .trim()
+        .strip_prefix("compression=")
+        .unwrap_or("")
+        .to_string())
+}
+
 /// The figures of the qgroup 0/<id> of a subvolume.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct QgroupInfo {
