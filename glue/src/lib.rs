@@ -47,6 +47,8 @@ where
             }
             Err(e) => {
                 let status: Status = e.into();
+                // Messages may quote what the caller sent: keep them to a readable size.
+                let status = Status::new(status.code(), shorten(status.message(), MAX_MESSAGE));
                 match status.code() {
                     tonic::Code::Internal | tonic::Code::DeadlineExceeded => {
                         tracing::error!(code = ?status.code(), error = %status.message(), elapsed_ms, "failed")
@@ -59,6 +61,21 @@ where
     }
     .instrument(span)
     .await
+}
+
+/// Longest error message sent or logged, in bytes.
+pub const MAX_MESSAGE: usize = 1024;
+
+/// Cuts `s` to at most `max` bytes on a character boundary, saying so.
+pub fn shorten(s: &str, max: usize) -> String {
+    if s.len() <= max {
+        return s.to_string();
+    }
+    let mut end = max;
+    while !s.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}... ({} bytes cut)", &s[..end], s.len() - end)
 }
 
 /// Requests that may carry secrets clear their values before being logged.
@@ -229,6 +246,17 @@ mod tests {
         assert!(text.contains("pvc-1"));
         let text = redacted(&req);
         assert!(!text.contains("hunter2") && text.contains("<redacted>"));
+    }
+
+    #[test]
+    fn long_messages_are_cut_on_a_char_boundary() {
+        let long = "é".repeat(1000);
+        let short = shorten(&long, 11);
+        assert!(
+            short.starts_with("ééééé") && short.contains("bytes cut"),
+            "{short}"
+        );
+        assert_eq!(shorten("abc", 10), "abc");
     }
 
     #[test]

@@ -1,50 +1,93 @@
 //! Per-object locks. A second call for an object while one is running gets ABORTED
 //! at once, as the CSI spec allows, rather than queueing behind it; calls for
-//! different objects never wait for each other.
+//! different objects never wait for each other. Readers of an object that does not
+//! change (a snapshot being restored) share it, so many volumes can be restored from
+//! one snapshot at once, while a delete of that snapshot waits its turn.
 
-use std::collections::HashSet;
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use crate::error::{Error, Result};
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Hold {
+    Exclusive,
+    Shared(usize),
+}
+
+type Table = Arc<Mutex<HashMap<String, Hold>>>;
+
 #[derive(Default, Clone)]
 pub struct Locks {
-    held: Arc<Mutex<HashSet<String>>>,
+    held: Table,
 }
 
 #[must_use]
 pub struct Guard {
-    held: Arc<Mutex<HashSet<String>>>,
-    keys: Vec<String>,
+    held: Table,
+    keys: Vec<(String, bool)>,
 }
 
 impl Drop for Guard {
     fn drop(&mut self) {
         let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
-        for k in &self.keys {
-            held.remove(k);
+        for (k, shared) in &self.keys {
+            match (held.get(k).copied(), shared) {
+                (Some(Hold::Shared(n)), true) if n > 1 => {
+                    held.insert(k.clone(), Hold::Shared(n - 1));
+                }
+                _ => {
+                    held.remove(k);
+                }
+            }
         }
     }
 }
 
 impl Locks {
-    /// Takes every key or none: ABORTED naming the first key that is busy.
+    /// Takes every key exclusively, or none: ABORTED naming the first busy key.
     pub fn try_lock<I, S>(&self, keys: I) -> Result<Guard>
     where
         I: IntoIterator<Item = S>,
         S: Into<String>,
     {
-        let mut keys: Vec<String> = keys.into_iter().map(Into::into).collect();
+        self.try_lock_with(keys, std::iter::empty::<String>())
+    }
+
+    /// Takes `exclusive` keys alone and `shared` keys alongside other sharers; all or
+    /// none.
+    pub fn try_lock_with<I, S, J, T>(&self, exclusive: I, shared: J) -> Result<Guard>
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<String>,
+        J: IntoIterator<Item = T>,
+        T: Into<String>,
+    {
+        let mut keys: Vec<(String, bool)> = exclusive
+            .into_iter()
+            .map(|k| (k.into(), false))
+            .chain(shared.into_iter().map(|k| (k.into(), true)))
+            .collect();
         keys.sort();
-        keys.dedup();
+        keys.dedup_by(|a, b| a.0 == b.0);
         let mut held = self.held.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(busy) = keys.iter().find(|k| held.contains(*k)) {
+        let busy = keys.iter().find(|(k, shared)| match held.get(k) {
+            None => false,
+            Some(Hold::Shared(_)) => !shared,
+            Some(Hold::Exclusive) => true,
+        });
+        if let Some((busy, _)) = busy {
             return Err(Error::Aborted(format!(
                 "an operation on {busy} is already in progress; retry later"
             )));
         }
-        for k in &keys {
-            held.insert(k.clone());
+        for (k, shared) in &keys {
+            let next = match (held.get(k), shared) {
+                (Some(Hold::Shared(n)), true) => Hold::Shared(n + 1),
+                (_, true) => Hold::Shared(1),
+                (_, false) => Hold::Exclusive,
+            };
+            held.insert(k.clone(), next);
         }
         Ok(Guard {
             held: self.held.clone(),
@@ -57,7 +100,7 @@ impl Locks {
         self.held
             .lock()
             .unwrap_or_else(|p| p.into_inner())
-            .contains(key)
+            .contains_key(key)
     }
 }
 
@@ -76,5 +119,30 @@ mod tests {
         assert!(!locks.is_held("vol:c"));
         drop(g);
         assert!(locks.try_lock(["vol:a"]).is_ok());
+    }
+
+    #[test]
+    fn sharers_coexist_and_keep_writers_out() {
+        let locks = Locks::default();
+        let none: [&str; 0] = [];
+        let r1 = locks.try_lock_with(["vol:x"], ["snap:s"]).unwrap();
+        let r2 = locks.try_lock_with(["vol:y"], ["snap:s"]).unwrap();
+        assert!(
+            locks.try_lock(["snap:s"]).is_err(),
+            "a writer waits for readers"
+        );
+        drop(r1);
+        assert!(
+            locks.try_lock(["snap:s"]).is_err(),
+            "one reader is still there"
+        );
+        drop(r2);
+        let w = locks.try_lock(["snap:s"]).unwrap();
+        assert!(
+            locks.try_lock_with(none, ["snap:s"]).is_err(),
+            "a reader waits for the writer"
+        );
+        drop(w);
+        assert!(!locks.is_held("snap:s"));
     }
 }

@@ -257,17 +257,16 @@ impl Driver {
 
         let id = VolumeId::for_name(&req.name);
         let mut keys = vec![format!("volume:{id}")];
-        let source = match req.source {
-            None => None,
-            Some(src) => {
-                keys.push(match src {
-                    ContentSource::Snapshot(s) => format!("snapshot:{s}"),
-                    ContentSource::Volume(v) => format!("volume:{v}"),
-                });
-                Some(src)
-            }
-        };
-        let _guard = self.locks.try_lock(keys)?;
+        // A snapshot does not change while it is read, so restores from one
+        // snapshot share it; a live source volume is frozen for the copy, one at a time.
+        let mut shared = Vec::new();
+        let source = req.source;
+        match source {
+            Some(ContentSource::Snapshot(s)) => shared.push(format!("snapshot:{s}")),
+            Some(ContentSource::Volume(v)) => keys.push(format!("volume:{v}")),
+            None => {}
+        }
+        let _guard = self.locks.try_lock_with(keys, shared)?;
 
         if let Some(existing) = self.volumes.get(id) {
             if existing.state == RecordState::Ready {
