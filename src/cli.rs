@@ -105,6 +105,11 @@ pub struct Cli {
           value_parser = clap::value_parser!(u64).range(1..=256))]
     pub heavy_operations: u64,
 
+    /// At start, unmount and detach loop devices and mounts of pool volumes that no
+    /// volume staged on this node accounts for (they are only reported otherwise).
+    #[arg(long, env = "CSI_CLEANUP_ORPHANS")]
+    pub cleanup_orphans: bool,
+
     /// Seconds an external filesystem tool (mkfs, fsck, resize2fs, xfs_growfs,
     /// tune2fs) may run before it is killed and the call fails with DEADLINE_EXCEEDED.
     #[arg(long, env = "CSI_COMMAND_TIMEOUT", default_value_t = 120,

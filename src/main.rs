@@ -4,13 +4,13 @@
 mod cli;
 mod client;
 mod endpoint;
+mod metrics;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
-use clap::Parser;
 use tokio_stream::wrappers::UnixListenerStream;
 
 use cli::{Cli, Command, LogFormat, Mode, DEFAULT_POOL_PATH};
@@ -25,13 +25,32 @@ use endpoint::Endpoint;
 /// near this is hostile.
 const MAX_MESSAGE_BYTES: usize = 4 * 1024 * 1024;
 
+/// Non-Identity RPCs running at once (at least; raised with --heavy-operations).
+/// Each runs its domain call on a blocking thread; the rest wait as futures.
+const MIN_RPCS_IN_FLIGHT: usize = 48;
+
+/// Blocking threads kept above the RPC limit, for Identity calls (Probe), the
+/// metrics scrape and calls whose client gave up while their work still runs.
+const SPARE_BLOCKING_THREADS: usize = 16;
+
+/// How many RPCs may run at once, and the blocking-pool size that follows.
+/// tokio's default of 512 blocking threads would let 500 simultaneous calls
+/// each hold a thread (and its stack) while they wait for a heavy-operation slot.
+fn limits(heavy_operations: usize) -> (usize, usize) {
+    let rpcs = MIN_RPCS_IN_FLIGHT.max(heavy_operations + SPARE_BLOCKING_THREADS);
+    (rpcs, rpcs + SPARE_BLOCKING_THREADS)
+}
+
 fn usage_error(msg: impl std::fmt::Display) -> ExitCode {
     eprintln!("csi-driver: {msg}");
     ExitCode::from(2)
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match cli::parse() {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
     if let Some(Command::Client(args)) = &cli.command {
         return client::main(&cli.endpoint, args);
     }
@@ -57,6 +76,13 @@ fn main() -> ExitCode {
             csi_storage::MUTABLE_PARAMETERS.join(", ")
         ));
     }
+    let metrics_address = match cli.metrics_address.trim() {
+        "" => None,
+        a => match metrics::parse_address(a) {
+            Ok(a) => Some(a),
+            Err(e) => return usage_error(e),
+        },
+    };
     if let Err(e) = init_logging(&cli) {
         return usage_error(e);
     }
@@ -75,9 +101,12 @@ fn main() -> ExitCode {
     cfg.controller = cli.mode != Mode::Node;
     cfg.node = cli.mode != Mode::Controller;
     cfg.heavy_operations = cli.heavy_operations as usize;
+    cfg.cleanup_orphans = cli.cleanup_orphans;
 
+    let (_, blocking_threads) = limits(cfg.heavy_operations);
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
+        .max_blocking_threads(blocking_threads)
         .build()
     {
         Ok(r) => r,
@@ -86,7 +115,7 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(serve(cli, cfg, endpoint)) {
+    match runtime.block_on(serve(cli, cfg, endpoint, metrics_address)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             tracing::error!(error = %e, "stopped");
@@ -154,13 +183,24 @@ fn init_logging(cli: &Cli) -> Result<(), String> {
     Ok(())
 }
 
-async fn serve(cli: Cli, cfg: Config, endpoint: Endpoint) -> Result<(), String> {
+async fn serve(
+    cli: Cli,
+    cfg: Config,
+    endpoint: Endpoint,
+    metrics_address: Option<std::net::SocketAddr>,
+) -> Result<(), String> {
     let mode = cli.mode;
     tracing::info!(version = env!("CARGO_PKG_VERSION"), node = %cfg.node_id, mode = ?mode,
         driver = %cfg.driver_name, "starting");
     // The socket exists only once the state is loaded: the sidecars' Probe then
     // finds the driver ready.
-    let driver = tokio::task::spawn_blocking(move || Driver::open(cfg, System::linux()))
+    let (rpc_limit, _) = limits(cfg.heavy_operations);
+    let mut sys = System::linux();
+    sys.fs = Arc::new(csi_sys::linux::LinuxFilesystems::with_timeout(
+        Duration::from_secs(cli.command_timeout),
+    ));
+    let driver_sys = sys.clone();
+    let driver = tokio::task::spawn_blocking(move || Driver::open(cfg, driver_sys))
         .await
         .map_err(|e| format!("opening the driver failed: {e}"))?
         .map_err(|e| format!("opening the driver failed: {e}"))?;
@@ -171,9 +211,27 @@ async fn serve(cli: Cli, cfg: Config, endpoint: Endpoint) -> Result<(), String> 
         "state loaded"
     );
 
+    // The metrics listener is bound before the CSI socket: a busy port fails the
+    // start without leaving a socket behind.
+    let metrics = match metrics_address {
+        None => None,
+        Some(addr) => {
+            let listener = metrics::bind(addr).await?;
+            let m = Arc::new(metrics::Metrics::new(
+                &driver.cfg.driver_name,
+                mode_name(mode),
+            ));
+            tracing::info!(address = %listener.local_addr().map_err(|e| e.to_string())?,
+                "serving metrics on /metrics and health on /healthz");
+            tokio::spawn(metrics::serve(listener, m.clone(), driver.clone(), sys));
+            Some(m)
+        }
+    };
+
     let controller = mode != Mode::Node;
     let node = mode != Mode::Controller;
     let router = tonic::transport::Server::builder()
+        .layer(metrics::RpcLayer::new(metrics, rpc_limit))
         .add_service(
             IdentityServer::new(csi_identity::IdentityService::new(
                 driver.clone(),
@@ -223,6 +281,14 @@ async fn serve(cli: Cli, cfg: Config, endpoint: Endpoint) -> Result<(), String> 
             let server = tokio::spawn(router.serve_with_shutdown(addr, stopping));
             wait(server, stop_tx, grace).await
         }
+    }
+}
+
+fn mode_name(mode: Mode) -> &'static str {
+    match mode {
+        Mode::All => "all",
+        Mode::Controller => "controller",
+        Mode::Node => "node",
     }
 }
 

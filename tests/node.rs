@@ -824,7 +824,10 @@ async fn root_node_expand_ext4_grows_online_or_at_next_stage() {
         Err(s) => {
             // This machine withholds CAP_SYS_RESOURCE: the kernel refuses it.
             assert_eq!(s.code(), Code::FailedPrecondition, "{s:?}");
-            eprintln!("online ext4 grow refused here, as expected: {}", s.message());
+            eprintln!(
+                "online ext4 grow refused here, as expected: {}",
+                s.message()
+            );
             assert!(
                 s.message().contains("NodeStageVolume") && s.message().contains("online"),
                 "the message says why and what happens next: {}",

@@ -44,6 +44,9 @@ pub struct Config {
     pub node: bool,
     /// How many heavy operations (mkfs, copies, fsck) may run at once.
     pub heavy_operations: usize,
+    /// At start, unmount and detach what no volume on this node accounts for (only
+    /// reported otherwise).
+    pub cleanup_orphans: bool,
 }
 
 impl Config {
@@ -61,6 +64,7 @@ impl Config {
             controller: true,
             node: true,
             heavy_operations: 4,
+            cleanup_orphans: false,
         }
     }
 }

@@ -19,3 +19,5 @@ pub mod volumes;
 pub use csi_sys::System;
 pub use driver::{Config, Driver, MUTABLE_PARAMETERS};
 pub use error::{Error, Result};
+#[cfg(test)]
+mod decisions;

@@ -184,8 +184,17 @@ impl Driver {
             .context(|| format!("finding the loop devices of {}", image.display()))
     }
 
-    /// Whether a mount entry belongs to this volume.
-    fn owns(&self, m: &MountEntry, id: VolumeId, loc: &Located, devices: &[LoopDevice]) -> bool {
+    /// Whether a mount entry belongs to this volume: a mount of one of its loop
+    /// devices (or a bind of the device node), or for a directory volume a bind of
+    /// exactly its directory from the pool's own filesystem.
+    fn owns(
+        &self,
+        mounts: &[MountEntry],
+        m: &MountEntry,
+        id: VolumeId,
+        loc: &Located,
+        devices: &[LoopDevice],
+    ) -> bool {
         match loc.backing {
             Backing::Image => devices.iter().any(|d| {
                 is_mount_of(m, &d.device)
@@ -194,8 +203,25 @@ impl Driver {
             }),
             _ => {
                 let id = id.to_string();
-                m.root.ends_with(Path::new("volumes").join(&id))
-                    || m.root.ends_with(Path::new("ephemeral").join(&id))
+                let named = m.root.ends_with(Path::new("volumes").join(&id))
+                    || m.root.ends_with(Path::new("ephemeral").join(&id));
+                // The mount holding the volume's directory tells which filesystem
+                // and subtree a bind of it shows; another pool with a volume of the
+                // same id (another driver instance) shows something else.
+                let holder = mounts
+                    .iter()
+                    .filter(|h| loc.path.starts_with(&h.mount_point) && h.mount_point != loc.path)
+                    .max_by_key(|h| h.mount_point.as_os_str().len());
+                match holder {
+                    Some(h) => {
+                        let rel = loc.path.strip_prefix(&h.mount_point).unwrap_or(&loc.path);
+                        named
+                            && m.source == h.source
+                            && (m.major, m.minor) == (h.major, h.minor)
+                            && m.root == h.root.join(rel)
+                    }
+                    None => named,
+                }
             }
         }
     }
@@ -290,6 +316,7 @@ impl Driver {
         context: &BTreeMap<String, String>,
         ephemeral: bool,
     ) -> Result<()> {
+        let first_stage = self.node_records.get(id).is_none();
         let mut rec = match self.node_records.get(id) {
             Some(r) => {
                 if let Some(old) = r.staging_path.as_ref().filter(|p| *p != staging) {
@@ -297,7 +324,7 @@ impl Driver {
                     let devices = self.devices(loc)?;
                     if mounts
                         .iter()
-                        .any(|m| &m.mount_point == old && self.owns(m, id, loc, &devices))
+                        .any(|m| &m.mount_point == old && self.owns(&mounts, m, id, loc, &devices))
                     {
                         return Err(Error::AlreadyExists(format!(
                             "volume {id} is staged at {} already",
@@ -354,7 +381,7 @@ impl Driver {
             // publish and the checks after it treat both kinds alike.
             let mounts = self.mounts()?;
             if let Some(m) = mounts.iter().find(|m| m.mount_point == staging) {
-                if self.owns(m, id, loc, &[]) {
+                if self.owns(&mounts, m, id, loc, &[]) {
                     return self.finish_stage(rec, staging, &group);
                 }
                 return Err(Error::AlreadyExists(format!(
@@ -381,7 +408,7 @@ impl Driver {
         }
         let mounts = self.mounts()?;
         if let Some(m) = mounts.iter().find(|m| m.mount_point == staging) {
-            if self.owns(m, id, loc, std::slice::from_ref(&dev)) {
+            if self.owns(&mounts, m, id, loc, std::slice::from_ref(&dev)) {
                 rec.fs_type = Some(m.fs_type.clone());
                 return self.finish_stage(rec, staging, &group);
             }
@@ -408,6 +435,17 @@ impl Driver {
             }
             Some(have) => {
                 if cap.fs_type().is_some_and(|w| w != have) {
+                    if first_stage {
+                        // Bad input changes nothing: undo this call's attach and
+                        // intent (nothing mounts the device: it is not staged).
+                        if mounts_of(&self.mounts()?, &dev.device).is_empty() {
+                            self.sys
+                                .loops
+                                .detach(&dev.device)
+                                .context(|| format!("detaching {}", dev.device.display()))?;
+                        }
+                        self.node_records.remove(id)?;
+                    }
                     return Err(Error::invalid(format!(
                         "volume {id} holds {have}, not the requested {wanted}; it is never \
                          reformatted"
@@ -516,7 +554,7 @@ impl Driver {
             for t in r.targets.keys() {
                 if mounts
                     .iter()
-                    .any(|m| &m.mount_point == t && self.owns(m, id, &loc, &devices))
+                    .any(|m| &m.mount_point == t && self.owns(&mounts, m, id, &loc, &devices))
                 {
                     return Err(Error::precondition(format!(
                         "volume {id} is still published at {}; unpublish it first",
@@ -533,7 +571,7 @@ impl Driver {
         {
             if mounts
                 .iter()
-                .any(|m| &m.mount_point == old && self.owns(m, id, &loc, &devices))
+                .any(|m| &m.mount_point == old && self.owns(&mounts, m, id, &loc, &devices))
             {
                 // Nothing of the volume at this path; it stays staged where it is.
                 return Ok(());
@@ -570,7 +608,7 @@ impl Driver {
             let Some(top) = mounts.iter().rev().find(|m| m.mount_point == path) else {
                 return Ok(());
             };
-            if !self.owns(top, id, loc, devices) {
+            if !self.owns(&mounts, top, id, loc, devices) {
                 return Err(Error::precondition(format!(
                     "{} is a mount of something other than volume {id}; it is left alone",
                     path.display()
@@ -652,7 +690,7 @@ impl Driver {
         let devices = self.devices(loc)?;
         let mounts = self.mounts()?;
         if let Some(m) = mounts.iter().rev().find(|m| m.mount_point == target) {
-            if !self.owns(m, id, loc, &devices) {
+            if !self.owns(&mounts, m, id, loc, &devices) {
                 return Err(Error::AlreadyExists(format!(
                     "{} is a mount of something else",
                     target.display()
@@ -686,9 +724,9 @@ impl Driver {
                 .filter(|(p, t)| {
                     !t.read_only
                         && p.as_path() != target
-                        && mounts
-                            .iter()
-                            .any(|m| &m.mount_point == *p && self.owns(m, id, loc, &devices))
+                        && mounts.iter().any(|m| {
+                            &m.mount_point == *p && self.owns(&mounts, m, id, loc, &devices)
+                        })
                 })
                 .map(|(p, _)| p)
                 .collect();
@@ -760,7 +798,7 @@ impl Driver {
         } else {
             if !mounts
                 .iter()
-                .any(|m| m.mount_point == staging && self.owns(m, id, loc, &devices))
+                .any(|m| m.mount_point == staging && self.owns(&mounts, m, id, loc, &devices))
             {
                 return Err(Error::precondition(format!(
                     "volume {id} is not mounted at its staging path {}",
@@ -890,7 +928,7 @@ impl Driver {
                     "{volume_path} is not a published path of volume {volume_id}"
                 )))
             }
-            Some(m) if !self.owns(m, id, &loc, &devices) => {
+            Some(m) if !self.owns(&mounts, m, id, &loc, &devices) => {
                 if known {
                     stats.abnormal = Some(format!("{volume_path} is a mount of something else"));
                     return Ok(stats);
@@ -1174,7 +1212,8 @@ impl Driver {
         let known_id =
             |id: Option<VolumeId>| id.is_some_and(|id| self.node_records.get(id).is_some());
         // Mounts of pool volumes: of their loop devices, or binds of their directories.
-        for m in self.mounts().unwrap_or_default() {
+        let all = self.mounts().unwrap_or_default();
+        for m in all.iter().cloned() {
             if self
                 .pools
                 .values()
@@ -1200,7 +1239,10 @@ impl Driver {
                 m.root
                     .file_name()
                     .and_then(|s| VolumeId::parse(&s.to_string_lossy()))
-                    .filter(|id| self.locate(*id).is_some())
+                    .filter(|id| {
+                        self.locate(*id)
+                            .is_some_and(|loc| self.owns(&all, &m, *id, &loc, &[]))
+                    })
                     .map(Some)
             } else {
                 None
@@ -1208,10 +1250,18 @@ impl Driver {
             if let Some(id) = id {
                 if !known_id(id) {
                     tracing::warn!(mountpoint = %m.mount_point.display(), source = %m.source,
+                        clean = self.cfg.cleanup_orphans,
                         "mount of a pool volume that no staged volume accounts for");
+                    if self.cfg.cleanup_orphans {
+                        if let Err(e) = self.sys.mounter.unmount(&m.mount_point) {
+                            tracing::error!(mountpoint = %m.mount_point.display(), error = %e,
+                                "could not unmount an orphan mount");
+                        }
+                    }
                 }
             }
         }
+        let mounts = self.mounts().unwrap_or_default();
         for d in loops {
             if self.pools.values().any(|p| p.contains(&d.backing_file)) {
                 let known = d
@@ -1221,7 +1271,14 @@ impl Driver {
                     .is_some_and(|id| self.node_records.get(id).is_some());
                 if !known {
                     tracing::warn!(device = %d.device.display(), file = %d.backing_file.display(),
+                        clean = self.cfg.cleanup_orphans,
                         "loop device of a pool image that no staged volume accounts for");
+                    if self.cfg.cleanup_orphans && mounts_of(&mounts, &d.device).is_empty() {
+                        if let Err(e) = self.sys.loops.detach(&d.device) {
+                            tracing::error!(device = %d.device.display(), error = %e,
+                                "could not detach an orphan loop device");
+                        }
+                    }
                 }
             }
         }

@@ -1,0 +1,340 @@
+//! csi-bench: a load generator that speaks CSI to any endpoint. It measures one
+//! driver, or two side by side (`--compare`: rounds A B A B ..., medians, B/A).
+//!
+//! Scenarios: create-delete, scale, snapshot, node, startup, memory.
+
+mod report;
+mod scenarios;
+mod svg;
+mod target;
+
+use std::collections::BTreeSet;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use clap::Parser;
+
+use scenarios::{Figures, Population, GIB, MIB};
+use target::{Spec, Target};
+
+const SCENARIOS: [&str; 6] = [
+    "create-delete",
+    "scale",
+    "snapshot",
+    "node",
+    "startup",
+    "memory",
+];
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "csi-bench",
+    about = "Measures CSI drivers: one, or two side by side with --compare"
+)]
+pub struct Args {
+    /// Driver A (the one measured alone, or the baseline of --compare): its endpoint.
+    #[arg(long, default_value = "unix:///csi/csi.sock")]
+    a_endpoint: String,
+    /// A shell command that starts driver A in the foreground (needed by startup,
+    /// and by memory unless --a-pid is given).
+    #[arg(long)]
+    a_start: Option<String>,
+    /// Driver A's pool directory (for the space snapshots take).
+    #[arg(long)]
+    a_pool: Option<PathBuf>,
+    /// Driver A's pid, when it runs already.
+    #[arg(long)]
+    a_pid: Option<u32>,
+    #[arg(long, default_value = "A")]
+    a_name: String,
+
+    /// Compare A with B.
+    #[arg(long)]
+    compare: bool,
+    #[arg(long)]
+    b_endpoint: Option<String>,
+    #[arg(long)]
+    b_start: Option<String>,
+    #[arg(long)]
+    b_pool: Option<PathBuf>,
+    #[arg(long)]
+    b_pid: Option<u32>,
+    #[arg(long, default_value = "B")]
+    b_name: String,
+
+    /// Scenarios to run (comma-separated): create-delete, scale, snapshot, node, startup, memory, all.
+    #[arg(long, value_delimiter = ',', default_value = "all")]
+    scenarios: Vec<String>,
+    /// Rounds per driver (with --compare at least 3: A B A B A B).
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
+    /// Volumes created and deleted at each concurrency by create-delete.
+    #[arg(long, default_value_t = 200)]
+    count: usize,
+    #[arg(long, value_delimiter = ',', default_value = "1,16,64")]
+    concurrency: Vec<usize>,
+    /// Volumes present at each step of scale.
+    #[arg(long, value_delimiter = ',', default_value = "0,2000,5000,10000")]
+    scale_steps: Vec<usize>,
+    /// CreateVolume (and DeleteVolume) calls timed at each step of scale.
+    #[arg(long, default_value_t = 200)]
+    scale_ops: usize,
+    /// Data written before snapshotting (100Mi, 1Gi, 4Gi, ...).
+    #[arg(long, value_delimiter = ',', default_value = "100Mi,1Gi,4Gi", value_parser = parse_size)]
+    snapshot_sizes: Vec<i64>,
+    /// Volumes staged and published per kind by node.
+    #[arg(long, default_value_t = 50)]
+    node_volumes: usize,
+    /// Volume kinds for node, as NAME=KEY=VALUE (the parameters that select the kind).
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "dir=kind=dir,image=kind=image"
+    )]
+    node_kinds: Vec<String>,
+    /// Volumes present when startup is timed (besides 0).
+    #[arg(long, default_value_t = 10000)]
+    startup_volumes: usize,
+    /// Volumes present when memory is sampled (besides at start and after deleting them).
+    #[arg(long, value_delimiter = ',', default_value = "5000,10000")]
+    memory_volumes: Vec<usize>,
+    /// Filesystem of mount volumes in node and snapshot.
+    #[arg(long, default_value = "xfs")]
+    fs: String,
+    /// Parameters of the volumes made by snapshot (KEY=VALUE, repeatable).
+    #[arg(long = "snapshot-param", default_value = "kind=image", value_parser = parse_pair)]
+    snapshot_params: Vec<(String, String)>,
+    /// Parameters of all other volumes (KEY=VALUE, repeatable).
+    #[arg(long = "param", value_parser = parse_pair)]
+    params: Vec<(String, String)>,
+    /// Where staging and target directories are made.
+    #[arg(long, default_value = "/tmp/csi-bench-scratch")]
+    scratch: PathBuf,
+    /// Folder for results.json, results.txt and the SVG charts.
+    #[arg(long, default_value = "csi-bench-report")]
+    out: PathBuf,
+}
+
+fn parse_size(s: &str) -> Result<i64, String> {
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (n, unit) = s.split_at(split);
+    let n: i64 = n.parse().map_err(|_| format!("{s:?}: not a size"))?;
+    let m = match unit {
+        "" => 1,
+        "Ki" => 1 << 10,
+        "Mi" => MIB,
+        "Gi" => GIB,
+        _ => return Err(format!("{s:?}: unit must be Ki, Mi or Gi")),
+    };
+    Ok(n * m)
+}
+
+fn parse_pair(s: &str) -> Result<(String, String), String> {
+    s.split_once('=')
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .ok_or_else(|| format!("{s:?}: expected KEY=VALUE"))
+}
+
+fn main() -> ExitCode {
+    let args = Args::parse();
+    let rt = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("csi-bench: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match rt.block_on(run(args)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("csi-bench: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(args: Args) -> Result<(), String> {
+    let chosen: BTreeSet<String> = if args.scenarios.iter().any(|s| s == "all") {
+        SCENARIOS.iter().map(|s| s.to_string()).collect()
+    } else {
+        args.scenarios.iter().cloned().collect()
+    };
+    if let Some(bad) = chosen.iter().find(|s| !SCENARIOS.contains(&s.as_str())) {
+        return Err(format!(
+            "unknown scenario {bad:?}; known: {}",
+            SCENARIOS.join(", ")
+        ));
+    }
+    if args.compare && args.rounds < 3 {
+        return Err("--compare needs --rounds 3 or more".into());
+    }
+    std::fs::create_dir_all(&args.out).map_err(|e| format!("{}: {e}", args.out.display()))?;
+    let mut specs = vec![Spec {
+        name: args.a_name.clone(),
+        endpoint: args.a_endpoint.clone(),
+        start: args.a_start.clone(),
+        pool: args.a_pool.clone(),
+        pid: args.a_pid,
+        log: args.out.join(format!("{}.log", args.a_name)),
+    }];
+    if args.compare {
+        specs.push(Spec {
+            name: args.b_name.clone(),
+            endpoint: args
+                .b_endpoint
+                .clone()
+                .ok_or("--compare needs --b-endpoint")?,
+            start: args.b_start.clone(),
+            pool: args.b_pool.clone(),
+            pid: args.b_pid,
+            log: args.out.join(format!("{}.log", args.b_name)),
+        });
+    }
+    let mut targets = Vec::new();
+    for s in specs {
+        eprintln!("starting/connecting {} at {}", s.name, s.endpoint);
+        let (t, _) = Target::open(s).await?;
+        targets.push(t);
+    }
+    let mut results: Vec<Vec<Figures>> = vec![Vec::new(); targets.len()];
+    for round in 0..args.rounds {
+        for (i, t) in targets.iter_mut().enumerate() {
+            eprintln!("== round {} / {}: {}", round + 1, args.rounds, t.spec.name);
+            let figs = run_round(t, &args, &chosen, round).await?;
+            results[i].push(figs);
+            // Keep what was measured so far, in case a later round fails.
+            report::write(&args, &targets_names(&results, &args), &results)?;
+        }
+    }
+    drop(targets);
+    let names = targets_names(&results, &args);
+    report::write(&args, &names, &results)?;
+    print!(
+        "{}",
+        std::fs::read_to_string(args.out.join("results.txt")).unwrap_or_default()
+    );
+    Ok(())
+}
+
+fn targets_names(results: &[Vec<Figures>], args: &Args) -> Vec<String> {
+    let mut n = vec![args.a_name.clone()];
+    if results.len() > 1 {
+        n.push(args.b_name.clone());
+    }
+    n
+}
+
+async fn run_round(
+    t: &mut Target,
+    args: &Args,
+    chosen: &BTreeSet<String>,
+    round: usize,
+) -> Result<Figures, String> {
+    let mut out = Figures::default();
+    let stamp = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0);
+    let tag = format!("{stamp:x}r{round}");
+    let has = |s: &str| chosen.contains(s);
+    if has("startup") && t.can_restart() {
+        let d = t.restart().await?;
+        out.put("startup/0/ready_ms", scenarios::ms(d));
+    } else if has("memory") && t.can_restart() {
+        t.restart().await?;
+    }
+    if has("memory") {
+        if let Some(m) = scenarios::rss_mib(t) {
+            out.put("memory/0/rss_mib", m);
+        }
+    }
+    if has("create-delete") {
+        eprintln!("  create-delete");
+        scenarios::create_delete(
+            t,
+            &tag,
+            args.count,
+            &args.concurrency,
+            &args.params,
+            &mut out,
+        )
+        .await?;
+    }
+    if has("node") {
+        for k in &args.node_kinds {
+            let (kind, param) = k.split_once('=').unwrap_or((k.as_str(), ""));
+            let params: Vec<(String, String)> = param
+                .split_once('=')
+                .map(|(a, b)| vec![(a.to_string(), b.to_string())])
+                .unwrap_or_default();
+            eprintln!("  node {kind}");
+            scenarios::node(
+                t,
+                &tag,
+                kind,
+                args.node_volumes,
+                &args.fs,
+                &params,
+                &args.scratch,
+                &mut out,
+            )
+            .await?;
+        }
+    }
+    if has("snapshot") {
+        eprintln!("  snapshot");
+        scenarios::snapshot(
+            t,
+            &tag,
+            &args.snapshot_sizes,
+            &args.fs,
+            &args.snapshot_params,
+            &args.scratch,
+            &mut out,
+        )
+        .await?;
+    }
+    // One ladder of volumes present serves scale, memory and startup.
+    let mut steps = BTreeSet::new();
+    if has("scale") {
+        steps.extend(args.scale_steps.iter().copied());
+    }
+    if has("memory") {
+        steps.extend(args.memory_volumes.iter().copied());
+    }
+    if has("startup") && t.can_restart() {
+        steps.insert(args.startup_volumes);
+    }
+    if !steps.is_empty() {
+        eprintln!("  scale/memory/startup ladder: {steps:?}");
+    }
+    let mut pop = Population::default();
+    for &n in &steps {
+        pop.grow_to(t, &tag, n, &args.params).await?;
+        if has("scale") && args.scale_steps.contains(&n) {
+            scenarios::scale_step(t, &tag, n, args.scale_ops, &args.params, &mut out).await?;
+        }
+        if has("memory") && args.memory_volumes.contains(&n) {
+            if let Some(m) = scenarios::rss_mib(t) {
+                out.put(format!("memory/{n}/rss_mib"), m);
+            }
+        }
+        if has("startup") && t.can_restart() && n == args.startup_volumes {
+            let d = t.restart().await?;
+            out.put(format!("startup/{n}/ready_ms"), scenarios::ms(d));
+        }
+    }
+    if !pop.ids.is_empty() {
+        pop.clear(t).await?;
+        if has("memory") {
+            if let Some(m) = scenarios::rss_mib(t) {
+                out.put("memory/after-delete/rss_mib", m);
+            }
+        }
+    }
+    Ok(out)
+}

@@ -1,0 +1,532 @@
+//! The scenarios. Each one leaves the driver as it found it (it deletes what it
+//! made) and appends its figures, named `scenario/parameter/metric_unit`.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use csi_proto::csi::{self, controller_client::ControllerClient};
+use tokio::io::AsyncWriteExt;
+use tonic::transport::Channel;
+
+use crate::target::{create_req, mount_cap, Error, Target};
+
+pub const MIB: i64 = 1 << 20;
+pub const GIB: i64 = 1 << 30;
+
+#[derive(Debug, Default, Clone)]
+pub struct Figures(pub Vec<(String, f64)>);
+
+impl Figures {
+    pub fn put(&mut self, key: impl Into<String>, v: f64) {
+        let key = key.into();
+        eprintln!("    {key} = {v:.3}");
+        self.0.push((key, v));
+    }
+
+    fn latencies(&mut self, prefix: &str, samples: &mut [Duration]) {
+        samples.sort();
+        for (q, name) in [(0.50, "p50"), (0.95, "p95"), (0.99, "p99")] {
+            self.put(format!("{prefix}_{name}_ms"), ms(percentile(samples, q)));
+        }
+    }
+}
+
+pub fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
+}
+
+/// Nearest-rank percentile of sorted samples.
+pub fn percentile(sorted: &[Duration], q: f64) -> Duration {
+    if sorted.is_empty() {
+        return Duration::ZERO;
+    }
+    let rank = ((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len());
+    sorted[rank - 1]
+}
+
+pub fn size_label(bytes: i64) -> String {
+    if bytes % GIB == 0 {
+        format!("{}GiB", bytes / GIB)
+    } else {
+        format!("{}MiB", bytes / MIB)
+    }
+}
+
+fn status(what: &str, s: tonic::Status) -> Error {
+    format!("{what}: {:?}: {}", s.code(), s.message())
+}
+
+pub async fn create(
+    ctl: &mut ControllerClient<Channel>,
+    req: csi::CreateVolumeRequest,
+) -> Result<csi::Volume, Error> {
+    let name = req.name.clone();
+    ctl.create_volume(req)
+        .await
+        .map_err(|s| status(&format!("CreateVolume {name}"), s))?
+        .into_inner()
+        .volume
+        .ok_or_else(|| format!("CreateVolume {name}: no volume in the answer"))
+}
+
+pub async fn delete(ctl: &mut ControllerClient<Channel>, id: &str) -> Result<(), Error> {
+    ctl.delete_volume(csi::DeleteVolumeRequest {
+        volume_id: id.to_string(),
+        ..Default::default()
+    })
+    .await
+    .map_err(|s| status(&format!("DeleteVolume {id}"), s))?;
+    Ok(())
+}
+
+/// Runs `count` jobs with `concurrency` workers; returns each job's latency and the wall time.
+async fn fan_out<F, Fut>(
+    count: usize,
+    concurrency: usize,
+    job: F,
+) -> Result<(Vec<Duration>, Duration), Error>
+where
+    F: Fn(usize) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = Result<(), Error>> + Send,
+{
+    let next = Arc::new(AtomicUsize::new(0));
+    let job = Arc::new(job);
+    let t0 = Instant::now();
+    let mut workers = Vec::new();
+    for _ in 0..concurrency.max(1) {
+        let next = next.clone();
+        let job = job.clone();
+        workers.push(tokio::spawn(async move {
+            let mut lat = Vec::new();
+            loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                if i >= count {
+                    return Ok::<_, Error>(lat);
+                }
+                let t = Instant::now();
+                job(i).await?;
+                lat.push(t.elapsed());
+            }
+        }));
+    }
+    let mut all = Vec::with_capacity(count);
+    let mut first_err = None;
+    for w in workers {
+        match w.await {
+            Ok(Ok(l)) => all.extend(l),
+            Ok(Err(e)) => first_err = first_err.or(Some(e)),
+            Err(e) => first_err = first_err.or(Some(e.to_string())),
+        }
+    }
+    match first_err {
+        Some(e) => Err(e),
+        None => Ok((all, t0.elapsed())),
+    }
+}
+
+/// CreateVolume then DeleteVolume of `count` volumes at each concurrency.
+pub async fn create_delete(
+    t: &mut Target,
+    tag: &str,
+    count: usize,
+    levels: &[usize],
+    params: &[(String, String)],
+    out: &mut Figures,
+) -> Result<(), Error> {
+    for &c in levels {
+        let ids = Arc::new(std::sync::Mutex::new(vec![String::new(); count]));
+        let (ctl, ids2, tag2, params2) =
+            (t.ctl.clone(), ids.clone(), tag.to_string(), params.to_vec());
+        let (mut lat, wall) = fan_out(count, c, move |i| {
+            let mut ctl = ctl.clone();
+            let ids = ids2.clone();
+            let req = create_req(&format!("bench-cd-{tag2}-c{c}-{i}"), GIB, "", &params2);
+            async move {
+                let v = create(&mut ctl, req).await?;
+                ids.lock().unwrap()[i] = v.volume_id;
+                Ok(())
+            }
+        })
+        .await?;
+        out.put(
+            format!("create-delete/c{c}/create_ops_s"),
+            count as f64 / wall.as_secs_f64(),
+        );
+        out.latencies(&format!("create-delete/c{c}/create"), &mut lat);
+        let ctl = t.ctl.clone();
+        let (mut lat, wall) = fan_out(count, c, move |i| {
+            let mut ctl = ctl.clone();
+            let id = ids.lock().unwrap()[i].clone();
+            async move { delete(&mut ctl, &id).await }
+        })
+        .await?;
+        out.put(
+            format!("create-delete/c{c}/delete_ops_s"),
+            count as f64 / wall.as_secs_f64(),
+        );
+        out.latencies(&format!("create-delete/c{c}/delete"), &mut lat);
+    }
+    Ok(())
+}
+
+/// Background volumes, so that per-operation cost can be measured against a
+/// growing number of volumes present.
+#[derive(Default)]
+pub struct Population {
+    pub ids: Vec<String>,
+}
+
+impl Population {
+    pub async fn grow_to(
+        &mut self,
+        t: &Target,
+        tag: &str,
+        n: usize,
+        params: &[(String, String)],
+    ) -> Result<(), Error> {
+        let have = self.ids.len();
+        if n <= have {
+            return Ok(());
+        }
+        let made = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let (ctl, made2, tag, params) = (
+            t.ctl.clone(),
+            made.clone(),
+            tag.to_string(),
+            params.to_vec(),
+        );
+        let t0 = Instant::now();
+        fan_out(n - have, 16, move |i| {
+            let mut ctl = ctl.clone();
+            let made = made2.clone();
+            let req = create_req(&format!("bench-pop-{tag}-{}", have + i), GIB, "", &params);
+            async move {
+                let v = create(&mut ctl, req).await?;
+                made.lock().unwrap().push(v.volume_id);
+                Ok(())
+            }
+        })
+        .await?;
+        self.ids.extend(made.lock().unwrap().drain(..));
+        eprintln!(
+            "    ({} volumes present; +{} in {:.1} s)",
+            self.ids.len(),
+            n - have,
+            t0.elapsed().as_secs_f64()
+        );
+        Ok(())
+    }
+
+    pub async fn clear(&mut self, t: &Target) -> Result<(), Error> {
+        let ids = Arc::new(std::mem::take(&mut self.ids));
+        let ctl = t.ctl.clone();
+        let n = ids.len();
+        fan_out(n, 16, move |i| {
+            let mut ctl = ctl.clone();
+            let id = ids[i].clone();
+            async move { delete(&mut ctl, &id).await }
+        })
+        .await?;
+        Ok(())
+    }
+}
+
+/// `ops` CreateVolume calls one after the other, then as many DeleteVolume calls.
+pub async fn scale_step(
+    t: &mut Target,
+    tag: &str,
+    present: usize,
+    ops: usize,
+    params: &[(String, String)],
+    out: &mut Figures,
+) -> Result<(), Error> {
+    let mut ids = Vec::with_capacity(ops);
+    let mut lat = Vec::with_capacity(ops);
+    for i in 0..ops {
+        let req = create_req(&format!("bench-scale-{tag}-{present}-{i}"), GIB, "", params);
+        let t0 = Instant::now();
+        let v = create(&mut t.ctl, req).await?;
+        lat.push(t0.elapsed());
+        ids.push(v.volume_id);
+    }
+    out.latencies(&format!("scale/{present}/create"), &mut lat);
+    lat.clear();
+    for id in &ids {
+        let t0 = Instant::now();
+        delete(&mut t.ctl, id).await?;
+        lat.push(t0.elapsed());
+    }
+    out.latencies(&format!("scale/{present}/delete"), &mut lat);
+    Ok(())
+}
+
+fn stage_req(v: &csi::Volume, staging: &Path, fs: &str) -> csi::NodeStageVolumeRequest {
+    csi::NodeStageVolumeRequest {
+        volume_id: v.volume_id.clone(),
+        staging_target_path: staging.display().to_string(),
+        volume_capability: Some(mount_cap(fs)),
+        volume_context: v.volume_context.clone(),
+        ..Default::default()
+    }
+}
+
+fn publish_req(
+    v: &csi::Volume,
+    staging: &Path,
+    target: &Path,
+    fs: &str,
+) -> csi::NodePublishVolumeRequest {
+    csi::NodePublishVolumeRequest {
+        volume_id: v.volume_id.clone(),
+        staging_target_path: staging.display().to_string(),
+        target_path: target.display().to_string(),
+        volume_capability: Some(mount_cap(fs)),
+        volume_context: v.volume_context.clone(),
+        ..Default::default()
+    }
+}
+
+async fn stage_publish(
+    t: &mut Target,
+    v: &csi::Volume,
+    staging: &Path,
+    target: &Path,
+    fs: &str,
+) -> Result<(), Error> {
+    t.node
+        .node_stage_volume(stage_req(v, staging, fs))
+        .await
+        .map_err(|s| status(&format!("NodeStageVolume {}", v.volume_id), s))?;
+    t.node
+        .node_publish_volume(publish_req(v, staging, target, fs))
+        .await
+        .map_err(|s| status(&format!("NodePublishVolume {}", v.volume_id), s))?;
+    Ok(())
+}
+
+async fn unpublish_unstage(
+    t: &mut Target,
+    id: &str,
+    staging: &Path,
+    target: &Path,
+) -> Result<(), Error> {
+    t.node
+        .node_unpublish_volume(csi::NodeUnpublishVolumeRequest {
+            volume_id: id.to_string(),
+            target_path: target.display().to_string(),
+        })
+        .await
+        .map_err(|s| status(&format!("NodeUnpublishVolume {id}"), s))?;
+    t.node
+        .node_unstage_volume(csi::NodeUnstageVolumeRequest {
+            volume_id: id.to_string(),
+            staging_target_path: staging.display().to_string(),
+        })
+        .await
+        .map_err(|s| status(&format!("NodeUnstageVolume {id}"), s))?;
+    Ok(())
+}
+
+fn paths(scratch: &Path, id: &str) -> Result<(PathBuf, PathBuf), Error> {
+    let staging = scratch.join("staging").join(id);
+    let target = scratch.join("target").join(id);
+    for p in [&staging, &target] {
+        std::fs::create_dir_all(p).map_err(|e| format!("{}: {e}", p.display()))?;
+    }
+    Ok((staging, target))
+}
+
+/// NodeStage+NodePublish, then NodeUnpublish+NodeUnstage, of `count` volumes of a kind.
+#[allow(clippy::too_many_arguments)]
+pub async fn node(
+    t: &mut Target,
+    tag: &str,
+    kind: &str,
+    count: usize,
+    fs: &str,
+    params: &[(String, String)],
+    scratch: &Path,
+    out: &mut Figures,
+) -> Result<(), Error> {
+    let mut vols = Vec::new();
+    for i in 0..count {
+        vols.push(
+            create(
+                &mut t.ctl,
+                create_req(&format!("bench-node-{tag}-{kind}-{i}"), GIB, fs, params),
+            )
+            .await?,
+        );
+    }
+    let mut up = Vec::new();
+    for v in &vols {
+        let (staging, target) = paths(scratch, &v.volume_id)?;
+        let t0 = Instant::now();
+        stage_publish(t, v, &staging, &target, fs).await?;
+        up.push(t0.elapsed());
+    }
+    let mut down = Vec::new();
+    for v in &vols {
+        let (staging, target) = paths(scratch, &v.volume_id)?;
+        let t0 = Instant::now();
+        unpublish_unstage(t, &v.volume_id, &staging, &target).await?;
+        down.push(t0.elapsed());
+        let _ = std::fs::remove_dir(&staging);
+        let _ = std::fs::remove_dir(&target);
+    }
+    out.latencies(&format!("node/{kind}/stage_publish"), &mut up);
+    out.latencies(&format!("node/{kind}/unpublish_unstage"), &mut down);
+    for v in &vols {
+        delete(&mut t.ctl, &v.volume_id).await?;
+    }
+    Ok(())
+}
+
+fn used_bytes(pool: &Path) -> Option<u64> {
+    let s = nix::sys::statvfs::statvfs(pool).ok()?;
+    Some((s.blocks() - s.blocks_free()) * s.fragment_size())
+}
+
+/// Writes `size` bytes of pseudo-random data (not compressible, not dedupable) and fsyncs.
+async fn write_random(path: &Path, size: i64) -> Result<(), Error> {
+    let mut f = tokio::fs::File::create(path)
+        .await
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    let mut state: u64 = 0x9E37_79B9_7F4A_7C15 ^ (size as u64);
+    let mut buf = vec![0u8; 4 << 20];
+    let mut left = size as usize;
+    while left > 0 {
+        for chunk in buf.chunks_exact_mut(8) {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            chunk.copy_from_slice(&state.to_le_bytes());
+        }
+        let n = left.min(buf.len());
+        f.write_all(&buf[..n])
+            .await
+            .map_err(|e| format!("{}: {e}", path.display()))?;
+        left -= n;
+    }
+    f.sync_all()
+        .await
+        .map_err(|e| format!("{}: {e}", path.display()))?;
+    Ok(())
+}
+
+/// For each size: a staged and published volume holding that much data; time
+/// CreateSnapshot, a restore from it, and a clone of the volume, and the space each took.
+#[allow(clippy::too_many_arguments)]
+pub async fn snapshot(
+    t: &mut Target,
+    tag: &str,
+    sizes: &[i64],
+    fs: &str,
+    params: &[(String, String)],
+    scratch: &Path,
+    out: &mut Figures,
+) -> Result<(), Error> {
+    let pool = t.spec.pool.clone();
+    let space = |before: Option<u64>| -> Option<f64> {
+        let after = used_bytes(pool.as_deref()?)?;
+        Some((after as f64 - before? as f64) / MIB as f64)
+    };
+    let used = || pool.as_deref().and_then(used_bytes);
+    for &size in sizes {
+        let label = size_label(size);
+        // Room for the data and the filesystem's own overhead.
+        let vol_size = size + size / 4 + 512 * MIB;
+        let v = create(
+            &mut t.ctl,
+            create_req(&format!("bench-snap-{tag}-{label}"), vol_size, fs, params),
+        )
+        .await?;
+        let (staging, target) = paths(scratch, &v.volume_id)?;
+        stage_publish(t, &v, &staging, &target, fs).await?;
+        let t0 = Instant::now();
+        write_random(&target.join("data"), size).await?;
+        out.put(
+            format!("snapshot/{label}/write_s"),
+            t0.elapsed().as_secs_f64(),
+        );
+
+        let before = used();
+        let t0 = Instant::now();
+        let snap = t
+            .ctl
+            .create_snapshot(csi::CreateSnapshotRequest {
+                source_volume_id: v.volume_id.clone(),
+                name: format!("bench-snap-{tag}-{label}-s"),
+                ..Default::default()
+            })
+            .await
+            .map_err(|s| status("CreateSnapshot", s))?
+            .into_inner()
+            .snapshot
+            .ok_or("CreateSnapshot: no snapshot in the answer")?;
+        out.put(
+            format!("snapshot/{label}/create_snapshot_ms"),
+            ms(t0.elapsed()),
+        );
+        if let Some(s) = space(before) {
+            out.put(format!("snapshot/{label}/snapshot_space_mib"), s);
+        }
+
+        let from = |name: &str, source: csi::volume_content_source::Type| {
+            let mut req = create_req(name, vol_size, fs, params);
+            req.volume_content_source = Some(csi::VolumeContentSource {
+                r#type: Some(source),
+            });
+            req
+        };
+        let restore_req = from(
+            &format!("bench-snap-{tag}-{label}-r"),
+            csi::volume_content_source::Type::Snapshot(
+                csi::volume_content_source::SnapshotSource {
+                    snapshot_id: snap.snapshot_id.clone(),
+                },
+            ),
+        );
+        let clone_req = from(
+            &format!("bench-snap-{tag}-{label}-c"),
+            csi::volume_content_source::Type::Volume(csi::volume_content_source::VolumeSource {
+                volume_id: v.volume_id.clone(),
+            }),
+        );
+        let before = used();
+        let t0 = Instant::now();
+        let restored = create(&mut t.ctl, restore_req).await?;
+        out.put(format!("snapshot/{label}/restore_ms"), ms(t0.elapsed()));
+        if let Some(s) = space(before) {
+            out.put(format!("snapshot/{label}/restore_space_mib"), s);
+        }
+        let before = used();
+        let t0 = Instant::now();
+        let cloned = create(&mut t.ctl, clone_req).await?;
+        out.put(format!("snapshot/{label}/clone_ms"), ms(t0.elapsed()));
+        if let Some(s) = space(before) {
+            out.put(format!("snapshot/{label}/clone_space_mib"), s);
+        }
+
+        delete(&mut t.ctl, &restored.volume_id).await?;
+        delete(&mut t.ctl, &cloned.volume_id).await?;
+        t.ctl
+            .delete_snapshot(csi::DeleteSnapshotRequest {
+                snapshot_id: snap.snapshot_id.clone(),
+                ..Default::default()
+            })
+            .await
+            .map_err(|s| status("DeleteSnapshot", s))?;
+        unpublish_unstage(t, &v.volume_id, &staging, &target).await?;
+        let _ = std::fs::remove_dir(&staging);
+        let _ = std::fs::remove_dir(&target);
+        delete(&mut t.ctl, &v.volume_id).await?;
+    }
+    Ok(())
+}
+
+pub fn rss_mib(t: &Target) -> Option<f64> {
+    t.rss().map(|b| b as f64 / MIB as f64)
+}

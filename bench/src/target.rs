@@ -1,0 +1,203 @@
+//! A driver under test: its socket, and (when the benchmark starts it) its
+//! process, so that startup can be timed and RSS read.
+
+use std::collections::HashMap;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use csi_proto::csi::{
+    self, controller_client::ControllerClient, identity_client::IdentityClient,
+    node_client::NodeClient,
+};
+use tonic::transport::Channel;
+
+#[derive(Debug, Clone)]
+pub struct Spec {
+    pub name: String,
+    pub endpoint: String,
+    /// A shell command that starts the driver in the foreground (run as `exec CMD`).
+    pub start: Option<String>,
+    /// The pool directory (for the space a snapshot takes).
+    pub pool: Option<PathBuf>,
+    /// The driver's pid, when the benchmark did not start it.
+    pub pid: Option<u32>,
+    pub log: PathBuf,
+}
+
+pub struct Target {
+    pub spec: Spec,
+    child: Option<Child>,
+    pub ctl: ControllerClient<Channel>,
+    pub node: NodeClient<Channel>,
+    pub id: IdentityClient<Channel>,
+}
+
+pub type Error = String;
+
+impl Target {
+    /// Starts the driver (when it has a start command) and connects.
+    pub async fn open(spec: Spec) -> Result<(Target, Duration), Error> {
+        let mut child = None;
+        let t0 = Instant::now();
+        if let Some(cmd) = &spec.start {
+            child = Some(spawn(cmd, &spec)?);
+        }
+        let ch = wait_ready(&spec, &mut child, Duration::from_secs(600)).await?;
+        let took = t0.elapsed();
+        Ok((
+            Target {
+                ctl: ControllerClient::new(ch.clone()),
+                node: NodeClient::new(ch.clone()),
+                id: IdentityClient::new(ch),
+                spec,
+                child,
+            },
+            took,
+        ))
+    }
+
+    pub fn can_restart(&self) -> bool {
+        self.spec.start.is_some()
+    }
+
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(|c| c.id()).or(self.spec.pid)
+    }
+
+    /// VmRSS in bytes.
+    pub fn rss(&self) -> Option<u64> {
+        let text = std::fs::read_to_string(format!("/proc/{}/status", self.pid()?)).ok()?;
+        let line = text.lines().find(|l| l.starts_with("VmRSS:"))?;
+        let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+        Some(kb * 1024)
+    }
+
+    /// SIGTERM (SIGKILL after 60 s) and wait.
+    pub fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(c.id() as i32),
+                nix::sys::signal::Signal::SIGTERM,
+            );
+            let deadline = Instant::now() + Duration::from_secs(60);
+            while Instant::now() < deadline {
+                if let Ok(Some(_)) = c.try_wait() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Stops the driver and starts it again; returns the time from process start
+    /// to the first Probe that answers ready.
+    pub async fn restart(&mut self) -> Result<Duration, Error> {
+        let cmd = self
+            .spec
+            .start
+            .clone()
+            .ok_or("restart needs a start command")?;
+        self.stop();
+        let t0 = Instant::now();
+        self.child = Some(spawn(&cmd, &self.spec)?);
+        let ch = wait_ready(&self.spec, &mut self.child, Duration::from_secs(600)).await?;
+        let took = t0.elapsed();
+        self.ctl = ControllerClient::new(ch.clone());
+        self.node = NodeClient::new(ch.clone());
+        self.id = IdentityClient::new(ch);
+        Ok(took)
+    }
+}
+
+impl Drop for Target {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+fn spawn(cmd: &str, spec: &Spec) -> Result<Child, Error> {
+    let log = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&spec.log)
+        .map_err(|e| format!("{}: {e}", spec.log.display()))?;
+    let err = log.try_clone().map_err(|e| e.to_string())?;
+    Command::new("sh")
+        .arg("-c")
+        .arg(format!("exec {cmd}"))
+        .stdin(Stdio::null())
+        .stdout(log)
+        .stderr(err)
+        .spawn()
+        .map_err(|e| format!("{}: cannot start {cmd:?}: {e}", spec.name))
+}
+
+/// Polls connect + Probe until the driver says ready.
+async fn wait_ready(
+    spec: &Spec,
+    child: &mut Option<Child>,
+    limit: Duration,
+) -> Result<Channel, Error> {
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(c) = child.as_mut() {
+            if let Ok(Some(status)) = c.try_wait() {
+                *child = None;
+                return Err(format!(
+                    "{} exited with {status} at start (log: {})",
+                    spec.name,
+                    spec.log.display()
+                ));
+            }
+        }
+        if let Ok(ch) = csi_glue::connect(&spec.endpoint).await {
+            let mut id = IdentityClient::new(ch.clone());
+            if let Ok(r) = id.probe(csi::ProbeRequest {}).await {
+                // An unset `ready` means ready (CSI spec).
+                if r.into_inner().ready.unwrap_or(true) {
+                    return Ok(ch);
+                }
+            }
+        }
+        if Instant::now() > deadline {
+            return Err(format!("{} not ready after {limit:?}", spec.name));
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+}
+
+pub fn mount_cap(fs: &str) -> csi::VolumeCapability {
+    use csi::volume_capability::{self, access_mode::Mode};
+    csi::VolumeCapability {
+        access_type: Some(volume_capability::AccessType::Mount(
+            volume_capability::MountVolume {
+                fs_type: fs.to_string(),
+                ..Default::default()
+            },
+        )),
+        access_mode: Some(volume_capability::AccessMode {
+            mode: Mode::SingleNodeWriter as i32,
+        }),
+    }
+}
+
+pub fn create_req(
+    name: &str,
+    size: i64,
+    fs: &str,
+    params: &[(String, String)],
+) -> csi::CreateVolumeRequest {
+    csi::CreateVolumeRequest {
+        name: name.to_string(),
+        capacity_range: Some(csi::CapacityRange {
+            required_bytes: size,
+            limit_bytes: 0,
+        }),
+        volume_capabilities: vec![mount_cap(fs)],
+        parameters: params.iter().cloned().collect::<HashMap<_, _>>(),
+        ..Default::default()
+    }
+}

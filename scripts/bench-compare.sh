@@ -1,0 +1,141 @@
+#!/usr/bin/env bash
+# Compares csi-driver (A) with the reference driver, csi-driver-host-path's
+# hostpathplugin (B), side by side on this machine, and writes the report
+# (results.txt, results.json, scale.svg, snapshot.svg, machine.txt) to OUT.
+#
+#   sudo scripts/bench-compare.sh OUT [--hostpath-version vX.Y.Z] [--hostpath-src DIR]
+#                                     [--pool-size 48G] [--work DIR] [-- csi-bench flags...]
+#
+# Needs root (loop devices, mounts), cargo, go, xfsprogs. Each driver gets its
+# own loop-mounted xfs image (same size, same mkfs options); hostpath's state and
+# data dir (-statedir) lies in its image, ours (--pool, --state-dir) in ours.
+#
+# hostpathplugin is built from the Go module proxy at a pinned release through a
+# wrapper module (its go.mod has `replace` lines, so `go install pkg@version` is
+# refused): the wrapper requires it and repeats its replace block. Where the proxy
+# does not serve the module, --hostpath-src DIR builds from a checkout of the same
+# tag (with its vendor/ folder). Nothing of it lands in this repository: all is
+# built under the work directory (default /tmp/csi-bench-work).
+set -euo pipefail
+
+HOSTPATH_MODULE=github.com/kubernetes-csi/csi-driver-host-path
+HOSTPATH_VERSION=v1.18.0
+HOSTPATH_SRC=""
+POOL_SIZE=48G
+WORK=/tmp/csi-bench-work
+OUT=""
+BENCH_ARGS=()
+
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --hostpath-version) HOSTPATH_VERSION=$2; shift 2 ;;
+        --hostpath-src) HOSTPATH_SRC=$(realpath "$2"); shift 2 ;;
+        --pool-size) POOL_SIZE=$2; shift 2 ;;
+        --work) WORK=$2; shift 2 ;;
+        --) shift; BENCH_ARGS=("$@"); break ;;
+        -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+        -*) echo "unknown flag $1" >&2; exit 2 ;;
+        *) OUT=$1; shift ;;
+    esac
+done
+[ -n "$OUT" ] || { echo "usage: $0 OUT [flags] [-- csi-bench flags]" >&2; exit 2; }
+[ "$(id -u)" = 0 ] || { echo "$0: needs root (loop devices, mounts)" >&2; exit 2; }
+for tool in cargo go mkfs.xfs losetup mount tar; do
+    command -v "$tool" >/dev/null || { echo "$0: $tool is missing (scripts/install-deps.sh)" >&2; exit 2; }
+done
+
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+mkdir -p "$OUT" "$WORK"
+OUT=$(realpath "$OUT")
+WORK=$(realpath "$WORK")
+
+cleanup() {
+    # Everything mounted or attached below the work directory, deepest first.
+    for _ in 1 2 3; do
+        { findmnt -rn -o TARGET | grep "^$WORK/" || true; } | sort -r | while read -r m; do
+            umount "$m" 2>/dev/null || umount -l "$m" 2>/dev/null || true
+        done
+        for dev in /sys/block/loop*; do
+            f=$(cat "$dev/loop/backing_file" 2>/dev/null || true)
+            case "$f" in "$WORK"/*) losetup -d "/dev/$(basename "$dev")" 2>/dev/null || true ;; esac
+        done
+    done
+}
+trap cleanup EXIT
+cleanup
+
+echo "== building csi-driver and csi-bench (release)"
+(cd "$ROOT" && cargo build --release -p csi-driver -p csi-bench --bins)
+DRIVER="$ROOT/target/release/csi-driver"
+BENCH="$ROOT/target/release/csi-bench"
+
+echo "== building hostpathplugin $HOSTPATH_VERSION"
+HOSTPATH="$WORK/hostpathplugin-$HOSTPATH_VERSION"
+HOSTPATH_HOW=""
+if [ ! -x "$HOSTPATH" ]; then
+    W="$WORK/hostpath-wrapper"
+    rm -rf "$W" && mkdir -p "$W"
+    if gomod=$(cd "$W" && go mod download -json "$HOSTPATH_MODULE@$HOSTPATH_VERSION" 2>/dev/null | sed -n 's/.*"GoMod": "\(.*\)".*/\1/p') && [ -n "$gomod" ]; then
+        {
+            echo "module example.invalid/hostpath-wrapper"
+            echo
+            grep '^go ' "$gomod"
+            echo
+            echo "require $HOSTPATH_MODULE $HOSTPATH_VERSION"
+            echo
+            # The replace lines, one-line form and block form alike.
+            awk '/^replace \($/{b=1; print; next} b{print; if ($0 ~ /^\)/) b=0; next} /^replace /{print}' "$gomod"
+        } > "$W/go.mod"
+        (cd "$W" && go get "$HOSTPATH_MODULE/cmd/hostpathplugin@$HOSTPATH_VERSION" &&
+            go build -o "$HOSTPATH" "$HOSTPATH_MODULE/cmd/hostpathplugin")
+        HOSTPATH_HOW="wrapper module requiring $HOSTPATH_MODULE $HOSTPATH_VERSION (Go module proxy)"
+    elif [ -n "$HOSTPATH_SRC" ]; then
+        echo "the Go module proxy does not serve $HOSTPATH_MODULE@$HOSTPATH_VERSION; building from $HOSTPATH_SRC"
+        (cd "$HOSTPATH_SRC" && go build -mod=vendor -o "$HOSTPATH" ./cmd/hostpathplugin)
+        HOSTPATH_HOW="checkout of $HOSTPATH_VERSION at $HOSTPATH_SRC (vendored modules)"
+    else
+        echo "$0: the Go module proxy does not serve $HOSTPATH_MODULE@$HOSTPATH_VERSION;" >&2
+        echo "  give a checkout of that tag with --hostpath-src DIR" >&2
+        exit 1
+    fi
+else
+    HOSTPATH_HOW="prebuilt $HOSTPATH"
+fi
+
+echo "== pools: two ${POOL_SIZE} loop-mounted xfs images (reflink=1)"
+for side in a b; do
+    rm -rf "${WORK:?}/$side" "$WORK/$side.img"
+    mkdir -p "$WORK/$side"
+    truncate -s "$POOL_SIZE" "$WORK/$side.img"
+    mkfs.xfs -q -m reflink=1 "$WORK/$side.img"
+    mount -o loop "$WORK/$side.img" "$WORK/$side"
+done
+mkdir -p "$WORK/a/pool" "$WORK/a/state" "$WORK/b/state" "$WORK/scratch"
+rm -f "$WORK/a.sock" "$WORK/b.sock"
+
+{
+    echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+    echo "nproc: $(nproc)"
+    echo "memory: $(awk '/MemTotal/{printf "%.1f GiB", $2/1048576}' /proc/meminfo)"
+    echo "kernel: $(uname -r)"
+    echo "csi-driver: $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown) (release build)"
+    echo "hostpathplugin: $HOSTPATH_VERSION, $HOSTPATH_HOW"
+    echo "pools: xfs (mkfs.xfs -m reflink=1) on ${POOL_SIZE} sparse images, loop-mounted"
+    echo "command: $0 $OUT ${BENCH_ARGS[*]:-}"
+} > "$OUT/machine.txt"
+cat "$OUT/machine.txt"
+
+echo "== running csi-bench"
+"$BENCH" --compare \
+    --a-name csi-driver \
+    --a-endpoint "unix://$WORK/a.sock" \
+    --a-start "$DRIVER --endpoint unix://$WORK/a.sock --nodeid bench-node --pool default=$WORK/a/pool --state-dir $WORK/a/state --log-level warn" \
+    --a-pool "$WORK/a/pool" \
+    --b-name hostpath \
+    --b-endpoint "unix://$WORK/b.sock" \
+    --b-start "$HOSTPATH -endpoint unix://$WORK/b.sock -nodeid bench-node -statedir $WORK/b/state -capacity dir=1000Ti -capacity image=1000Ti -v 0" \
+    --b-pool "$WORK/b/state" \
+    --scratch "$WORK/scratch" \
+    --out "$OUT" \
+    "${BENCH_ARGS[@]}"
+echo "== report in $OUT"

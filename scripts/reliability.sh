@@ -1,0 +1,47 @@
+#!/usr/bin/env bash
+# The long reliability run of issue 8 (README: "Reliability"): the fault-injection
+# matrix, the full soak and a long fuzz run, each printing its figures. Needs root
+# (loop devices, mkfs, mounts). The short versions of the same tests run in CI
+# through scripts/test-all.sh (cargo test --workspace).
+#
+#   scripts/reliability.sh                 # everything, full size (about 30 minutes here)
+#   FUZZ_SECONDS=600 scripts/reliability.sh fuzz
+#   scripts/reliability.sh soak faults hostile
+#
+# Sizes (environment, defaults are the full run of issue 8):
+#   SOAK_OPS=20000 SOAK_CLIENTS=32 SOAK_KILLS=20 SOAK_REBOOTS=3 [SOAK_SEED=n]
+#   FUZZ_SECONDS=600 [FUZZ_SEED=n] [FUZZ_SAVE=1: add inputs with new answers to fuzz/corpus/]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PATH="$PATH:/usr/sbin:/sbin:$HOME/.cargo/bin"
+export SOAK_OPS="${SOAK_OPS:-20000}" SOAK_CLIENTS="${SOAK_CLIENTS:-32}"
+export SOAK_KILLS="${SOAK_KILLS:-20}" SOAK_REBOOTS="${SOAK_REBOOTS:-3}"
+export FUZZ_SECONDS="${FUZZ_SECONDS:-600}"
+parts=("$@")
+[ ${#parts[@]} -eq 0 ] && parts=(faults hostile soak fuzz)
+
+out=$(mktemp -d /tmp/example-csi-reliability.XXXXXX)
+echo "logs in $out"
+cargo build --tests --quiet --test faults --test hostile --test soak --test fuzz
+failed=0
+for p in "${parts[@]}"; do
+    echo
+    echo "==== $p"
+    start=$(date +%s)
+    set +e
+    case "$p" in
+        faults)  cargo test --quiet --test faults -- --test-threads=2 ;;
+        hostile) cargo test --quiet --test hostile -- --nocapture ;;
+        soak)    cargo test --quiet --test soak -- --nocapture ;;
+        fuzz)    cargo test --quiet --test fuzz -- --nocapture ;;
+        *) echo "unknown part $p (faults, hostile, soak, fuzz)"; false ;;
+    esac > "$out/$p.log" 2>&1
+    rc=$?
+    set -e
+    grep -E "^(soak figures|fuzz figures|soak: (LEAK|LEFT|unexpected)|hostile:|test result:)" "$out/$p.log" || true
+    echo "$p: $([ $rc = 0 ] && echo PASSED || echo FAILED) in $(( $(date +%s) - start )) s (log: $out/$p.log)"
+    [ $rc = 0 ] || failed=1
+done
+echo
+echo "leftovers: $(losetup -a | grep -c example-csi-test || true) loop devices, $(grep -c example-csi-test /proc/self/mountinfo || true) mounts of test dirs"
+exit $failed

@@ -1,0 +1,738 @@
+//! Operations: Prometheus metrics and a health check on HTTP (`--metrics-address`),
+//! and the tower layer around the gRPC server that counts and times every RPC and
+//! bounds how many non-Identity RPCs run at once.
+//!
+//! The layer reads the method from the request path and the gRPC code from the
+//! `grpc-status` header of a trailers-only response or from the trailers of a
+//! normal one, so the handlers know nothing of it.
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::atomic::AtomicU64;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::{Duration, Instant};
+
+use http_body::{Body, Frame, SizeHint};
+use http_body_util::Full;
+use hyper::body::Bytes;
+use prometheus_client::encoding::text::encode;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::metrics::info::Info;
+use prometheus_client::registry::Registry;
+
+use csi_storage::{Driver, System};
+
+type Labels = Vec<(&'static str, String)>;
+type HistogramFamily = Family<Labels, Histogram, fn() -> Histogram>;
+
+/// Seconds; CSI calls range from sub-millisecond (Probe) to minutes (a copy).
+const BUCKETS: [f64; 15] = [
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 120.0,
+];
+
+fn new_histogram() -> Histogram {
+    Histogram::new(BUCKETS.iter().copied())
+}
+
+/// The RPC names of CSI v1.12.0: a label value is one of these or "other", so a
+/// client sending made-up paths cannot grow the label set without bound.
+const CSI_SERVICES: [&str; 5] = [
+    "Identity",
+    "Controller",
+    "GroupController",
+    "Node",
+    "SnapshotMetadata",
+];
+const CSI_METHODS: &[&str] = &[
+    "GetPluginInfo",
+    "GetPluginCapabilities",
+    "Probe",
+    "CreateVolume",
+    "DeleteVolume",
+    "ControllerPublishVolume",
+    "ControllerUnpublishVolume",
+    "ValidateVolumeCapabilities",
+    "ListVolumes",
+    "GetCapacity",
+    "ControllerGetCapabilities",
+    "CreateSnapshot",
+    "DeleteSnapshot",
+    "ListSnapshots",
+    "GetSnapshot",
+    "ControllerExpandVolume",
+    "ControllerGetVolume",
+    "ControllerModifyVolume",
+    "GroupControllerGetCapabilities",
+    "CreateVolumeGroupSnapshot",
+    "DeleteVolumeGroupSnapshot",
+    "GetVolumeGroupSnapshot",
+    "GetMetadataAllocated",
+    "GetMetadataDelta",
+    "NodeStageVolume",
+    "NodeUnstageVolume",
+    "NodePublishVolume",
+    "NodeUnpublishVolume",
+    "NodeGetVolumeStats",
+    "NodeExpandVolume",
+    "NodeGetCapabilities",
+    "NodeGetInfo",
+];
+
+/// gRPC code names as the Go implementation (and so the CSI sidecars' own
+/// metrics) spell them.
+const CODE_NAMES: [&str; 17] = [
+    "OK",
+    "Canceled",
+    "Unknown",
+    "InvalidArgument",
+    "DeadlineExceeded",
+    "NotFound",
+    "AlreadyExists",
+    "PermissionDenied",
+    "ResourceExhausted",
+    "FailedPrecondition",
+    "Aborted",
+    "OutOfRange",
+    "Unimplemented",
+    "Internal",
+    "Unavailable",
+    "DataLoss",
+    "Unauthenticated",
+];
+
+fn code_name(code: u32) -> &'static str {
+    CODE_NAMES.get(code as usize).copied().unwrap_or("Unknown")
+}
+
+/// (service, method) labels of a request path `/csi.v1.Service/Method`.
+fn rpc_of(path: &str) -> (&'static str, &'static str) {
+    let Some((service, method)) = path
+        .strip_prefix("/csi.v1.")
+        .and_then(|rest| rest.split_once('/'))
+    else {
+        return ("other", "other");
+    };
+    let service = CSI_SERVICES.iter().find(|s| **s == service);
+    let method = CSI_METHODS.iter().find(|m| **m == method);
+    match (service, method) {
+        (Some(s), Some(m)) => (s, m),
+        (Some(s), None) => (s, "other"),
+        _ => ("other", "other"),
+    }
+}
+
+/// Every metric this driver exports.
+pub struct Metrics {
+    registry: Registry,
+    rpcs: Family<Labels, Counter>,
+    latency: HistogramFamily,
+    volumes: Family<Labels, Gauge>,
+    snapshots: Family<Labels, Gauge>,
+    capacity: Family<Labels, Gauge>,
+    free: Family<Labels, Gauge>,
+    reflink: Family<Labels, Gauge>,
+    loops: Family<Labels, Gauge>,
+    ready: Gauge,
+    scrape_errors: Counter<u64, AtomicU64>,
+}
+
+impl Metrics {
+    pub fn new(driver_name: &str, mode: &str) -> Metrics {
+        let mut registry = Registry::with_prefix("example_csi");
+        let rpcs = Family::<Labels, Counter>::default();
+        registry.register(
+            "rpc_requests",
+            "gRPC calls finished, by service, method and gRPC code",
+            rpcs.clone(),
+        );
+        let latency: HistogramFamily = Family::new_with_constructor(new_histogram);
+        registry.register(
+            "rpc_duration_seconds",
+            "Time from a gRPC call's arrival to its status, by service and method",
+            latency.clone(),
+        );
+        let gauge = |registry: &mut Registry, name: &str, help: &str| {
+            let f = Family::<Labels, Gauge>::default();
+            registry.register(name, help, f.clone());
+            f
+        };
+        let volumes = gauge(&mut registry, "volumes", "Volumes recorded, by pool");
+        let snapshots = gauge(&mut registry, "snapshots", "Snapshots recorded, by pool");
+        let capacity = gauge(
+            &mut registry,
+            "pool_capacity_bytes",
+            "Size of the pool's filesystem, by pool",
+        );
+        let free = gauge(
+            &mut registry,
+            "pool_free_bytes",
+            "Bytes available to new volumes in the pool's filesystem, by pool",
+        );
+        let reflink = gauge(
+            &mut registry,
+            "pool_reflink",
+            "1 when the pool's filesystem clones by reflink (snapshots and clones \
+             share blocks), 0 when they are full copies",
+        );
+        let loops = gauge(
+            &mut registry,
+            "loop_devices",
+            "Loop devices attached to image files inside the pool, by pool",
+        );
+        let ready = Gauge::default();
+        registry.register(
+            "ready",
+            "1 when the driver answers Probe as ready (state loaded, every pool present)",
+            ready.clone(),
+        );
+        let scrape_errors = Counter::default();
+        registry.register(
+            "scrape_errors",
+            "Pool or loop device readings that failed while serving /metrics",
+            scrape_errors.clone(),
+        );
+        registry.register(
+            "build",
+            "The driver's version, name and mode",
+            Info::new(vec![
+                ("version", env!("CARGO_PKG_VERSION").to_string()),
+                ("driver", driver_name.to_string()),
+                ("mode", mode.to_string()),
+            ]),
+        );
+        Metrics {
+            registry,
+            rpcs,
+            latency,
+            volumes,
+            snapshots,
+            capacity,
+            free,
+            reflink,
+            loops,
+            ready,
+            scrape_errors,
+        }
+    }
+
+    fn observe(
+        &self,
+        service: &'static str,
+        method: &'static str,
+        code: &'static str,
+        t: Duration,
+    ) {
+        self.rpcs
+            .get_or_create(&vec![
+                ("service", service.to_string()),
+                ("method", method.to_string()),
+                ("grpc_code", code.to_string()),
+            ])
+            .inc();
+        self.latency
+            .get_or_create(&vec![
+                ("service", service.to_string()),
+                ("method", method.to_string()),
+            ])
+            .observe(t.as_secs_f64());
+    }
+
+    /// Reads the pools and loop devices (blocking: statvfs and sysfs) and renders
+    /// the text exposition format.
+    fn render(&self, driver: &Driver, sys: &System) -> String {
+        let by_pool = driver.objects_by_pool();
+        let devices = match sys.loops.list() {
+            Ok(d) => Some(d),
+            Err(e) => {
+                tracing::warn!(error = %e, "metrics: listing loop devices failed");
+                self.scrape_errors.inc();
+                None
+            }
+        };
+        for pool in driver.pools() {
+            let l: Labels = vec![("pool", pool.name.clone())];
+            let (v, s) = by_pool.get(&pool.name).copied().unwrap_or_default();
+            self.volumes.get_or_create(&l).set(v as i64);
+            self.snapshots.get_or_create(&l).set(s as i64);
+            self.reflink.get_or_create(&l).set(pool.reflink as i64);
+            match pool.space() {
+                Ok((free, total)) => {
+                    self.capacity.get_or_create(&l).set(clamp(total));
+                    self.free.get_or_create(&l).set(clamp(free));
+                }
+                Err(e) => {
+                    tracing::warn!(pool = %pool.name, error = %e, "metrics: reading pool space failed");
+                    self.scrape_errors.inc();
+                }
+            }
+            if let Some(devices) = &devices {
+                let n = devices
+                    .iter()
+                    .filter(|d| {
+                        let b = d.backing_file.to_string_lossy();
+                        let b = b.trim_end_matches(" (deleted)");
+                        pool.contains(std::path::Path::new(b))
+                    })
+                    .count();
+                self.loops.get_or_create(&l).set(n as i64);
+            }
+        }
+        self.ready.set(matches!(driver.probe(), Ok(true)) as i64);
+        let mut out = String::new();
+        if let Err(e) = encode(&mut out, &self.registry) {
+            tracing::warn!(error = %e, "metrics: encoding failed");
+        }
+        out
+    }
+}
+
+fn clamp(v: u64) -> i64 {
+    i64::try_from(v).unwrap_or(i64::MAX)
+}
+
+/// Parses `--metrics-address`: `HOST:PORT`, `[V6]:PORT` or `:PORT` (all
+/// addresses), as the kubernetes-csi sidecars accept.
+pub fn parse_address(s: &str) -> Result<SocketAddr, String> {
+    let full = if s.starts_with(':') {
+        format!("0.0.0.0{s}")
+    } else {
+        s.to_string()
+    };
+    full.parse()
+        .map_err(|_| format!("--metrics-address {s:?} is not HOST:PORT or :PORT"))
+}
+
+/// What the HTTP server needs.
+struct Http {
+    metrics: Arc<Metrics>,
+    driver: Arc<Driver>,
+    sys: System,
+}
+
+/// Binds the metrics listener (so that a busy port fails the start).
+pub async fn bind(addr: SocketAddr) -> Result<tokio::net::TcpListener, String> {
+    tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|e| format!("--metrics-address {addr}: {e}"))
+}
+
+/// Serves `/metrics` and `/healthz` until the task is dropped.
+pub async fn serve(
+    listener: tokio::net::TcpListener,
+    metrics: Arc<Metrics>,
+    driver: Arc<Driver>,
+    sys: System,
+) {
+    let http = Arc::new(Http {
+        metrics,
+        driver,
+        sys,
+    });
+    loop {
+        let stream = match listener.accept().await {
+            Ok((s, _)) => s,
+            Err(e) => {
+                tracing::warn!(error = %e, "metrics: accept failed");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let http = http.clone();
+        tokio::spawn(async move {
+            let service = hyper::service::service_fn(move |req| {
+                let http = http.clone();
+                async move { Ok::<_, Infallible>(respond(&http, req).await) }
+            });
+            let conn = hyper::server::conn::http1::Builder::new()
+                .timer(hyper_util::rt::TokioTimer::new())
+                .header_read_timeout(Duration::from_secs(10))
+                .keep_alive(true)
+                .serve_connection(hyper_util::rt::TokioIo::new(stream), service);
+            // A scraper that stops reading is cut off after a minute.
+            let _ = tokio::time::timeout(Duration::from_secs(60), conn).await;
+        });
+    }
+}
+
+async fn respond<B>(http: &Arc<Http>, req: http::Request<B>) -> http::Response<Full<Bytes>> {
+    let reply = |status: http::StatusCode, ctype: &'static str, body: String| {
+        let mut r = http::Response::new(Full::new(Bytes::from(body)));
+        *r.status_mut() = status;
+        r.headers_mut().insert(
+            http::header::CONTENT_TYPE,
+            http::HeaderValue::from_static(ctype),
+        );
+        r
+    };
+    if req.method() != http::Method::GET && req.method() != http::Method::HEAD {
+        return reply(
+            http::StatusCode::METHOD_NOT_ALLOWED,
+            "text/plain; charset=utf-8",
+            "only GET\n".into(),
+        );
+    }
+    match req.uri().path() {
+        "/metrics" => {
+            let h = http.clone();
+            match tokio::task::spawn_blocking(move || h.metrics.render(&h.driver, &h.sys)).await {
+                Ok(text) => reply(
+                    http::StatusCode::OK,
+                    "application/openmetrics-text; version=1.0.0; charset=utf-8",
+                    text,
+                ),
+                Err(e) => reply(
+                    http::StatusCode::INTERNAL_SERVER_ERROR,
+                    "text/plain; charset=utf-8",
+                    format!("{e}\n"),
+                ),
+            }
+        }
+        "/healthz" => {
+            let d = http.driver.clone();
+            match tokio::task::spawn_blocking(move || d.probe()).await {
+                Ok(Ok(true)) => reply(
+                    http::StatusCode::OK,
+                    "text/plain; charset=utf-8",
+                    "ok\n".into(),
+                ),
+                Ok(Ok(false)) => reply(
+                    http::StatusCode::SERVICE_UNAVAILABLE,
+                    "text/plain; charset=utf-8",
+                    "not ready\n".into(),
+                ),
+                Ok(Err(e)) => reply(
+                    http::StatusCode::SERVICE_UNAVAILABLE,
+                    "text/plain; charset=utf-8",
+                    format!("not ready: {}\n", e),
+                ),
+                Err(e) => reply(
+                    http::StatusCode::SERVICE_UNAVAILABLE,
+                    "text/plain; charset=utf-8",
+                    format!("not ready: {e}\n"),
+                ),
+            }
+        }
+        _ => reply(
+            http::StatusCode::NOT_FOUND,
+            "text/plain; charset=utf-8",
+            "try /metrics or /healthz\n".into(),
+        ),
+    }
+}
+
+// ---------------------------------------------------------------------------
+// The gRPC layer.
+
+/// Wraps the tonic server: counts and times each RPC (when metrics are on) and
+/// lets at most `limit` non-Identity RPCs run at once; the others wait here, as
+/// cheap futures, rather than each holding a blocking thread. Identity calls
+/// (Probe above all) are never held back, so a liveness check answers under load.
+#[derive(Clone)]
+pub struct RpcLayer {
+    metrics: Option<Arc<Metrics>>,
+    limit: Arc<tokio::sync::Semaphore>,
+}
+
+impl RpcLayer {
+    pub fn new(metrics: Option<Arc<Metrics>>, limit: usize) -> Self {
+        RpcLayer {
+            metrics,
+            limit: Arc::new(tokio::sync::Semaphore::new(limit.max(1))),
+        }
+    }
+}
+
+impl<S> tower::Layer<S> for RpcLayer {
+    type Service = RpcService<S>;
+    fn layer(&self, inner: S) -> RpcService<S> {
+        RpcService {
+            inner,
+            layer: self.clone(),
+        }
+    }
+}
+
+#[derive(Clone)]
+pub struct RpcService<S> {
+    inner: S,
+    layer: RpcLayer,
+}
+
+impl<S, ReqBody, ResBody> tower::Service<http::Request<ReqBody>> for RpcService<S>
+where
+    S: tower::Service<http::Request<ReqBody>, Response = http::Response<ResBody>>
+        + Clone
+        + Send
+        + 'static,
+    S::Future: Send + 'static,
+    S::Error: Send + 'static,
+    ReqBody: Send + 'static,
+    ResBody: Body<Data = Bytes> + Send + 'static,
+{
+    type Response = http::Response<MeteredBody<ResBody>>;
+    type Error = S::Error;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, S::Error>> + Send>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx)
+    }
+
+    fn call(&mut self, req: http::Request<ReqBody>) -> Self::Future {
+        // The service that was polled ready is the one to call.
+        let clone = self.inner.clone();
+        let mut inner = std::mem::replace(&mut self.inner, clone);
+        let started = Instant::now();
+        let (service, method) = rpc_of(req.uri().path());
+        let metrics = self.layer.metrics.clone();
+        let limit = (service != "Identity").then(|| self.layer.limit.clone());
+        Box::pin(async move {
+            let _permit = match limit {
+                // The semaphore is never closed; on the impossible error go on unlimited.
+                Some(l) => l.acquire_owned().await.ok(),
+                None => None,
+            };
+            let mut rec = Recorder {
+                metrics,
+                service,
+                method,
+                started,
+                done: false,
+            };
+            let resp = match inner.call(req).await {
+                Ok(r) => r,
+                Err(e) => {
+                    rec.finish("Unknown");
+                    return Err(e);
+                }
+            };
+            let mut resp = resp;
+            shorten_message(resp.headers_mut());
+            oversized_is_resource_exhausted(resp.headers_mut());
+            // Trailers-only responses (every error tonic returns) carry the status
+            // in the headers; others in the trailers, seen by the body.
+            if let Some(code) = grpc_status(resp.headers()) {
+                rec.finish(code_name(code));
+            } else if resp.status() != http::StatusCode::OK {
+                rec.finish("Unknown");
+            }
+            Ok(resp.map(|body| MeteredBody {
+                inner: Box::pin(body),
+                rec,
+            }))
+        })
+    }
+}
+
+/// Longest `grpc-message` sent, percent-encoded. Error messages may quote what
+/// the client sent (an unknown parameter value); a client whose 3 MiB parameter
+/// came back in a header would get a protocol error (HTTP/2 header limits)
+/// instead of the status.
+const MAX_STATUS_MESSAGE: usize = 2048;
+
+fn shorten_message(headers: &mut http::HeaderMap) {
+    let Some(text) = headers
+        .get("grpc-message")
+        .filter(|v| v.len() > MAX_STATUS_MESSAGE)
+        .and_then(|v| v.to_str().ok())
+    else {
+        return;
+    };
+    let short = truncate_percent_encoded(text, MAX_STATUS_MESSAGE);
+    if let Ok(v) = http::HeaderValue::from_str(&short) {
+        headers.insert("grpc-message", v);
+    }
+}
+
+/// Cuts a percent-encoded UTF-8 string to at most `max` bytes plus a "..." mark,
+/// never inside an escape or a multi-byte character.
+fn truncate_percent_encoded(text: &str, max: usize) -> String {
+    // The encoded length and the decoded byte of the token at `i`.
+    let token = |i: usize| -> (usize, u8) {
+        let b = text.as_bytes();
+        if b[i] == b'%' && i + 3 <= b.len() {
+            if let Ok(v) = u8::from_str_radix(&text[i + 1..i + 3], 16) {
+                return (3, v);
+            }
+        }
+        (1, b[i])
+    };
+    let mut cut = 0;
+    let mut i = 0;
+    while i < text.len() {
+        let (len, _) = token(i);
+        if i + len > max {
+            break;
+        }
+        i += len;
+        // Safe to cut here unless the next byte continues a character.
+        if i == text.len() || token(i).1 & 0xC0 != 0x80 {
+            cut = i;
+        }
+    }
+    format!("{}...", &text[..cut])
+}
+
+/// tonic refuses a request above the size limit with OUT_OF_RANGE; the gRPC
+/// status code table (and every other gRPC implementation, so what clients
+/// expect) says RESOURCE_EXHAUSTED.
+fn oversized_is_resource_exhausted(headers: &mut http::HeaderMap) {
+    let oversized = grpc_status(headers) == Some(tonic::Code::OutOfRange as u32)
+        && headers
+            .get("grpc-message")
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|m| {
+                m.contains("decoded%20message%20length%20too%20large")
+                    || m.contains("decoded message length too large")
+            });
+    if oversized {
+        headers.insert(
+            "grpc-status",
+            http::HeaderValue::from(tonic::Code::ResourceExhausted as u32),
+        );
+    }
+}
+
+fn grpc_status(headers: &http::HeaderMap) -> Option<u32> {
+    headers
+        .get("grpc-status")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse().ok())
+}
+
+struct Recorder {
+    metrics: Option<Arc<Metrics>>,
+    service: &'static str,
+    method: &'static str,
+    started: Instant,
+    done: bool,
+}
+
+impl Recorder {
+    fn finish(&mut self, code: &'static str) {
+        if self.done {
+            return;
+        }
+        self.done = true;
+        if let Some(m) = &self.metrics {
+            m.observe(self.service, self.method, code, self.started.elapsed());
+        }
+    }
+}
+
+impl Drop for Recorder {
+    /// A call dropped before its status (the client went away) counts as cancelled.
+    fn drop(&mut self) {
+        self.finish("Canceled");
+    }
+}
+
+/// A response body that records the call when its trailers pass.
+pub struct MeteredBody<B> {
+    inner: Pin<Box<B>>,
+    rec: Recorder,
+}
+
+impl<B: Body<Data = Bytes>> Body for MeteredBody<B> {
+    type Data = Bytes;
+    type Error = B::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, B::Error>>> {
+        let this = &mut *self;
+        let polled = this.inner.as_mut().poll_frame(cx);
+        match &polled {
+            Poll::Ready(Some(Ok(frame))) => {
+                if let Some(code) = frame.trailers_ref().and_then(grpc_status) {
+                    this.rec.finish(code_name(code));
+                }
+            }
+            Poll::Ready(Some(Err(_))) => this.rec.finish("Unknown"),
+            // A body that ends without a status: the client sees an error.
+            Poll::Ready(None) => this.rec.finish("Unknown"),
+            Poll::Pending => {}
+        }
+        polled
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.inner.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.inner.size_hint()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn method_labels_are_bounded() {
+        assert_eq!(rpc_of("/csi.v1.Identity/Probe"), ("Identity", "Probe"));
+        assert_eq!(
+            rpc_of("/csi.v1.Controller/CreateVolume"),
+            ("Controller", "CreateVolume")
+        );
+        assert_eq!(rpc_of("/csi.v1.Node/Nope"), ("Node", "other"));
+        assert_eq!(rpc_of("/csi.v1.Node/"), ("Node", "other"));
+        assert_eq!(rpc_of("/x.y/Probe"), ("other", "other"));
+        assert_eq!(rpc_of("/"), ("other", "other"));
+        assert_eq!(code_name(0), "OK");
+        assert_eq!(code_name(8), "ResourceExhausted");
+        assert_eq!(code_name(99), "Unknown");
+    }
+
+    #[test]
+    fn long_status_messages_are_cut_cleanly() {
+        assert_eq!(truncate_percent_encoded("abcdef", 4), "abcd...");
+        // "é" is %C3%A9: never split inside the escape or the character.
+        assert_eq!(truncate_percent_encoded("a%C3%A9b", 4), "a...");
+        assert_eq!(truncate_percent_encoded("a%C3%A9b", 7), "a%C3%A9...");
+        assert_eq!(truncate_percent_encoded("ab%25cd", 3), "ab...");
+        let mut h = http::HeaderMap::new();
+        h.insert(
+            "grpc-message",
+            http::HeaderValue::from_str(&"x".repeat(10_000)).unwrap(),
+        );
+        shorten_message(&mut h);
+        assert_eq!(h["grpc-message"].len(), MAX_STATUS_MESSAGE + 3);
+    }
+
+    #[test]
+    fn addresses() {
+        assert_eq!(
+            parse_address(":9810").unwrap(),
+            "0.0.0.0:9810".parse().unwrap()
+        );
+        assert!(parse_address("127.0.0.1:0").is_ok());
+        assert!(parse_address("[::1]:80").is_ok());
+        for bad in ["", "x", "9810", "1.2.3.4", "host:port"] {
+            assert!(parse_address(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn renders_rpc_counters() {
+        let m = Metrics::new("example.csi.k8s.io", "all");
+        m.observe("Identity", "Probe", "OK", Duration::from_millis(2));
+        let mut out = String::new();
+        encode(&mut out, &m.registry).unwrap();
+        assert!(out.contains(
+            "example_csi_rpc_requests_total{service=\"Identity\",method=\"Probe\",grpc_code=\"OK\"} 1"
+        ), "{out}");
+        assert!(out.contains("example_csi_build_info{"), "{out}");
+        assert!(
+            out.contains("example_csi_rpc_duration_seconds_bucket{"),
+            "{out}"
+        );
+    }
+}

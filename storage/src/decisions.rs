@@ -1,0 +1,1228 @@
+//! Unit tests of the domain's decisions, each telling one story: the driver runs on
+//! a pool that is a plain directory and on the stateful fake of the system layer
+//! (`csi_sys::fake`), so no root, loop device or mkfs is needed. The fake counts
+//! every mount, attach and mkfs, which is how these tests see that the driver did
+//! (or did not) do something.
+//!
+//! Pools live under /var/tmp (disk-backed on common systems): image volumes keep
+//! their mutable attributes in user xattrs, which tmpfs may not take.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use csi_sys::fake::FakeState;
+use csi_sys::{LoopOptions, MountOptions, SysError, System};
+use tonic::Code;
+
+use crate::ids::{SnapshotId, VolumeId};
+use crate::model::*;
+use crate::node::{Publish, Stage};
+use crate::volumes::{CreateVolume, MIB};
+use crate::{Config, Driver, Result};
+
+/// One test's world: a pool and a state dir in a temporary directory, the fake
+/// system and the driver on them.
+struct World {
+    tmp: tempfile::TempDir,
+    sys: System,
+    fake: Arc<FakeState>,
+    driver: Option<Driver>,
+}
+
+fn base_dir() -> PathBuf {
+    let var_tmp = Path::new("/var/tmp");
+    if var_tmp.is_dir() {
+        var_tmp.to_path_buf()
+    } else {
+        std::env::temp_dir()
+    }
+}
+
+impl World {
+    fn new() -> World {
+        Self::with(|_| {})
+    }
+
+    fn with(tune: impl FnOnce(&mut Config)) -> World {
+        let tmp = tempfile::Builder::new()
+            .prefix("csi-decisions")
+            .tempdir_in(base_dir())
+            .unwrap();
+        std::fs::create_dir(tmp.path().join("pool")).unwrap();
+        std::fs::create_dir(tmp.path().join("pods")).unwrap();
+        let (sys, fake) = csi_sys::fake::system();
+        let mut w = World {
+            tmp,
+            sys,
+            fake,
+            driver: None,
+        };
+        w.reopen_with(tune);
+        w
+    }
+
+    fn config(&self) -> Config {
+        Config::new(
+            "node-1",
+            &self.tmp.path().join("state"),
+            vec![("default".into(), self.tmp.path().join("pool"))],
+        )
+    }
+
+    /// Drops the driver and opens a new one on the same state, pool and fake
+    /// system, as a restart of the process would.
+    fn reopen_with(&mut self, tune: impl FnOnce(&mut Config)) {
+        self.driver = None;
+        let mut cfg = self.config();
+        tune(&mut cfg);
+        self.driver = Some(Driver::open(cfg, self.sys.clone()).unwrap());
+    }
+
+    fn reopen(&mut self) {
+        self.reopen_with(|_| {});
+    }
+
+    fn d(&self) -> &Driver {
+        self.driver.as_ref().unwrap()
+    }
+
+    fn state_dir(&self) -> PathBuf {
+        self.tmp.path().join("state")
+    }
+
+    fn staging(&self) -> PathBuf {
+        self.tmp.path().join("staging")
+    }
+
+    fn target(&self, name: &str) -> PathBuf {
+        self.tmp.path().join("pods").join(name)
+    }
+
+    fn pool_files(&self, sub: &str) -> Vec<String> {
+        let mut v: Vec<String> = std::fs::read_dir(self.tmp.path().join("pool").join(sub))
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect();
+        v.sort();
+        v
+    }
+
+    /// Creates an image volume of 64 MiB for `cap`; returns its id.
+    fn create(&self, name: &str, cap: Capability) -> String {
+        let info = self
+            .d()
+            .create_volume(CreateVolume {
+                name: name.into(),
+                capacity: CapacityRange {
+                    required: 64 * MIB as i64,
+                    limit: 0,
+                },
+                capabilities: vec![cap],
+                ..Default::default()
+            })
+            .unwrap();
+        info.record.id.to_string()
+    }
+
+    fn image(&self, id: &str) -> PathBuf {
+        self.d()
+            .locate(VolumeId::parse(id).unwrap())
+            .expect("volume data")
+            .path
+    }
+
+    fn stage(&self, id: &str, cap: &Capability) -> Result<()> {
+        self.d().node_stage(Stage {
+            volume_id: id.into(),
+            staging_path: self.staging().display().to_string(),
+            capability: Some(cap.clone()),
+            volume_context: BTreeMap::new(),
+        })
+    }
+
+    fn publish(&self, id: &str, target: &Path, cap: &Capability, read_only: bool) -> Result<()> {
+        self.d().node_publish(Publish {
+            volume_id: id.into(),
+            staging_path: self.staging().display().to_string(),
+            target_path: target.display().to_string(),
+            capability: Some(cap.clone()),
+            read_only,
+            volume_context: BTreeMap::new(),
+        })
+    }
+
+    fn mounts_at(&self, path: &Path) -> usize {
+        self.fake
+            .mounts()
+            .iter()
+            .filter(|m| m.mount_point == path)
+            .count()
+    }
+
+    fn node_record(&self, id: &str) -> Option<crate::node::NodeRecord> {
+        self.d().node_records.get(VolumeId::parse(id).unwrap())
+    }
+}
+
+fn mount_cap(fs: &str, mode: AccessMode) -> Capability {
+    Capability {
+        access: Access::Mount {
+            fs_type: fs.into(),
+            mount_flags: vec![],
+            volume_mount_group: String::new(),
+        },
+        mode,
+    }
+}
+
+fn ext4() -> Capability {
+    mount_cap("ext4", AccessMode::SingleNodeWriter)
+}
+
+fn block() -> Capability {
+    Capability {
+        access: Access::Block,
+        mode: AccessMode::SingleNodeWriter,
+    }
+}
+
+fn code<T>(r: Result<T>) -> Code {
+    match r {
+        Ok(_) => panic!("the call was expected to fail"),
+        Err(e) => e.code(),
+    }
+}
+
+fn eio(what: &str) -> impl FnOnce() -> SysError + Send + 'static {
+    let what = what.to_string();
+    move || SysError::syscall(what, "/fake", libc::EIO)
+}
+
+fn request(name: &str, required: i64, limit: i64, caps: Vec<Capability>) -> CreateVolume {
+    CreateVolume {
+        name: name.into(),
+        capacity: CapacityRange { required, limit },
+        capabilities: caps,
+        ..Default::default()
+    }
+}
+
+fn params(kv: &[(&str, &str)]) -> BTreeMap<String, String> {
+    kv.iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
+}
+
+// ---- node: stage, publish, unpublish, unstage ----
+
+#[test]
+fn second_publish_to_the_same_target_mounts_once() {
+    let w = World::new();
+    let id = w.create("pvc-a", ext4());
+    w.stage(&id, &ext4()).unwrap();
+    let t = w.target("t1");
+    w.publish(&id, &t, &ext4(), false).unwrap();
+    w.publish(&id, &t, &ext4(), false).unwrap();
+    assert_eq!(w.fake.counters().bind, 1, "the retry does not bind again");
+    assert_eq!(w.mounts_at(&t), 1);
+    // A retry with another readonly is a conflict, not a second mount.
+    assert_eq!(code(w.publish(&id, &t, &ext4(), true)), Code::AlreadyExists);
+    assert_eq!(w.mounts_at(&t), 1);
+}
+
+#[test]
+fn second_stage_mounts_once_and_formats_once() {
+    let w = World::new();
+    let id = w.create("pvc-a", ext4());
+    w.stage(&id, &ext4()).unwrap();
+    w.stage(&id, &ext4()).unwrap();
+    let c = w.fake.counters();
+    assert_eq!((c.attach, c.mkfs, c.mount), (1, 1, 1));
+    assert_eq!(w.mounts_at(&w.staging()), 1);
+}
+
+#[test]
+fn unpublish_of_a_path_not_mounted_succeeds_without_unmounting() {
+    let w = World::new();
+    let id = w.create("pvc-a", ext4());
+    w.stage(&id, &ext4()).unwrap();
+    let t = w.target("never-published");
+    w.d().node_unpublish(&id, &t.display().to_string()).unwrap();
+    // Twice: unpublish is idempotent.
+    w.d().node_unpublish(&id, &t.display().to_string()).unwrap();
+    // A volume that does not exist at all is fine too.
+    let gone = VolumeId::for_name("never-created").to_string();
+    w.d()
+        .node_unpublish(&gone, &t.display().to_string())
+        .unwrap();
+    assert_eq!(w.fake.counters().unmount, 0);
+}
+
+#[test]
+fn unpublish_unmounts_a_published_target_and_removes_it() {
+    let w = World::new();
+    let id = w.create("pvc-a", ext4());
+    w.stage(&id, &ext4()).unwrap();
+    let t = w.target("t1");
+    w.publish(&id, &t, &ext4(), false).unwrap();
+    w.d().node_unpublish(&id, &t.display().to_string()).unwrap();
+    assert_eq!(w.fake.counters().unmount, 1);
+    assert_eq!(w.mounts_at(&t), 0);
+    assert!(!t.exists(), "the target directory publish made is removed");
+    assert!(w.node_record(&id).unwrap().targets.is_empty());
+}
+
+#[test]
+fn unstage_skips_an_unmounted_staging_path_and_detaches_the_loop_device() {
+    let w = World::new();
+    let id = w.create("pvc-a", ext4());
+    w.stage(&id, &ext4()).unwrap();
+    // Someone (a reboot, an admin) unmounted the staging path behind our back.
+    w.sys.mounter.unmount(&w.staging()).unwrap();
+    let before = w.fake.counters();
+    w.d()
+        .node_unstage(&id, &w.staging().display().to_string())
+        .unwrap();
+    let after = w.fake.counters();
+    assert_eq!(after.unmount, before.unmount, "nothing to unmount");
+    assert_eq!(after.detach, before.detach + 1);
+    assert!(w.fake.loops().is_empty());
+    assert!(w.node_record(&id).is_none());
+    // Again: nothing left to do, and still success.
+    w.d()
+        .node_unstage(&id, &w.staging().display().to_string())
+        .unwrap();
+    assert_eq!(w.fake.counters().detach, after.detach);
+}
+
+#[test]
+fn unstage_refuses_while_a_target_is_still_published() {
+    let w = World::new();
+    let id = w.create("pvc-a", ext4());
+    w.stage(&id, &ext4()).unwrap();
+    let t = w.target("t1");
+    w.publish(&id, &t, &ext4(), false).unwrap();
+    let err = w.d().node_unstage(&id, &w.staging().display().to_string());
+    assert_eq!(code(err), Code::FailedPrecondition);
+    assert_eq!(w.fake.counters().unmount, 0);
+    assert_eq!(w.fake.loops().len(), 1);
+}
+
+#[test]
+fn a_filesystem_already_on_the_device_is_never_reformatted() {
+    let w = World::new();
+    let id = w.create("pvc-a", ext4());
+    let image = w.image(&id);
+    let size = std::fs::metadata(&image).unwrap().len();
+    // A previous life of this volume made the filesystem.
+    w.fake.set_filesystem(&image, "ext4", size);
+
+    // A request for another filesystem is refused, and nothing is formatted.
+    let err = w.stage(&id, &mount_cap("xfs", AccessMode::SingleNodeWriter));
+    assert_eq!(code(err), Code::InvalidArgument);
+    assert_eq!(w.fake.counters().mkfs, 0);
+    assert_eq!(w.fake.counters().mount, 0);
+    assert_eq!(w.fake.filesystem(&image).unwrap().fstype, "ext4");
+
+    // The right one (or none named) mounts what is there, after a check.
+    w.stage(&id, &ext4()).unwrap();
+    let c = w.fake.counters();
+    assert_eq!(c.mkfs, 0);
+    assert_eq!(c.check, 1);
+    assert_eq!(c.mount, 1);
+    assert_eq!(w.node_record(&id).unwrap().fs_type.as_deref(), Some("ext4"));
+}
+
+#[test]
+fn a_filesystem_smaller_than_its_device_is_grown_not_remade() {
+    let w = World::new();
+    let id = w.create("pvc-a", ext4());
+    let image = w.image(&id);
+    let size = std::fs::metadata(&image).unwrap().len();
+    // The controller grew the image while the volume was not staged.
+    w.fake.set_filesystem(&image, "ext4", size - 16 * MIB);
+    w.stage(&id, &ext4()).unwrap();
+    let c = w.fake.counters();
+    assert_eq!((c.mkfs, c.grow), (0, 1));
+    assert_eq!(w.fake.filesystem(&image).unwrap().size, size);
+}
+
+#[test]
+fn stage_reuses_an_attached_loop_device() {
+    let w = World::new();
+    let id = w.create("pvc-a", ext4());
+    let image = w.image(&id);
+    // Attached by an earlier stage that crashed before it recorded anything.
+    let dev = w.sys.loops.attach(&image, LoopOptions::default()).unwrap();
+    w.stage(&id, &ext4()).unwrap();
+    assert_eq!(w.fake.counters().attach, 1, "no second attach");
+    assert_eq!(w.fake.loops().len(), 1);
+    let m = w
+        .fake
+        .mounts()
+        .into_iter()
+        .find(|m| m.mount_point == w.staging())
+        .unwrap();
+    assert_eq!(Path::new(&m.source), dev.device);
+}
+
+#[test]
+fn a_read_only_loop_device_is_not_reused_for_staging() {
+    let w = World::new();
+    let id = w.create("pvc-a", block());
+    let image = w.image(&id);
+    w.sys
+        .loops
+        .attach(
+            &image,
+            LoopOptions {
+                read_only: true,
+                direct_io: false,
+            },
+        )
+        .unwrap();
+    w.stage(&id, &block()).unwrap();
+    let loops = w.fake.loops();
+    assert_eq!(loops.len(), 2);
+    assert_eq!(loops.iter().filter(|d| !d.read_only).count(), 1);
+}
+
+#[test]
+fn something_else_mounted_at_a_target_is_left_alone() {
+    let w = World::new();
+    let id = w.create("pvc-a", ext4());
+    w.stage(&id, &ext4()).unwrap();
+    let t = w.target("foreign");
+    std::fs::create_dir(&t).unwrap();
+    w.fake.set_filesystem(Path::new("/dev/vdz"), "xfs", 1 << 30);
+    w.sys
+        .mounter
+        .mount(Path::new("/dev/vdz"), &t, "xfs", &MountOptions::default())
+        .unwrap();
+    let before = w.fake.counters();
+
+    assert_eq!(
+        code(w.publish(&id, &t, &ext4(), false)),
+        Code::AlreadyExists
+    );
+    assert_eq!(
+        code(w.d().node_unpublish(&id, &t.display().to_string())),
+        Code::FailedPrecondition
+    );
+    // Not even a volume of ours: NOT_FOUND, and the mount stays.
+    let gone = VolumeId::for_name("never-created").to_string();
+    assert_eq!(
+        code(w.d().node_unpublish(&gone, &t.display().to_string())),
+        Code::NotFound
+    );
+    let after = w.fake.counters();
+    assert_eq!((after.bind, after.unmount), (before.bind, before.unmount));
+    assert_eq!(w.mounts_at(&t), 1);
+    assert!(t.is_dir());
+}
+
+#[test]
+fn something_else_mounted_at_the_staging_path_is_left_alone() {
+    let w = World::new();
+    let id = w.create("pvc-a", ext4());
+    std::fs::create_dir(w.staging()).unwrap();
+    w.fake.set_filesystem(Path::new("/dev/vdz"), "xfs", 1 << 30);
+    w.sys
+        .mounter
+        .mount(
+            Path::new("/dev/vdz"),
+            &w.staging(),
+            "xfs",
+            &MountOptions::default(),
+        )
+        .unwrap();
+    assert_eq!(code(w.stage(&id, &ext4())), Code::AlreadyExists);
+    assert_eq!(w.fake.counters().mkfs, 0);
+    assert_eq!(
+        code(w.d().node_unstage(&id, &w.staging().display().to_string())),
+        Code::FailedPrecondition
+    );
+    assert_eq!(w.fake.counters().unmount, 0);
+    assert_eq!(w.mounts_at(&w.staging()), 1);
+}
+
+#[test]
+fn single_node_single_writer_refuses_a_second_writer() {
+    let w = World::new();
+    let cap = mount_cap("ext4", AccessMode::SingleNodeSingleWriter);
+    let id = w.create("pvc-a", cap.clone());
+    w.stage(&id, &cap).unwrap();
+    let (t1, t2, t3) = (w.target("t1"), w.target("t2"), w.target("t3"));
+    w.publish(&id, &t1, &cap, false).unwrap();
+    assert_eq!(
+        code(w.publish(&id, &t2, &cap, false)),
+        Code::FailedPrecondition
+    );
+    assert_eq!(w.mounts_at(&t2), 0);
+    assert!(!w.node_record(&id).unwrap().targets.contains_key(&t2));
+    // A reader is no writer.
+    w.publish(&id, &t3, &cap, true).unwrap();
+    // Once the writer is gone, another may come.
+    w.d()
+        .node_unpublish(&id, &t1.display().to_string())
+        .unwrap();
+    w.publish(&id, &t2, &cap, false).unwrap();
+    assert_eq!(w.mounts_at(&t2), 1);
+}
+
+#[test]
+fn single_node_writer_allows_two_writers() {
+    let w = World::new();
+    let id = w.create("pvc-a", ext4());
+    w.stage(&id, &ext4()).unwrap();
+    w.publish(&id, &w.target("t1"), &ext4(), false).unwrap();
+    w.publish(&id, &w.target("t2"), &ext4(), false).unwrap();
+    assert_eq!(w.fake.counters().bind, 2);
+}
+
+#[test]
+fn a_failed_mount_leaves_the_record_and_a_retry_completes() {
+    let w = World::new();
+    let id = w.create("pvc-a", ext4());
+    w.fake.fail_next("mount", eio("mount"));
+    assert_eq!(code(w.stage(&id, &ext4())), Code::Internal);
+    // The intent is kept, so an unstage (or this retry) knows what to undo.
+    let rec = w.node_record(&id).expect("the intent record stays");
+    assert_eq!(rec.staging_path.as_deref(), Some(w.staging().as_path()));
+    assert_eq!(w.mounts_at(&w.staging()), 0);
+
+    w.stage(&id, &ext4()).unwrap();
+    let c = w.fake.counters();
+    assert_eq!(
+        c.mkfs, 1,
+        "the retry finds the filesystem the first try made"
+    );
+    assert_eq!(
+        c.attach, 1,
+        "the retry finds the loop device the first try made"
+    );
+    assert_eq!(c.mount, 2);
+    assert_eq!(w.mounts_at(&w.staging()), 1);
+    assert_eq!(w.node_record(&id).unwrap().fs_type.as_deref(), Some("ext4"));
+}
+
+#[test]
+fn a_failed_bind_at_publish_is_retried_to_one_mount() {
+    let w = World::new();
+    let id = w.create("pvc-a", ext4());
+    w.stage(&id, &ext4()).unwrap();
+    let t = w.target("t1");
+    w.fake.fail_next("bind", eio("bind"));
+    assert_eq!(code(w.publish(&id, &t, &ext4(), false)), Code::Internal);
+    assert!(w.node_record(&id).unwrap().targets.contains_key(&t));
+    w.publish(&id, &t, &ext4(), false).unwrap();
+    assert_eq!(w.mounts_at(&t), 1);
+}
+
+#[test]
+fn a_failed_detach_at_unstage_keeps_the_record_for_the_retry() {
+    let w = World::new();
+    let id = w.create("pvc-a", ext4());
+    w.stage(&id, &ext4()).unwrap();
+    w.fake.fail_next("detach", eio("detach"));
+    let staging = w.staging().display().to_string();
+    assert_eq!(code(w.d().node_unstage(&id, &staging)), Code::Internal);
+    assert!(w.node_record(&id).is_some());
+    w.d().node_unstage(&id, &staging).unwrap();
+    assert!(w.fake.loops().is_empty());
+    assert!(w.node_record(&id).is_none());
+}
+
+#[test]
+fn publish_before_stage_is_failed_precondition() {
+    let w = World::new();
+    let id = w.create("pvc-a", ext4());
+    assert_eq!(
+        code(w.publish(&id, &w.target("t1"), &ext4(), false)),
+        Code::FailedPrecondition
+    );
+    assert_eq!(w.fake.counters().bind, 0);
+}
+
+#[test]
+fn paths_inside_the_driver_or_the_system_are_refused() {
+    let w = World::new();
+    let id = w.create("pvc-a", ext4());
+    w.stage(&id, &ext4()).unwrap();
+    let inside_pool = w.tmp.path().join("pool").join("x");
+    let inside_state = w.state_dir().join("x");
+    for bad in [
+        inside_pool,
+        inside_state,
+        PathBuf::from("/etc/x"),
+        PathBuf::from("relative"),
+        w.tmp.path().join("pods/../x"),
+    ] {
+        assert_eq!(
+            code(w.publish(&id, &bad, &ext4(), false)),
+            Code::InvalidArgument,
+            "{}",
+            bad.display()
+        );
+    }
+    assert_eq!(w.fake.counters().bind, 0);
+}
+
+// ---- freezing around snapshots ----
+
+#[test]
+fn a_snapshot_of_a_staged_image_freezes_and_thaws() {
+    let w = World::new();
+    let id = w.create("pvc-a", ext4());
+    w.stage(&id, &ext4()).unwrap();
+    let snap = w
+        .d()
+        .create_snapshot("snap-1", &id, &BTreeMap::new())
+        .unwrap();
+    let c = w.fake.counters();
+    assert_eq!((c.freeze, c.thaw), (1, 1));
+    assert!(!w.fake.is_frozen(&w.staging()));
+    assert_eq!(w.pool_files("snapshots"), vec![format!("{}.img", snap.id)]);
+    let markers = std::fs::read_dir(w.state_dir().join("frozen"))
+        .unwrap()
+        .count();
+    assert_eq!(markers, 0, "the freeze marker is removed after the thaw");
+}
+
+#[test]
+fn a_snapshot_of_an_unstaged_image_freezes_nothing() {
+    let w = World::new();
+    let id = w.create("pvc-a", ext4());
+    w.d()
+        .create_snapshot("snap-1", &id, &BTreeMap::new())
+        .unwrap();
+    let c = w.fake.counters();
+    assert_eq!((c.freeze, c.thaw), (0, 0));
+}
+
+#[test]
+fn a_failed_snapshot_copy_still_thaws() {
+    let w = World::new();
+    let id = w.create("pvc-a", ext4());
+    w.stage(&id, &ext4()).unwrap();
+    // The copy cannot create its destination: something is in its way.
+    let sid = SnapshotId::for_name("snap-1");
+    let blocker = w
+        .tmp
+        .path()
+        .join("pool/snapshots")
+        .join(format!("{sid}.img"));
+    std::fs::create_dir(&blocker).unwrap();
+    std::fs::write(blocker.join("f"), b"x").unwrap();
+
+    let err = w.d().create_snapshot("snap-1", &id, &BTreeMap::new());
+    assert_eq!(code(err), Code::Internal);
+    let c = w.fake.counters();
+    assert_eq!((c.freeze, c.thaw), (1, 1));
+    assert!(!w.fake.is_frozen(&w.staging()));
+    assert!(w.d().get_snapshot(&sid.to_string()).is_err());
+    let markers = std::fs::read_dir(w.state_dir().join("frozen"))
+        .unwrap()
+        .count();
+    assert_eq!(markers, 0);
+
+    // Nothing is stuck: the retry succeeds and freezes and thaws again.
+    w.d()
+        .create_snapshot("snap-1", &id, &BTreeMap::new())
+        .unwrap();
+    assert!(!w.fake.is_frozen(&w.staging()));
+    assert_eq!(w.fake.counters().thaw, 2);
+}
+
+#[test]
+fn a_failed_freeze_copies_nothing_and_leaves_nothing_frozen() {
+    let w = World::new();
+    let id = w.create("pvc-a", ext4());
+    w.stage(&id, &ext4()).unwrap();
+    w.fake.fail_next("freeze", eio("freeze"));
+    let err = w.d().create_snapshot("snap-1", &id, &BTreeMap::new());
+    assert_eq!(code(err), Code::Internal);
+    assert!(!w.fake.is_frozen(&w.staging()));
+    assert!(w.pool_files("snapshots").is_empty());
+    assert_eq!(w.d().snapshot_count(), 0);
+}
+
+#[test]
+fn a_failed_thaw_keeps_the_marker_and_the_next_start_thaws() {
+    let mut w = World::new();
+    let id = w.create("pvc-a", ext4());
+    w.stage(&id, &ext4()).unwrap();
+    w.fake.fail_next("thaw", eio("thaw"));
+    // The snapshot itself is made; the thaw failure is logged.
+    w.d()
+        .create_snapshot("snap-1", &id, &BTreeMap::new())
+        .unwrap();
+    assert!(w.fake.is_frozen(&w.staging()));
+    let markers = std::fs::read_dir(w.state_dir().join("frozen"))
+        .unwrap()
+        .count();
+    assert_eq!(markers, 1, "the marker stays for the next start");
+    w.reopen();
+    assert!(!w.fake.is_frozen(&w.staging()));
+    let markers = std::fs::read_dir(w.state_dir().join("frozen"))
+        .unwrap()
+        .count();
+    assert_eq!(markers, 0);
+}
+
+#[test]
+fn a_freeze_marker_left_by_a_crash_is_thawed_at_open() {
+    let mut w = World::new();
+    let id = w.create("pvc-a", ext4());
+    w.stage(&id, &ext4()).unwrap();
+    // A crash between freeze and thaw: frozen, and the marker written before it.
+    w.sys.fs.freeze(&w.staging()).unwrap();
+    let dir = w.state_dir().join("frozen");
+    std::fs::create_dir_all(&dir).unwrap();
+    let body = serde_json::to_vec(&vec![w.staging()]).unwrap();
+    std::fs::write(dir.join(format!("{id}.json")), body).unwrap();
+    // A marker naming a path that is no longer mounted does not stop the start.
+    let body = serde_json::to_vec(&vec![w.tmp.path().join("gone")]).unwrap();
+    std::fs::write(dir.join("other.json"), body).unwrap();
+
+    w.reopen();
+    assert!(!w.fake.is_frozen(&w.staging()));
+    assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0);
+    assert!(w.d().probe().unwrap());
+}
+
+// ---- CreateVolume ----
+
+#[test]
+fn create_volume_is_idempotent_and_conflicts_are_already_exists() {
+    let w = World::new();
+    let req = request("pvc-a", 64 * MIB as i64, 0, vec![ext4()]);
+    let first = w.d().create_volume(req.clone()).unwrap();
+    let again = w.d().create_volume(req.clone()).unwrap();
+    assert_eq!(first.record, again.record);
+    assert_eq!(w.pool_files("volumes").len(), 1);
+
+    // A range the existing size satisfies is the same volume.
+    let within = request("pvc-a", 32 * MIB as i64, 128 * MIB as i64, vec![ext4()]);
+    assert_eq!(
+        w.d().create_volume(within).unwrap().record.id,
+        first.record.id
+    );
+
+    let bigger = request("pvc-a", 128 * MIB as i64, 0, vec![ext4()]);
+    assert_eq!(code(w.d().create_volume(bigger)), Code::AlreadyExists);
+    let other_fs = request(
+        "pvc-a",
+        64 * MIB as i64,
+        0,
+        vec![mount_cap("xfs", AccessMode::SingleNodeWriter)],
+    );
+    assert_eq!(code(w.d().create_volume(other_fs)), Code::AlreadyExists);
+    let as_block = request("pvc-a", 64 * MIB as i64, 0, vec![block()]);
+    assert_eq!(code(w.d().create_volume(as_block)), Code::AlreadyExists);
+    let mut as_dir = req.clone();
+    as_dir.parameters = params(&[("kind", "dir")]);
+    assert_eq!(code(w.d().create_volume(as_dir)), Code::AlreadyExists);
+    let mut from_snapshot = req.clone();
+    from_snapshot.source = Some(ContentSource::Snapshot(SnapshotId::for_name("s")));
+    assert_eq!(
+        code(w.d().create_volume(from_snapshot)),
+        Code::AlreadyExists
+    );
+
+    // None of the conflicts changed the volume.
+    assert_eq!(w.d().volume_count(), 1);
+    let len = std::fs::metadata(w.image(&first.record.id.to_string()))
+        .unwrap()
+        .len();
+    assert_eq!(len, 64 * MIB);
+}
+
+#[test]
+fn a_create_left_half_done_is_started_over() {
+    let w = World::new();
+    let req = request("pvc-a", 64 * MIB as i64, 0, vec![ext4()]);
+    let info = w.d().create_volume(req.clone()).unwrap();
+    let mut rec = info.record.clone();
+    rec.state = RecordState::Creating;
+    rec.size = 8 * MIB; // what the crashed attempt was making
+    w.d().volumes.put(&rec).unwrap();
+    let again = w.d().create_volume(req).unwrap();
+    assert_eq!(again.record.state, RecordState::Ready);
+    assert_eq!(again.record.size, 64 * MIB);
+}
+
+#[test]
+fn sizes_are_rounded_to_the_filesystem_minimum_and_whole_mebibytes() {
+    let w = World::new();
+    let xfs = mount_cap("xfs", AccessMode::SingleNodeWriter);
+    let btrfs = mount_cap("btrfs", AccessMode::SingleNodeWriter);
+    let cases: Vec<(&str, i64, i64, Vec<Capability>, u64)> = vec![
+        ("ext4-one-byte", 1, 0, vec![ext4()], 8 * MIB),
+        ("xfs-one-byte", 1, 0, vec![xfs.clone()], 300 * MIB),
+        ("btrfs-one-byte", 1, 0, vec![btrfs], 128 * MIB),
+        ("block-one-byte", 1, 0, vec![block()], MIB),
+        ("odd", 10 * MIB as i64 + 1, 0, vec![ext4()], 11 * MIB),
+        // No required size: the default (1 GiB), or the limit if that is less.
+        ("default", 0, 0, vec![ext4()], 1024 * MIB),
+        ("limit-only", 0, 20 * MIB as i64, vec![ext4()], 20 * MIB),
+        // Rounding up to a MiB would pass the limit: 4 KiB rounding instead.
+        (
+            "tight-limit",
+            8 * MIB as i64 + 1,
+            8 * MIB as i64 + 4096,
+            vec![ext4()],
+            8 * MIB + 4096,
+        ),
+    ];
+    for (name, required, limit, caps, want) in cases {
+        let info = w
+            .d()
+            .create_volume(request(name, required, limit, caps))
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
+        assert_eq!(info.record.size, want, "{name}");
+        let len = std::fs::metadata(w.image(&info.record.id.to_string()))
+            .unwrap()
+            .len();
+        assert_eq!(len, want, "{name}: the image is as large as recorded");
+    }
+}
+
+#[test]
+fn sizes_beyond_the_limit_or_the_pool_are_out_of_range() {
+    let w = World::new();
+    let xfs = mount_cap("xfs", AccessMode::SingleNodeWriter);
+    // The filesystem's minimum does not fit under the limit.
+    let small = request("xfs-small", 0, 100 * MIB as i64, vec![xfs]);
+    assert_eq!(code(w.d().create_volume(small)), Code::OutOfRange);
+    let small = request("ext4-small", 1, 4 * MIB as i64, vec![ext4()]);
+    assert_eq!(code(w.d().create_volume(small)), Code::OutOfRange);
+    // Larger than the pool's filesystem.
+    let huge = request("huge", 1 << 60, 0, vec![ext4()]);
+    assert_eq!(code(w.d().create_volume(huge)), Code::OutOfRange);
+    // required above limit is a malformed range.
+    let bad = request("bad", 20 * MIB as i64, 10 * MIB as i64, vec![ext4()]);
+    assert_eq!(code(w.d().create_volume(bad)), Code::InvalidArgument);
+    let negative = request("negative", -1, 0, vec![ext4()]);
+    assert_eq!(code(w.d().create_volume(negative)), Code::InvalidArgument);
+    assert_eq!(w.d().volume_count(), 0);
+    assert!(w.pool_files("volumes").is_empty());
+}
+
+#[test]
+fn bad_parameters_are_invalid_argument_and_make_nothing() {
+    let w = World::new();
+    let ok = || request("pvc-a", 64 * MIB as i64, 0, vec![ext4()]);
+    let with_params = |kv: &[(&str, &str)]| {
+        let mut r = ok();
+        r.parameters = params(kv);
+        r
+    };
+    let with_caps = |caps: Vec<Capability>| {
+        let mut r = ok();
+        r.capabilities = caps;
+        r
+    };
+    let mut flags = ext4();
+    if let Access::Mount { mount_flags, .. } = &mut flags.access {
+        mount_flags.push("suid".into());
+    }
+    let mut nameless = ok();
+    nameless.name = String::new();
+    let mut long_name = ok();
+    long_name.name = "n".repeat(129);
+    let mut elsewhere = ok();
+    elsewhere.requisite = vec![params(&[(TOPOLOGY_KEY, "node-2")])];
+    let cases: Vec<(&str, CreateVolume, Code)> = vec![
+        (
+            "unknown key",
+            with_params(&[("color", "red")]),
+            Code::InvalidArgument,
+        ),
+        (
+            "unknown kind",
+            with_params(&[("kind", "lvm")]),
+            Code::InvalidArgument,
+        ),
+        (
+            "unknown pool",
+            with_params(&[("type", "fast")]),
+            Code::InvalidArgument,
+        ),
+        (
+            "block on dir",
+            {
+                let mut r = with_params(&[("kind", "dir")]);
+                r.capabilities = vec![block()];
+                r
+            },
+            Code::InvalidArgument,
+        ),
+        ("no capabilities", with_caps(vec![]), Code::InvalidArgument),
+        (
+            "multi-node",
+            with_caps(vec![mount_cap("ext4", AccessMode::MultiNodeMultiWriter)]),
+            Code::InvalidArgument,
+        ),
+        (
+            "unknown mode",
+            with_caps(vec![mount_cap("ext4", AccessMode::Unknown)]),
+            Code::InvalidArgument,
+        ),
+        (
+            "unknown fs",
+            with_caps(vec![mount_cap("ntfs", AccessMode::SingleNodeWriter)]),
+            Code::InvalidArgument,
+        ),
+        (
+            "two filesystems",
+            with_caps(vec![ext4(), mount_cap("xfs", AccessMode::SingleNodeWriter)]),
+            Code::InvalidArgument,
+        ),
+        (
+            "unsafe mount flag",
+            with_caps(vec![flags]),
+            Code::InvalidArgument,
+        ),
+        ("no name", nameless, Code::InvalidArgument),
+        ("long name", long_name, Code::InvalidArgument),
+        ("another node", elsewhere, Code::ResourceExhausted),
+    ];
+    for (what, req, want) in cases {
+        assert_eq!(code(w.d().create_volume(req)), want, "{what}");
+    }
+    assert_eq!(w.d().volume_count(), 0);
+    assert!(w.pool_files("volumes").is_empty());
+    // The k8s-prefixed keys and this node's own topology are accepted.
+    let mut fine = with_params(&[("csi.storage.k8s.io/pvc/name", "x"), ("kind", "image")]);
+    fine.requisite = vec![params(&[(TOPOLOGY_KEY, "node-1")])];
+    w.d().create_volume(fine).unwrap();
+}
+
+#[test]
+fn mutable_parameters_must_apply_to_the_kind_of_volume() {
+    let w = World::new();
+    // directIO on an image: kept as an attribute, applied at attach.
+    let mut image = request("pvc-img", 64 * MIB as i64, 0, vec![ext4()]);
+    image.mutable_parameters = params(&[("directIO", "true"), ("readAheadKiB", "1024")]);
+    let info = w.d().create_volume(image).unwrap();
+    let id = info.record.id.to_string();
+    let path = w.image(&id);
+    let attr = csi_sys::xattr::get(&path, "example-csi.directIO").unwrap();
+    assert_eq!(attr.as_deref(), Some(&b"true"[..]));
+    w.stage(&id, &ext4()).unwrap();
+    let dev = &w.fake.loops()[0];
+    assert!(
+        dev.direct_io,
+        "the loop device was attached with direct I/O"
+    );
+    assert_eq!(w.fake.read_ahead_kib(&dev.device), Some(1024));
+    // Modified while staged: applied to the live device at once.
+    w.d()
+        .modify_volume(&id, &params(&[("directIO", "false")]))
+        .unwrap();
+    assert!(!w.fake.loops()[0].direct_io);
+
+    // compression means something only on a btrfs subvolume; this pool is not btrfs.
+    let mut dir = request("pvc-dir", 64 * MIB as i64, 0, vec![ext4()]);
+    dir.parameters = params(&[("kind", "dir")]);
+    dir.mutable_parameters = params(&[("compression", "zstd")]);
+    assert_eq!(
+        code(w.d().create_volume(dir.clone())),
+        Code::InvalidArgument
+    );
+    dir.mutable_parameters = params(&[("directIO", "true")]);
+    assert_eq!(
+        code(w.d().create_volume(dir.clone())),
+        Code::InvalidArgument
+    );
+    let mut image = request("pvc-img2", 64 * MIB as i64, 0, vec![ext4()]);
+    image.mutable_parameters = params(&[("compression", "zstd")]);
+    assert_eq!(
+        code(w.d().create_volume(image.clone())),
+        Code::InvalidArgument
+    );
+    // Values and names are checked too.
+    image.mutable_parameters = params(&[("directIO", "maybe")]);
+    assert_eq!(
+        code(w.d().create_volume(image.clone())),
+        Code::InvalidArgument
+    );
+    image.mutable_parameters = params(&[("readAheadKiB", "65537")]);
+    assert_eq!(
+        code(w.d().create_volume(image.clone())),
+        Code::InvalidArgument
+    );
+    image.mutable_parameters = params(&[("iops", "100")]);
+    assert_eq!(code(w.d().create_volume(image)), Code::InvalidArgument);
+    assert_eq!(w.d().volume_count(), 1);
+
+    // ModifyVolume applies the same rules, and changes nothing when it refuses.
+    dir.mutable_parameters = BTreeMap::new();
+    let dir_id = w.d().create_volume(dir).unwrap().record.id.to_string();
+    assert_eq!(
+        code(
+            w.d()
+                .modify_volume(&dir_id, &params(&[("compression", "lzo")]))
+        ),
+        Code::InvalidArgument
+    );
+    assert_eq!(
+        code(w.d().modify_volume(
+            &id,
+            &params(&[("readAheadKiB", "64"), ("compression", "lzo")])
+        )),
+        Code::InvalidArgument
+    );
+    let rec = w.d().get_volume(&id).unwrap().record;
+    assert_eq!(
+        rec.mutable_parameters,
+        params(&[("directIO", "false"), ("readAheadKiB", "1024")])
+    );
+}
+
+#[test]
+fn a_driver_configured_without_a_mutable_parameter_refuses_it() {
+    let w = World::with(|c| c.mutable_parameters = vec!["readAheadKiB".into()]);
+    let mut image = request("pvc-img", 64 * MIB as i64, 0, vec![ext4()]);
+    image.mutable_parameters = params(&[("directIO", "true")]);
+    assert_eq!(code(w.d().create_volume(image)), Code::InvalidArgument);
+}
+
+// ---- ListVolumes, DeleteVolume ----
+
+#[test]
+fn list_volumes_pages_with_tokens_and_refuses_foreign_ones() {
+    let w = World::new();
+    let mut made: Vec<String> = (0..5)
+        .map(|i| w.create(&format!("pvc-{i}"), ext4()))
+        .collect();
+    made.sort();
+    let mut seen = Vec::new();
+    let mut token = String::new();
+    let mut pages = 0;
+    loop {
+        let page = w.d().list_volumes(2, &token).unwrap();
+        assert!(page.volumes.len() <= 2);
+        pages += 1;
+        seen.extend(page.volumes.iter().map(|v| v.record.id.to_string()));
+        match page.next_token {
+            Some(t) => token = t,
+            None => break,
+        }
+    }
+    assert_eq!(pages, 3);
+    assert_eq!(seen, made, "every volume once, in id order");
+    assert_eq!(w.d().list_volumes(0, "").unwrap().volumes.len(), 5);
+
+    assert_eq!(code(w.d().list_volumes(2, "not-a-token")), Code::Aborted);
+    assert_eq!(
+        code(w.d().list_volumes(2, &made[0].to_uppercase())),
+        Code::Aborted
+    );
+    assert_eq!(code(w.d().list_volumes(-1, "")), Code::InvalidArgument);
+    // A token of a volume deleted since is still a place in the order.
+    w.d().delete_volume(&made[1]).unwrap();
+    let page = w.d().list_volumes(0, &made[1]).unwrap();
+    let ids: Vec<String> = page
+        .volumes
+        .iter()
+        .map(|v| v.record.id.to_string())
+        .collect();
+    assert_eq!(ids, made[2..].to_vec());
+}
+
+#[test]
+fn volumes_half_made_are_not_listed() {
+    let w = World::new();
+    let id = w.create("pvc-a", ext4());
+    let mut rec = w.d().volumes.get(VolumeId::parse(&id).unwrap()).unwrap();
+    rec.state = RecordState::Creating;
+    w.d().volumes.put(&rec).unwrap();
+    assert!(w.d().list_volumes(0, "").unwrap().volumes.is_empty());
+    assert_eq!(code(w.d().get_volume(&id)), Code::NotFound);
+}
+
+#[test]
+fn delete_of_an_id_that_is_no_uuid_succeeds_and_touches_nothing() {
+    let w = World::new();
+    let id = w.create("pvc-a", ext4());
+    let before = w.pool_files("volumes");
+    for bogus in ["not-a-uuid", "../volumes", "pvc-a", &id.to_uppercase()] {
+        w.d().delete_volume(bogus).unwrap();
+    }
+    assert_eq!(w.pool_files("volumes"), before);
+    assert_eq!(w.d().volume_count(), 1);
+    assert_eq!(
+        w.fake.counters(),
+        Default::default(),
+        "no system call at all"
+    );
+    assert_eq!(code(w.d().delete_volume("")), Code::InvalidArgument);
+    // A well-formed id of nothing: success too.
+    w.d()
+        .delete_volume(&VolumeId::for_name("never").to_string())
+        .unwrap();
+}
+
+#[test]
+fn delete_of_a_staged_volume_is_refused_until_unstaged() {
+    let w = World::new();
+    let id = w.create("pvc-a", ext4());
+    w.stage(&id, &ext4()).unwrap();
+    assert_eq!(code(w.d().delete_volume(&id)), Code::FailedPrecondition);
+    assert_eq!(w.pool_files("volumes").len(), 1);
+    w.d()
+        .node_unstage(&id, &w.staging().display().to_string())
+        .unwrap();
+    w.d().delete_volume(&id).unwrap();
+    assert!(w.pool_files("volumes").is_empty());
+    assert_eq!(w.d().volume_count(), 0);
+}
+
+// ---- the store across restarts ----
+
+#[test]
+fn records_survive_a_reopen() {
+    let mut w = World::new();
+    let mut req = request("pvc-a", 64 * MIB as i64, 0, vec![ext4()]);
+    req.mutable_parameters = params(&[("readAheadKiB", "512")]);
+    let made = w.d().create_volume(req).unwrap().record;
+    let id = made.id.to_string();
+    w.stage(&id, &ext4()).unwrap();
+    w.publish(&id, &w.target("t1"), &ext4(), false).unwrap();
+    let snap = w
+        .d()
+        .create_snapshot("snap-1", &id, &BTreeMap::new())
+        .unwrap();
+    let node_before = w.node_record(&id).unwrap();
+
+    w.reopen();
+    assert_eq!(w.d().get_volume(&id).unwrap().record, made);
+    assert_eq!(w.d().get_snapshot(&snap.id.to_string()).unwrap(), snap);
+    assert_eq!(w.node_record(&id).unwrap(), node_before);
+    // The reopened driver carries on where the first left off: nothing redone.
+    let before = w.fake.counters();
+    w.stage(&id, &ext4()).unwrap();
+    w.publish(&id, &w.target("t1"), &ext4(), false).unwrap();
+    let after = w.fake.counters();
+    assert_eq!(
+        (after.mount, after.bind, after.mkfs, after.attach),
+        (before.mount, before.bind, before.mkfs, before.attach)
+    );
+    assert_eq!(w.pool_files("volumes"), vec![format!("{id}.img")]);
+}
+
+#[test]
+fn an_unreadable_record_is_set_aside_and_its_data_kept() {
+    let mut w = World::new();
+    let id = w.create("pvc-a", ext4());
+    let path = w.state_dir().join("volumes").join(format!("{id}.json"));
+    std::fs::write(&path, b"{ not json").unwrap();
+    w.reopen();
+    assert_eq!(w.pool_files("volumes"), vec![format!("{id}.img")]);
+    assert!(path.with_extension("corrupt").exists());
+    assert_eq!(code(w.d().get_volume(&id)), Code::NotFound);
+}
+
+// ---- start-up on the node: orphans ----
+
+/// Stages and publishes a volume, then forgets the node record, as if the state
+/// dir had been lost; returns the id and the target.
+fn orphaned(w: &World) -> (String, PathBuf) {
+    let id = w.create("pvc-a", ext4());
+    w.stage(&id, &ext4()).unwrap();
+    let t = w.target("t1");
+    w.publish(&id, &t, &ext4(), false).unwrap();
+    w.d()
+        .node_records
+        .remove(VolumeId::parse(&id).unwrap())
+        .unwrap();
+    (id, t)
+}
+
+#[test]
+fn orphan_mounts_are_only_reported_by_default() {
+    let mut w = World::new();
+    let (_id, t) = orphaned(&w);
+    let before = w.fake.counters();
+    w.reopen();
+    let after = w.fake.counters();
+    assert_eq!(
+        (after.unmount, after.detach),
+        (before.unmount, before.detach)
+    );
+    assert_eq!(w.mounts_at(&t), 1);
+    assert_eq!(w.mounts_at(&w.staging()), 1);
+    assert_eq!(w.fake.loops().len(), 1);
+}
+
+#[test]
+fn orphan_mounts_and_loop_devices_are_cleaned_when_asked() {
+    let mut w = World::new();
+    let (id, t) = orphaned(&w);
+    // A foreign mount and a foreign loop device are never touched.
+    let foreign = w.target("foreign");
+    w.fake.set_filesystem(Path::new("/dev/vdz"), "xfs", 1 << 30);
+    w.sys
+        .mounter
+        .mount(
+            Path::new("/dev/vdz"),
+            &foreign,
+            "xfs",
+            &MountOptions::default(),
+        )
+        .unwrap();
+    let outside = w.tmp.path().join("outside.img");
+    csi_sys::file::create_sparse(&outside, 16 * MIB).unwrap();
+    w.sys
+        .loops
+        .attach(&outside, LoopOptions::default())
+        .unwrap();
+
+    let outside = std::fs::canonicalize(&outside).unwrap();
+
+    w.reopen_with(|c| c.cleanup_orphans = true);
+    assert_eq!(w.mounts_at(&t), 0);
+    assert_eq!(w.mounts_at(&w.staging()), 0);
+    assert_eq!(w.mounts_at(&foreign), 1);
+    let loops = w.fake.loops();
+    assert_eq!(loops.len(), 1);
+    assert_eq!(loops[0].backing_file, outside);
+    // The volume itself is kept, and can be staged again.
+    assert_eq!(w.pool_files("volumes"), vec![format!("{id}.img")]);
+    w.stage(&id, &ext4()).unwrap();
+    assert_eq!(w.fake.counters().mkfs, 1, "its filesystem is found again");
+}
+
+#[test]
+fn a_staged_volume_is_no_orphan() {
+    let mut w = World::with(|c| c.cleanup_orphans = true);
+    let id = w.create("pvc-a", ext4());
+    w.stage(&id, &ext4()).unwrap();
+    w.publish(&id, &w.target("t1"), &ext4(), false).unwrap();
+    let before = w.fake.counters();
+    w.reopen_with(|c| c.cleanup_orphans = true);
+    let after = w.fake.counters();
+    assert_eq!(
+        (after.unmount, after.detach),
+        (before.unmount, before.detach)
+    );
+}
+
+#[test]
+fn a_stage_refused_for_its_fs_type_changes_nothing() {
+    let w = World::new();
+    let id = w.create("pvc-a", ext4());
+    let image = w.image(&id);
+    let size = std::fs::metadata(&image).unwrap().len();
+    w.fake.set_filesystem(&image, "ext4", size);
+    let err = w.stage(&id, &mount_cap("xfs", AccessMode::SingleNodeWriter));
+    assert_eq!(code(err), Code::InvalidArgument);
+    assert!(w.fake.loops().is_empty(), "no loop device is left attached");
+    assert!(w.node_record(&id).is_none(), "no node record is left");
+    // Bad input changed nothing: the volume can still be deleted.
+    w.d().delete_volume(&id).unwrap();
+}

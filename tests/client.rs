@@ -1,0 +1,200 @@
+//! The README quick start, as written: `csi-driver client` creates, stages,
+//! publishes, writes to, snapshots, restores and deletes a volume by hand.
+
+mod common;
+
+use std::path::Path;
+use std::process::Command;
+
+use common::{loops_below, mounts_below, require_root, Driver, Pool};
+
+struct Out {
+    ok: bool,
+    stdout: String,
+    stderr: String,
+}
+
+fn client(d: &Driver, args: &[&str]) -> Out {
+    let out = Command::new(env!("CARGO_BIN_EXE_csi-driver"))
+        .arg("client")
+        .arg(format!("--endpoint=unix://{}", d.socket.display()))
+        .args(args)
+        .output()
+        .expect("run csi-driver client");
+    Out {
+        ok: out.status.success(),
+        stdout: String::from_utf8_lossy(&out.stdout).into_owned(),
+        stderr: String::from_utf8_lossy(&out.stderr).into_owned(),
+    }
+}
+
+fn ok(d: &Driver, args: &[&str]) -> String {
+    let o = client(d, args);
+    assert!(o.ok, "client {args:?} failed: {}", o.stderr);
+    o.stdout
+}
+
+/// The value of `key:` in the client's YAML output.
+fn field(yaml: &str, key: &str) -> String {
+    yaml.lines()
+        .find_map(|l| {
+            l.trim()
+                .trim_start_matches("- ")
+                .strip_prefix(&format!("{key}: "))
+        })
+        .unwrap_or_else(|| panic!("no {key} in:\n{yaml}"))
+        .trim_matches('"')
+        .to_string()
+}
+
+#[test]
+fn root_client_quick_start() {
+    if !require_root() {
+        return;
+    }
+    let pool = Pool::new("xfs");
+    let d = Driver::start(&pool, &[]);
+    let staging = pool.scratch("staging");
+    let target = pool.scratch("target");
+    let (s, t) = (staging.to_str().unwrap(), target.to_str().unwrap());
+
+    let info = ok(&d, &["info"]);
+    assert!(info.contains("name: example.csi.k8s.io"), "{info}");
+    assert!(info.contains("ready: true"), "{info}");
+    let caps = ok(&d, &["capabilities"]);
+    assert!(
+        caps.contains("CREATE_DELETE_SNAPSHOT") && caps.contains("STAGE_UNSTAGE_VOLUME"),
+        "{caps}"
+    );
+
+    let created = ok(
+        &d,
+        &["create-volume", "pvc-1", "--size", "1Gi", "--fs", "xfs"],
+    );
+    let vol = field(&created, "volume_id");
+    assert_eq!(field(&created, "capacity_bytes"), (1u64 << 30).to_string());
+    // The same name again is the same volume.
+    assert_eq!(
+        field(
+            &ok(
+                &d,
+                &["create-volume", "pvc-1", "--size", "1Gi", "--fs", "xfs"]
+            ),
+            "volume_id"
+        ),
+        vol
+    );
+    assert!(ok(&d, &["list-volumes"]).contains(&vol));
+
+    ok(&d, &["node-stage", &vol, "--staging", s, "--fs", "xfs"]);
+    ok(
+        &d,
+        &[
+            "node-publish",
+            &vol,
+            "--staging",
+            s,
+            "--target",
+            t,
+            "--fs",
+            "xfs",
+        ],
+    );
+    std::fs::write(target.join("hello.txt"), "hello from the quick start\n").unwrap();
+    let stats = ok(&d, &["stats", &vol, "--path", t]);
+    assert!(stats.contains("unit: BYTES"), "{stats}");
+
+    let snap_out = ok(&d, &["create-snapshot", "snap-1", "--volume", &vol]);
+    let snap = field(&snap_out, "snapshot_id");
+    assert_eq!(field(&snap_out, "ready_to_use"), "true");
+    let listed = ok(&d, &["-o", "json", "list-snapshots", "--volume", &vol]);
+    let v: serde_json::Value = serde_json::from_str(&listed).expect("-o json prints JSON");
+    assert_eq!(v["snapshots"][0]["snapshot_id"], snap.as_str());
+
+    // A restore holds what was written before the snapshot.
+    let restored = field(
+        &ok(
+            &d,
+            &[
+                "create-volume",
+                "pvc-2",
+                "--size",
+                "1Gi",
+                "--fs",
+                "xfs",
+                "--source-snapshot",
+                &snap,
+            ],
+        ),
+        "volume_id",
+    );
+    let staging2 = pool.scratch("staging2");
+    let target2 = pool.scratch("target2");
+    let (s2, t2) = (staging2.to_str().unwrap(), target2.to_str().unwrap());
+    ok(
+        &d,
+        &["node-stage", &restored, "--staging", s2, "--fs", "xfs"],
+    );
+    ok(
+        &d,
+        &[
+            "node-publish",
+            &restored,
+            "--staging",
+            s2,
+            "--target",
+            t2,
+            "--fs",
+            "xfs",
+            "--readonly",
+        ],
+    );
+    assert_eq!(
+        std::fs::read_to_string(target2.join("hello.txt")).unwrap(),
+        "hello from the quick start\n"
+    );
+    ok(&d, &["node-unpublish", &restored, "--target", t2]);
+    ok(&d, &["node-unstage", &restored, "--staging", s2]);
+    ok(&d, &["delete-volume", &restored]);
+
+    ok(&d, &["node-unpublish", &vol, "--target", t]);
+    ok(&d, &["node-unstage", &vol, "--staging", s]);
+    ok(&d, &["delete-snapshot", &snap]);
+    ok(&d, &["delete-volume", &vol]);
+    assert!(!ok(&d, &["list-volumes"]).contains(&vol));
+    assert!(mounts_below(Path::new(&staging)).is_empty());
+    assert!(
+        loops_below(&pool.path).is_empty(),
+        "{:?}",
+        loops_below(&pool.path)
+    );
+}
+
+#[test]
+fn root_client_errors_print_the_grpc_code_and_fail() {
+    if !require_root() {
+        return;
+    }
+    let pool = Pool::new("xfs");
+    let d = Driver::start(&pool, &[]);
+    let o = client(
+        &d,
+        &["create-snapshot", "snap-x", "--volume", "no-such-volume"],
+    );
+    assert!(!o.ok);
+    assert!(o.stderr.contains("NotFound"), "{}", o.stderr);
+    let o = client(&d, &["create-volume", "", "--size", "1Gi"]);
+    assert!(!o.ok);
+    assert!(o.stderr.contains("InvalidArgument"), "{}", o.stderr);
+    let o = client(&d, &["create-volume", "pvc-1", "--size", "1Zi"]);
+    assert!(!o.ok, "a bad size is refused before any call");
+    // Nothing was made by the failed calls.
+    assert!(ok(&d, &["list-volumes"]).contains("volumes: []"));
+    // No socket: a connection error, not a panic.
+    let o = Command::new(env!("CARGO_BIN_EXE_csi-driver"))
+        .args(["client", "--endpoint=unix:///nonexistent/csi.sock", "info"])
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("cannot connect"));
+}

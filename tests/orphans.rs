@@ -1,0 +1,239 @@
+//! `--cleanup-orphans`: after a crash that also lost the node's state (its node
+//! record), the mounts and loop devices of a staged volume are orphans. Without
+//! the flag the driver only reports them at start; with it, it unmounts and
+//! detaches them, and the volume's data stays whole.
+
+mod common;
+
+use std::path::Path;
+
+use common::*;
+use csi_proto::csi;
+
+fn unpublish_req(id: &str, target: &Path) -> csi::NodeUnpublishVolumeRequest {
+    csi::NodeUnpublishVolumeRequest {
+        volume_id: id.to_string(),
+        target_path: target.display().to_string(),
+    }
+}
+
+fn unstage_req(id: &str, staging: &Path) -> csi::NodeUnstageVolumeRequest {
+    csi::NodeUnstageVolumeRequest {
+        volume_id: id.to_string(),
+        staging_target_path: staging.display().to_string(),
+    }
+}
+
+/// The driver's log since byte `from`.
+fn log_since(d: &Driver, from: usize) -> String {
+    d.log_text().get(from..).unwrap_or_default().to_string()
+}
+
+async fn orphans_on(fs: &str, kind: &str) {
+    let pool = Pool::new(fs);
+    let mut d = Driver::start(&pool, &[]);
+    let mut c = d.clients().await;
+    let cap = mount_cap("ext4", writer());
+    let params: &[(&str, &str)] = &[("kind", kind)];
+    let vol = c
+        .controller
+        // One name per test: volume ids derive from names, and tests run side by
+        // side (a driver with --cleanup-orphans judges every mount on the machine).
+        .create_volume(create_req(
+            &format!("pvc-orphan-{kind}"),
+            64 * MIB,
+            cap.clone(),
+            params,
+        ))
+        .await
+        .unwrap()
+        .into_inner()
+        .volume
+        .unwrap();
+    let id = vol.volume_id.clone();
+    let scratch = pool.scratch("node");
+    let staging = scratch.join("staging");
+    let target = scratch.join("target");
+    std::fs::create_dir_all(&staging).unwrap();
+    c.node
+        .node_stage_volume(stage_req(&id, &staging, cap.clone()))
+        .await
+        .unwrap();
+    c.node
+        .node_publish_volume(publish_req(&id, &staging, &target, cap.clone(), false))
+        .await
+        .unwrap();
+    std::fs::write(target.join("keep"), b"written before the crash").unwrap();
+    nix::unistd::sync();
+    let image = kind == "image";
+    let volume_loops = || loops_below(&pool.path);
+    assert_eq!(volume_loops().len(), usize::from(image));
+    let mut mounted = mounts_below(&scratch);
+    mounted.sort();
+    assert_eq!(mounted, vec![staging.clone(), target.clone()]);
+
+    // The crash, and the node's memory of the volume with it.
+    drop(c);
+    d.kill9();
+    let record = d.state.join("node").join(format!("{id}.json"));
+    std::fs::remove_file(&record).unwrap();
+
+    // Without the flag: reported, and nothing is touched.
+    let from = d.log_text().len();
+    d.spawn();
+    let log = log_since(&d, from);
+    assert!(
+        log.contains("mount of a pool volume that no staged volume accounts for"),
+        "the orphan mounts are reported:\n{log}"
+    );
+    for m in [&staging, &target] {
+        assert!(
+            log.contains(&m.display().to_string()),
+            "{} is named in the log:\n{log}",
+            m.display()
+        );
+    }
+    if image {
+        assert!(
+            log.contains("loop device of a pool image that no staged volume accounts for"),
+            "the orphan loop device is reported:\n{log}"
+        );
+    }
+    let mut still = mounts_below(&scratch);
+    still.sort();
+    assert_eq!(still, mounted, "nothing is unmounted without the flag");
+    assert_eq!(volume_loops().len(), usize::from(image));
+    assert_eq!(
+        std::fs::read(target.join("keep")).unwrap(),
+        b"written before the crash"
+    );
+
+    // With the flag: unmounted and detached.
+    d.kill9();
+    d.args.push("--cleanup-orphans".to_string());
+    let from = d.log_text().len();
+    d.spawn();
+    let log = log_since(&d, from);
+    assert!(
+        !log.contains("could not unmount") && !log.contains("could not detach"),
+        "{log}"
+    );
+    assert!(
+        mounts_below(&scratch).is_empty(),
+        "orphan mounts are unmounted: {:?}\n{log}",
+        mounts_below(&scratch)
+    );
+    assert!(
+        volume_loops().is_empty(),
+        "the orphan loop device is detached: {:?}\n{log}",
+        volume_loops()
+    );
+
+    // The volume itself is intact: stage and publish again, and read back.
+    let mut c = d.clients().await;
+    c.node
+        .node_stage_volume(stage_req(&id, &staging, cap.clone()))
+        .await
+        .unwrap();
+    c.node
+        .node_publish_volume(publish_req(&id, &staging, &target, cap.clone(), false))
+        .await
+        .unwrap();
+    assert_eq!(
+        std::fs::read(target.join("keep")).unwrap(),
+        b"written before the crash"
+    );
+
+    // A restart with the flag leaves a volume it knows alone.
+    d.kill9();
+    d.spawn();
+    let mut c = d.clients().await;
+    let mut now = mounts_below(&scratch);
+    now.sort();
+    assert_eq!(now, mounted, "a staged volume is no orphan");
+    assert_eq!(volume_loops().len(), usize::from(image));
+
+    c.node
+        .node_unpublish_volume(unpublish_req(&id, &target))
+        .await
+        .unwrap();
+    c.node
+        .node_unstage_volume(unstage_req(&id, &staging))
+        .await
+        .unwrap();
+    c.controller
+        .delete_volume(csi::DeleteVolumeRequest {
+            volume_id: id,
+            secrets: Default::default(),
+        })
+        .await
+        .unwrap();
+    assert!(mounts_below(&scratch).is_empty());
+    assert!(volume_loops().is_empty());
+    let log = d.log_text();
+    assert!(!log.contains("panicked"), "the driver panicked:\n{log}");
+}
+
+#[tokio::test]
+async fn root_cleanup_orphans_image_volume() {
+    if !require_root() {
+        return;
+    }
+    orphans_on("xfs", "image").await;
+}
+
+#[tokio::test]
+async fn root_cleanup_orphans_dir_volume() {
+    if !require_root() {
+        return;
+    }
+    orphans_on("xfs", "dir").await;
+}
+
+/// Two instances of the driver on one node (two deployments, each with its own
+/// pool): a volume of one is never the other's orphan, even when both hold a
+/// volume of the same name (and so of the same id).
+#[tokio::test]
+async fn root_cleanup_orphans_leaves_another_instances_volumes_alone() {
+    if !require_root() {
+        return;
+    }
+    let (pool_a, pool_b) = (Pool::new("xfs"), Pool::new("xfs"));
+    let a = Driver::start(&pool_a, &[]);
+    let mut b = Driver::start(&pool_b, &[]);
+    let cap = mount_cap("", writer());
+    let dir: &[(&str, &str)] = &[("kind", "dir")];
+    let mut ca = a.clients().await;
+    let mut cb = b.clients().await;
+    let id = ca
+        .controller
+        .create_volume(create_req("pvc-shared", 64 * MIB, cap.clone(), dir))
+        .await
+        .unwrap()
+        .into_inner()
+        .volume
+        .unwrap()
+        .volume_id;
+    cb.controller
+        .create_volume(create_req("pvc-shared", 64 * MIB, cap.clone(), dir))
+        .await
+        .unwrap();
+    let scratch = pool_a.scratch("node");
+    let (staging, target) = (scratch.join("staging"), scratch.join("target"));
+    std::fs::create_dir_all(&staging).unwrap();
+    ca.node
+        .node_stage_volume(stage_req(&id, &staging, cap.clone()))
+        .await
+        .unwrap();
+    ca.node
+        .node_publish_volume(publish_req(&id, &staging, &target, cap.clone(), false))
+        .await
+        .unwrap();
+    drop(cb);
+    b.kill9();
+    b.args.push("--cleanup-orphans".to_string());
+    b.spawn();
+    let mut left = mounts_below(&scratch);
+    left.sort();
+    assert_eq!(left, vec![staging, target], "{}", b.log_text());
+}

@@ -1,0 +1,967 @@
+//! The soak (issue 8 §2): mixed operations from concurrent clients against the
+//! real binary while the driver is SIGKILLed at random moments and, separately,
+//! the node "reboots" (every mount below the test dirs removed and every loop
+//! device of the pool detached behind the driver's back, then the driver
+//! restarted and kubelet re-staging and re-publishing what it had).
+//!
+//! Every call is retried on error as the sidecars and kubelet do; at the end every
+//! acknowledged volume and snapshot must exist with its content (SHA-256), nothing
+//! may be leaked, and the driver's RSS after the run must be within 2x of its RSS
+//! after a fresh start with the same volumes.
+//!
+//! Parameters (environment): SOAK_OPS (2000), SOAK_CLIENTS (8), SOAK_KILLS (5),
+//! SOAK_REBOOTS (1), SOAK_SEED (random). The full run of issue 8 is
+//! `SOAK_OPS=20000 SOAK_CLIENTS=32 SOAK_KILLS=20 SOAK_REBOOTS=3`
+//! (scripts/reliability.sh).
+
+mod common;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::*;
+use csi_proto::csi::{self, controller_client::ControllerClient, node_client::NodeClient};
+use csi_storage::ids::{SnapshotId, VolumeId};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use sha2::{Digest, Sha256};
+use tonic::transport::Channel;
+use tonic::{Code, Status};
+
+fn env_or(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}
+
+#[derive(Clone, Debug, Default)]
+struct Vol {
+    name: String,
+    id: String,
+    size: i64,
+    staged: bool,
+    published: bool,
+    data: Option<[u8; 32]>,
+}
+
+#[derive(Clone, Debug)]
+struct Snap {
+    id: String,
+    data: Option<[u8; 32]>,
+}
+
+/// Figures of the run.
+#[derive(Default)]
+struct Stats {
+    ops: AtomicU64,
+    retries: AtomicU64,
+    unexpected: AtomicU64,
+    mismatches: AtomicU64,
+    kills: AtomicU64,
+    reboots: AtomicU64,
+    writes: AtomicU64,
+    reads: AtomicU64,
+}
+
+struct Shared {
+    socket: String,
+    scratch: PathBuf,
+    stats: Stats,
+    /// Bumped by each reboot; a client that sees it change re-stages and
+    /// re-publishes what it had, as kubelet does after a node restart.
+    epoch: AtomicUsize,
+    /// Clients hold it shared for each operation; a reboot takes it exclusively.
+    gate: tokio::sync::RwLock<()>,
+    target_ops: u64,
+    errors: Mutex<BTreeMap<String, u64>>,
+}
+
+fn sha(b: &[u8]) -> [u8; 32] {
+    Sha256::digest(b).into()
+}
+
+fn payload(rng: &mut StdRng) -> Vec<u8> {
+    let n = rng.random_range(4096..256 * 1024);
+    let mut v = vec![0u8; n];
+    rng.fill(&mut v[..]);
+    v
+}
+
+fn fsync_path(p: &Path) -> std::io::Result<()> {
+    std::fs::File::open(p)?.sync_all()
+}
+
+struct Client {
+    k: usize,
+    sh: Arc<Shared>,
+    ctl: ControllerClient<Channel>,
+    node: NodeClient<Channel>,
+    rng: StdRng,
+    vols: BTreeMap<String, Vol>,
+    snaps: BTreeMap<String, Snap>,
+    seq: u64,
+    epoch: usize,
+}
+
+fn cap() -> csi::VolumeCapability {
+    mount_cap("ext4", writer())
+}
+
+fn is_transient(s: &Status) -> bool {
+    matches!(
+        s.code(),
+        Code::Aborted | Code::Unavailable | Code::Unknown | Code::Cancelled
+    )
+}
+
+impl Client {
+    async fn connect(sh: &Arc<Shared>) -> Option<Channel> {
+        for _ in 0..200 {
+            if let Ok(ch) = csi_glue::connect(&sh.socket).await {
+                return Some(ch);
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        None
+    }
+
+    async fn reconnect(&mut self) {
+        if let Some(ch) = Self::connect(&self.sh).await {
+            self.ctl = ControllerClient::new(ch.clone());
+            self.node = NodeClient::new(ch);
+        }
+    }
+
+    fn staging(&self, v: &str) -> PathBuf {
+        self.sh.scratch.join("staging").join(v)
+    }
+    fn target(&self, v: &str) -> PathBuf {
+        self.sh.scratch.join("pods").join(v)
+    }
+
+    /// Runs `f` until it succeeds, as the sidecars do (with a reconnect after a
+    /// transport error). Counts one operation.
+    async fn retry<T, F, Fut>(&mut self, what: &str, mut f: F) -> T
+    where
+        F: FnMut(ControllerClient<Channel>, NodeClient<Channel>) -> Fut,
+        Fut: std::future::Future<Output = Result<T, Status>>,
+    {
+        let mut delay = 50;
+        for attempt in 0.. {
+            let call = f(self.ctl.clone(), self.node.clone());
+            match tokio::time::timeout(Duration::from_secs(120), call).await {
+                Ok(Ok(v)) => {
+                    self.sh.stats.ops.fetch_add(1, Ordering::Relaxed);
+                    return v;
+                }
+                Ok(Err(s)) => {
+                    self.sh.stats.retries.fetch_add(1, Ordering::Relaxed);
+                    if !is_transient(&s) {
+                        self.sh.stats.unexpected.fetch_add(1, Ordering::Relaxed);
+                        let key = format!("{what}: {:?}: {}", s.code(), s.message());
+                        eprintln!("soak client {}: {key}", self.k);
+                        *self.sh.errors.lock().unwrap().entry(key).or_default() += 1;
+                    }
+                    if matches!(
+                        s.code(),
+                        Code::Unavailable | Code::Unknown | Code::Cancelled
+                    ) {
+                        self.reconnect().await;
+                    }
+                }
+                Err(_) => panic!("soak client {}: {what} hung for 120 s", self.k),
+            }
+            assert!(
+                attempt < 200,
+                "soak client {}: {what} never succeeded",
+                self.k
+            );
+            tokio::time::sleep(Duration::from_millis(delay)).await;
+            delay = (delay * 2).min(1000);
+        }
+        unreachable!()
+    }
+
+    async fn create(&mut self, source: Option<csi::VolumeContentSource>, data: Option<[u8; 32]>) {
+        self.seq += 1;
+        let name = format!("soak-c{}-v{}", self.k, self.seq);
+        let mut req = create_req(&name, 64 * MIB, cap(), &[]);
+        let size = if let Some(src) = source {
+            req.volume_content_source = Some(src);
+            // A clone or restore is at least as big as its source: ask for the
+            // biggest size a source may have.
+            req.capacity_range = Some(csi::CapacityRange {
+                required_bytes: 256 * MIB,
+                limit_bytes: 0,
+            });
+            256 * MIB
+        } else {
+            64 * MIB
+        };
+        let v = self
+            .retry("CreateVolume", |mut c, _| {
+                let req = req.clone();
+                async move { c.create_volume(req).await.map(|r| r.into_inner()) }
+            })
+            .await
+            .volume
+            .expect("volume");
+        assert_eq!(v.volume_id, VolumeId::for_name(&name).to_string());
+        self.vols.insert(
+            name.clone(),
+            Vol {
+                name,
+                id: v.volume_id,
+                size: v.capacity_bytes.max(size),
+                data,
+                ..Default::default()
+            },
+        );
+    }
+
+    async fn stage(&mut self, n: &str) {
+        let id = self.vols[n].id.clone();
+        let req = stage_req(&id, &self.staging(n), cap());
+        self.retry("NodeStageVolume", |_, mut c| {
+            let req = req.clone();
+            async move { c.node_stage_volume(req).await.map(drop) }
+        })
+        .await;
+        self.vols.get_mut(n).unwrap().staged = true;
+    }
+
+    async fn publish(&mut self, n: &str) {
+        let id = self.vols[n].id.clone();
+        let req = publish_req(&id, &self.staging(n), &self.target(n), cap(), false);
+        self.retry("NodePublishVolume", |_, mut c| {
+            let req = req.clone();
+            async move { c.node_publish_volume(req).await.map(drop) }
+        })
+        .await;
+        self.vols.get_mut(n).unwrap().published = true;
+    }
+
+    async fn unpublish(&mut self, n: &str) {
+        let req = csi::NodeUnpublishVolumeRequest {
+            volume_id: self.vols[n].id.clone(),
+            target_path: self.target(n).display().to_string(),
+        };
+        self.retry("NodeUnpublishVolume", |_, mut c| {
+            let req = req.clone();
+            async move { c.node_unpublish_volume(req).await.map(drop) }
+        })
+        .await;
+        self.vols.get_mut(n).unwrap().published = false;
+    }
+
+    async fn unstage(&mut self, n: &str) {
+        let req = csi::NodeUnstageVolumeRequest {
+            volume_id: self.vols[n].id.clone(),
+            staging_target_path: self.staging(n).display().to_string(),
+        };
+        self.retry("NodeUnstageVolume", |_, mut c| {
+            let req = req.clone();
+            async move { c.node_unstage_volume(req).await.map(drop) }
+        })
+        .await;
+        self.vols.get_mut(n).unwrap().staged = false;
+    }
+
+    async fn delete(&mut self, n: &str) {
+        let req = csi::DeleteVolumeRequest {
+            volume_id: self.vols[n].id.clone(),
+            secrets: Default::default(),
+        };
+        self.retry("DeleteVolume", |mut c, _| {
+            let req = req.clone();
+            async move { c.delete_volume(req).await.map(drop) }
+        })
+        .await;
+        self.vols.remove(n);
+    }
+
+    async fn snapshot(&mut self, n: &str) {
+        self.seq += 1;
+        let name = format!("soak-c{}-s{}", self.k, self.seq);
+        let v = self.vols[n].clone();
+        let req = csi::CreateSnapshotRequest {
+            source_volume_id: v.id.clone(),
+            name: name.clone(),
+            ..Default::default()
+        };
+        let s = self
+            .retry("CreateSnapshot", |mut c, _| {
+                let req = req.clone();
+                async move { c.create_snapshot(req).await.map(|r| r.into_inner()) }
+            })
+            .await
+            .snapshot
+            .expect("snapshot");
+        assert_eq!(s.snapshot_id, SnapshotId::for_name(&name).to_string());
+        self.snaps.insert(
+            name,
+            Snap {
+                id: s.snapshot_id,
+                data: v.data,
+            },
+        );
+    }
+
+    async fn delete_snapshot(&mut self, n: &str) {
+        let req = csi::DeleteSnapshotRequest {
+            snapshot_id: self.snaps[n].id.clone(),
+            secrets: Default::default(),
+        };
+        self.retry("DeleteSnapshot", |mut c, _| {
+            let req = req.clone();
+            async move { c.delete_snapshot(req).await.map(drop) }
+        })
+        .await;
+        self.snaps.remove(n);
+    }
+
+    async fn expand(&mut self, n: &str) {
+        let v = self.vols[n].clone();
+        let want = (v.size + 64 * MIB).min(256 * MIB);
+        let req = csi::ControllerExpandVolumeRequest {
+            volume_id: v.id.clone(),
+            capacity_range: Some(csi::CapacityRange {
+                required_bytes: want,
+                limit_bytes: 0,
+            }),
+            volume_capability: Some(cap()),
+            ..Default::default()
+        };
+        let r = self
+            .retry("ControllerExpandVolume", |mut c, _| {
+                let req = req.clone();
+                async move {
+                    c.controller_expand_volume(req)
+                        .await
+                        .map(|r| r.into_inner())
+                }
+            })
+            .await;
+        assert!(r.capacity_bytes >= want);
+        self.vols.get_mut(n).unwrap().size = r.capacity_bytes;
+    }
+
+    fn write(&mut self, n: &str) {
+        let bytes = payload(&mut self.rng);
+        let t = self.target(n);
+        let f = t.join("data");
+        let tmp = t.join("data.new");
+        std::fs::write(&tmp, &bytes)
+            .and_then(|_| fsync_path(&tmp))
+            .and_then(|_| std::fs::rename(&tmp, &f))
+            .and_then(|_| fsync_path(&t))
+            .unwrap_or_else(|e| panic!("soak client {}: writing {n}: {e}", self.k));
+        self.vols.get_mut(n).unwrap().data = Some(sha(&bytes));
+        self.sh.stats.writes.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn verify(&mut self, n: &str) {
+        let v = &self.vols[n];
+        let got = std::fs::read(self.target(n).join("data"))
+            .ok()
+            .map(|b| sha(&b));
+        self.sh.stats.reads.fetch_add(1, Ordering::Relaxed);
+        if got != v.data {
+            self.sh.stats.mismatches.fetch_add(1, Ordering::Relaxed);
+            eprintln!(
+                "soak client {}: DATA MISMATCH in {n} ({}): read {:?}",
+                self.k,
+                v.id,
+                got.map(|_| "other bytes").unwrap_or("nothing")
+            );
+        }
+    }
+
+    /// After a reboot: stage and publish again what kubelet had.
+    async fn recover_reboot(&mut self) {
+        let names: Vec<String> = self.vols.keys().cloned().collect();
+        for n in names {
+            let v = self.vols[&n].clone();
+            if v.staged {
+                self.stage(&n).await;
+            }
+            if v.published {
+                self.publish(&n).await;
+            }
+        }
+    }
+
+    fn pick(&mut self, names: Vec<String>) -> Option<String> {
+        if names.is_empty() {
+            None
+        } else {
+            let i = self.rng.random_range(0..names.len());
+            Some(names[i].clone())
+        }
+    }
+
+    fn vols_where(&self, f: impl Fn(&Vol) -> bool) -> Vec<String> {
+        self.vols
+            .values()
+            .filter(|v| f(v))
+            .map(|v| v.name.clone())
+            .collect()
+    }
+
+    async fn one_op(&mut self) {
+        let roll = self.rng.random_range(0..100);
+        let unstaged = self.vols_where(|v| !v.staged);
+        let published = self.vols_where(|v| v.published);
+        match roll {
+            0..=14 if self.vols.len() < 4 => self.create(None, None).await,
+            15..=34 => {
+                if let Some(n) = self.pick(unstaged.clone()) {
+                    self.stage(&n).await;
+                    self.publish(&n).await;
+                    if self.vols[&n].data.is_some() {
+                        self.verify(&n);
+                    }
+                    self.write(&n);
+                }
+            }
+            35..=44 => {
+                if let Some(n) = self.pick(published.clone()) {
+                    self.verify(&n);
+                    self.write(&n);
+                }
+            }
+            45..=54 if self.snaps.len() < 3 => {
+                let all = self.vols_where(|_| true);
+                if let Some(n) = self.pick(all) {
+                    self.snapshot(&n).await;
+                }
+            }
+            55..=61 if self.vols.len() < 5 => {
+                let snaps: Vec<String> = self.snaps.keys().cloned().collect();
+                if let Some(s) = self.pick(snaps) {
+                    let sn = self.snaps[&s].clone();
+                    let src = csi::VolumeContentSource {
+                        r#type: Some(csi::volume_content_source::Type::Snapshot(
+                            csi::volume_content_source::SnapshotSource { snapshot_id: sn.id },
+                        )),
+                    };
+                    self.create(Some(src), sn.data).await;
+                }
+            }
+            62..=67 if self.vols.len() < 5 => {
+                let all = self.vols_where(|_| true);
+                if let Some(n) = self.pick(all) {
+                    let v = self.vols[&n].clone();
+                    let src = csi::VolumeContentSource {
+                        r#type: Some(csi::volume_content_source::Type::Volume(
+                            csi::volume_content_source::VolumeSource { volume_id: v.id },
+                        )),
+                    };
+                    self.create(Some(src), v.data).await;
+                }
+            }
+            68..=73 => {
+                let small = self.vols_where(|v| v.size < 256 * MIB);
+                if let Some(n) = self.pick(small) {
+                    self.expand(&n).await;
+                }
+            }
+            74..=85 => {
+                if let Some(n) = self.pick(published) {
+                    self.verify(&n);
+                    self.unpublish(&n).await;
+                    self.unstage(&n).await;
+                }
+            }
+            86..=93 => {
+                if let Some(n) = self.pick(unstaged) {
+                    self.delete(&n).await;
+                }
+            }
+            94..=99 => {
+                let snaps: Vec<String> = self.snaps.keys().cloned().collect();
+                if let Some(s) = self.pick(snaps) {
+                    self.delete_snapshot(&s).await;
+                }
+            }
+            _ => {}
+        }
+    }
+
+    async fn run(mut self) -> Client {
+        while self.sh.stats.ops.load(Ordering::Relaxed) < self.sh.target_ops {
+            let sh = self.sh.clone();
+            let _g = sh.gate.read().await;
+            let e = sh.epoch.load(Ordering::SeqCst);
+            if e != self.epoch {
+                self.epoch = e;
+                self.recover_reboot().await;
+            }
+            self.one_op().await;
+        }
+        self
+    }
+}
+
+/// A node reboot behind the driver's back: the driver dies, every mount below the
+/// test dir but the pool goes, every loop device of the pool is detached.
+fn reboot(pool: &Pool, driver: &mut Driver) {
+    driver.kill9();
+    for _ in 0..5 {
+        let mut ms: Vec<PathBuf> = mounts_below(pool.dir.path())
+            .into_iter()
+            .filter(|m| m != &pool.path)
+            .collect();
+        if ms.is_empty() {
+            break;
+        }
+        ms.sort();
+        for m in ms.iter().rev() {
+            let _ = nix::mount::umount2(m, nix::mount::MntFlags::empty())
+                .or_else(|_| nix::mount::umount2(m, nix::mount::MntFlags::MNT_DETACH));
+        }
+    }
+    for d in loops_below(&pool.path) {
+        let _ = std::process::Command::new("losetup")
+            .args(["-d", &d])
+            .status();
+    }
+    // A detach of a busy device is deferred: wait for it.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !loops_below(&pool.path).is_empty() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    driver.spawn();
+}
+
+fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0)
+}
+
+fn names(dir: &Path) -> BTreeSet<String> {
+    std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect()
+}
+
+fn loop_backings_below(dir: &Path) -> Vec<PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/sys/block")
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        if let Ok(b) = std::fs::read_to_string(e.path().join("loop/backing_file")) {
+            let p = PathBuf::from(b.trim().trim_end_matches(" (deleted)"));
+            if p.starts_with(dir) {
+                out.push(p);
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+fn diff(out: &mut Vec<String>, what: &str, have: BTreeSet<String>, want: BTreeSet<String>) {
+    for x in have.difference(&want) {
+        out.push(format!("{what}: unaccounted {x}"));
+    }
+    for x in want.difference(&have) {
+        out.push(format!("{what}: missing {x}"));
+    }
+}
+
+/// Differences between what is there and what the clients account for, each
+/// described; empty when nothing leaked and nothing is missing.
+async fn leaks(pool: &Pool, driver: &Driver, clients: &[Client]) -> Vec<String> {
+    let mut out = Vec::new();
+    let vols: Vec<&Vol> = clients.iter().flat_map(|c| c.vols.values()).collect();
+    let snaps: Vec<&Snap> = clients.iter().flat_map(|c| c.snaps.values()).collect();
+    let vol_ids: BTreeSet<String> = vols.iter().map(|v| v.id.clone()).collect();
+    let snap_ids: BTreeSet<String> = snaps.iter().map(|s| s.id.clone()).collect();
+
+    // The driver's view.
+    let mut c = driver.clients().await;
+    let mut listed = BTreeSet::new();
+    let mut token = String::new();
+    loop {
+        let r = c
+            .controller
+            .list_volumes(csi::ListVolumesRequest {
+                max_entries: 100,
+                starting_token: token,
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        listed.extend(r.entries.into_iter().map(|e| e.volume.unwrap().volume_id));
+        if r.next_token.is_empty() {
+            break;
+        }
+        token = r.next_token;
+    }
+    diff(&mut out, "ListVolumes", listed, vol_ids.clone());
+    let mut listed = BTreeSet::new();
+    let mut token = String::new();
+    loop {
+        let r = c
+            .controller
+            .list_snapshots(csi::ListSnapshotsRequest {
+                max_entries: 100,
+                starting_token: token,
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner();
+        listed.extend(
+            r.entries
+                .into_iter()
+                .map(|e| e.snapshot.unwrap().snapshot_id),
+        );
+        if r.next_token.is_empty() {
+            break;
+        }
+        token = r.next_token;
+    }
+    diff(&mut out, "ListSnapshots", listed, snap_ids.clone());
+
+    // The pool and the state dir.
+    let img = |ids: &BTreeSet<String>| ids.iter().map(|i| format!("{i}.img")).collect();
+    let json = |ids: &BTreeSet<String>| ids.iter().map(|i| format!("{i}.json")).collect();
+    diff(
+        &mut out,
+        "<pool>/volumes",
+        names(&pool.path.join("volumes")),
+        img(&vol_ids),
+    );
+    diff(
+        &mut out,
+        "<pool>/snapshots",
+        names(&pool.path.join("snapshots")),
+        img(&snap_ids),
+    );
+    diff(
+        &mut out,
+        "<pool>/ephemeral",
+        names(&pool.path.join("ephemeral")),
+        BTreeSet::new(),
+    );
+    let st = &driver.state;
+    diff(
+        &mut out,
+        "<state>/volumes",
+        names(&st.join("volumes")),
+        json(&vol_ids),
+    );
+    diff(
+        &mut out,
+        "<state>/snapshots",
+        names(&st.join("snapshots")),
+        json(&snap_ids),
+    );
+    let staged: BTreeSet<String> = vols
+        .iter()
+        .filter(|v| v.staged || v.published)
+        .map(|v| v.id.clone())
+        .collect();
+    diff(
+        &mut out,
+        "<state>/node",
+        names(&st.join("node")),
+        json(&staged),
+    );
+    diff(
+        &mut out,
+        "<state>/frozen",
+        names(&st.join("frozen")),
+        BTreeSet::new(),
+    );
+
+    // Loop devices and mounts.
+    let want_loops: BTreeSet<String> = vols
+        .iter()
+        .filter(|v| v.staged)
+        .map(|v| format!("{}/volumes/{}.img", pool.path.display(), v.id))
+        .collect();
+    let loops = loop_backings_below(&pool.path);
+    let have_loops: BTreeSet<String> = loops.iter().map(|p| p.display().to_string()).collect();
+    if loops.len() != have_loops.len() {
+        out.push(format!(
+            "loop devices: an image is attached twice: {loops:?}"
+        ));
+    }
+    let mut want_mounts = vec![pool.path.clone()];
+    for cl in clients {
+        for v in cl.vols.values() {
+            if v.staged {
+                want_mounts.push(cl.staging(&v.name));
+            }
+            if v.published {
+                want_mounts.push(cl.target(&v.name));
+            }
+        }
+    }
+    want_mounts.sort();
+    let mut mounts = mounts_below(pool.dir.path());
+    mounts.sort();
+    if mounts != want_mounts {
+        let have: BTreeSet<String> = mounts.iter().map(|p| p.display().to_string()).collect();
+        let want: BTreeSet<String> = want_mounts
+            .iter()
+            .map(|p| p.display().to_string())
+            .collect();
+        if have == want {
+            out.push("mounts: a path is mounted twice".into());
+        }
+        let mut o = Vec::new();
+        for x in have.difference(&want) {
+            o.push(format!("mounts: unaccounted {x}"));
+        }
+        for x in want.difference(&have) {
+            o.push(format!("mounts: missing {x}"));
+        }
+        out.extend(o);
+    }
+    diff(&mut out, "loop devices", have_loops, want_loops);
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn root_soak_mixed_operations_with_kills_and_reboots() {
+    if !require_root() {
+        return;
+    }
+    let ops = env_or("SOAK_OPS", 2000);
+    let nclients = env_or("SOAK_CLIENTS", 8) as usize;
+    let kills = env_or("SOAK_KILLS", 5);
+    let reboots = env_or("SOAK_REBOOTS", 1);
+    let seed = env_or("SOAK_SEED", rand::rng().random());
+    eprintln!(
+        "soak: ops={ops} clients={nclients} kills={kills} reboots={reboots} seed={seed} \
+         (SOAK_SEED={seed} repeats the choices)"
+    );
+    let started = Instant::now();
+    let pool = Pool::with_size("xfs", "32G");
+    let scratch = pool.scratch("soak");
+    std::fs::create_dir_all(scratch.join("staging")).unwrap();
+    std::fs::create_dir_all(scratch.join("pods")).unwrap();
+    let driver = Driver::start(&pool, &[]);
+    let sh = Arc::new(Shared {
+        socket: format!("unix://{}", driver.socket.display()),
+        scratch: scratch.clone(),
+        stats: Stats::default(),
+        epoch: AtomicUsize::new(0),
+        gate: tokio::sync::RwLock::new(()),
+        target_ops: ops,
+        errors: Mutex::new(BTreeMap::new()),
+    });
+    let driver = Arc::new(Mutex::new(driver));
+    let pool = Arc::new(pool);
+
+    // The chaos: kills and reboots at random points of the run.
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut events: Vec<(u64, bool)> = Vec::new();
+    for _ in 0..kills {
+        events.push((rng.random_range(ops / 50..ops * 19 / 20), false));
+    }
+    for _ in 0..reboots {
+        events.push((rng.random_range(ops / 10..ops * 9 / 10), true));
+    }
+    events.sort();
+    let chaos = {
+        let (sh, driver, pool) = (sh.clone(), driver.clone(), pool.clone());
+        let mut rng = StdRng::seed_from_u64(seed ^ 0x5eed);
+        tokio::spawn(async move {
+            for (at, is_reboot) in events {
+                while sh.stats.ops.load(Ordering::Relaxed) < at {
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                tokio::time::sleep(Duration::from_millis(rng.random_range(0..80))).await;
+                if is_reboot {
+                    let _g = sh.gate.write().await;
+                    let (driver, pool) = (driver.clone(), pool.clone());
+                    tokio::task::spawn_blocking(move || reboot(&pool, &mut driver.lock().unwrap()))
+                        .await
+                        .unwrap();
+                    sh.epoch.fetch_add(1, Ordering::SeqCst);
+                    sh.stats.reboots.fetch_add(1, Ordering::Relaxed);
+                } else {
+                    let driver = driver.clone();
+                    tokio::task::spawn_blocking(move || driver.lock().unwrap().restart())
+                        .await
+                        .unwrap();
+                    sh.stats.kills.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+        })
+    };
+
+    let mut tasks = Vec::new();
+    for k in 0..nclients {
+        let sh = sh.clone();
+        let ch = Client::connect(&sh).await.expect("connect");
+        let c = Client {
+            k,
+            sh: sh.clone(),
+            ctl: ControllerClient::new(ch.clone()),
+            node: NodeClient::new(ch),
+            rng: StdRng::seed_from_u64(seed.wrapping_add(k as u64 + 1)),
+            vols: BTreeMap::new(),
+            snaps: BTreeMap::new(),
+            seq: 0,
+            epoch: 0,
+        };
+        tasks.push(tokio::spawn(c.run()));
+    }
+    let mut clients = Vec::new();
+    for t in tasks {
+        clients.push(t.await.expect("a soak client panicked"));
+    }
+    chaos.await.unwrap();
+    let run_secs = started.elapsed().as_secs_f64();
+
+    // Every client verifies what it has published, and reads back each snapshot
+    // by restoring it.
+    let driver = Arc::try_unwrap(driver).ok().unwrap().into_inner().unwrap();
+    let pool = Arc::try_unwrap(pool).ok().unwrap();
+    let rss_run = rss_kib(driver.pid());
+    let leaked = leaks(&pool, &driver, &clients).await;
+    for l in &leaked {
+        eprintln!("soak: LEAK {l}");
+    }
+
+    let mut verify = Vec::new();
+    for mut c in clients {
+        verify.push(tokio::spawn(async move {
+            let names: Vec<String> = c.vols.keys().cloned().collect();
+            for n in names {
+                if c.vols[&n].data.is_none() {
+                    continue;
+                }
+                if !c.vols[&n].staged {
+                    c.stage(&n).await;
+                }
+                if !c.vols[&n].published {
+                    c.publish(&n).await;
+                }
+                c.verify(&n);
+            }
+            let snaps: Vec<String> = c.snaps.keys().cloned().collect();
+            for s in snaps {
+                let sn = c.snaps[&s].clone();
+                if sn.data.is_none() {
+                    continue;
+                }
+                let src = csi::VolumeContentSource {
+                    r#type: Some(csi::volume_content_source::Type::Snapshot(
+                        csi::volume_content_source::SnapshotSource { snapshot_id: sn.id },
+                    )),
+                };
+                c.create(Some(src), sn.data).await;
+                let n = format!("soak-c{}-v{}", c.k, c.seq);
+                c.stage(&n).await;
+                c.publish(&n).await;
+                c.verify(&n);
+            }
+            c
+        }));
+    }
+    let mut clients = Vec::new();
+    for t in verify {
+        clients.push(t.await.expect("a verifying client panicked"));
+    }
+
+    // Memory: after the run versus a fresh start with the same volumes.
+    let mut driver = driver;
+    let nvols: usize = clients.iter().map(|c| c.vols.len()).sum();
+    let nsnaps: usize = clients.iter().map(|c| c.snaps.len()).sum();
+    driver.restart();
+    {
+        let mut c = driver.clients().await;
+        let _ = c
+            .controller
+            .list_volumes(csi::ListVolumesRequest::default())
+            .await;
+    }
+    let rss_fresh = rss_kib(driver.pid());
+
+    // Teardown through the driver: everything must go.
+    let mut down = Vec::new();
+    for mut c in clients {
+        c.reconnect().await;
+        down.push(tokio::spawn(async move {
+            let names: Vec<String> = c.vols.keys().cloned().collect();
+            for n in names {
+                if c.vols[&n].published {
+                    c.unpublish(&n).await;
+                }
+                if c.vols[&n].staged {
+                    c.unstage(&n).await;
+                }
+                c.delete(&n).await;
+            }
+            let snaps: Vec<String> = c.snaps.keys().cloned().collect();
+            for s in snaps {
+                c.delete_snapshot(&s).await;
+            }
+            c
+        }));
+    }
+    let mut clients = Vec::new();
+    for t in down {
+        clients.push(t.await.expect("a client panicked in teardown"));
+    }
+    let after = leaks(&pool, &driver, &clients).await;
+    for l in &after {
+        eprintln!("soak: LEFT AFTER TEARDOWN {l}");
+    }
+
+    let st = &sh.stats;
+    let errors = sh.errors.lock().unwrap().clone();
+    println!(
+        "soak figures: ops={} clients={nclients} kills={} reboots={} retries={} \
+         unexpected_errors={} writes={} reads={} leaks={} leaks_after_teardown={} \
+         mismatches={} volumes={nvols} snapshots={nsnaps} rss_after_run={} KiB \
+         rss_fresh_start={} KiB run={run_secs:.0}s total={:.0}s seed={seed}",
+        st.ops.load(Ordering::Relaxed),
+        st.kills.load(Ordering::Relaxed),
+        st.reboots.load(Ordering::Relaxed),
+        st.retries.load(Ordering::Relaxed),
+        st.unexpected.load(Ordering::Relaxed),
+        st.writes.load(Ordering::Relaxed),
+        st.reads.load(Ordering::Relaxed),
+        leaked.len(),
+        after.len(),
+        st.mismatches.load(Ordering::Relaxed),
+        rss_run,
+        rss_fresh,
+        started.elapsed().as_secs_f64(),
+    );
+    for (e, n) in &errors {
+        println!("soak: unexpected error x{n}: {e}");
+    }
+    let log = driver.log_text();
+    assert!(!log.contains("panicked"), "the driver panicked");
+    assert_eq!(st.mismatches.load(Ordering::Relaxed), 0, "data mismatches");
+    assert!(leaked.is_empty(), "leaks after the run: {leaked:#?}");
+    assert!(after.is_empty(), "leaks after teardown: {after:#?}");
+    assert_eq!(st.kills.load(Ordering::Relaxed), kills);
+    assert_eq!(st.reboots.load(Ordering::Relaxed), reboots);
+    assert!(
+        rss_run <= 2 * rss_fresh.max(1),
+        "RSS after the run {rss_run} KiB is more than twice the fresh start's {rss_fresh} KiB"
+    );
+}
