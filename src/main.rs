@@ -17,6 +17,7 @@ use cli::{Cli, Command, LogFormat, Mode, DEFAULT_POOL_PATH};
 use csi_proto::csi::{
     controller_server::ControllerServer, group_controller_server::GroupControllerServer,
     identity_server::IdentityServer, node_server::NodeServer,
+    snapshot_metadata_server::SnapshotMetadataServer,
 };
 use csi_storage::{Config, Driver, System};
 use endpoint::Endpoint;
@@ -249,6 +250,13 @@ async fn serve(
             GroupControllerServer::new(csi_controller::GroupControllerService::new(driver.clone()))
                 .max_decoding_message_size(MAX_MESSAGE_BYTES)
                 .max_encoding_message_size(MAX_MESSAGE_BYTES)
+        }))
+        .add_optional_service(controller.then(|| {
+            SnapshotMetadataServer::new(csi_controller::SnapshotMetadataService::new(
+                driver.clone(),
+            ))
+            .max_decoding_message_size(MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(MAX_MESSAGE_BYTES)
         }))
         .add_optional_service(node.then(|| {
             NodeServer::new(csi_node::NodeService::new(driver.clone()))

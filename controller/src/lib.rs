@@ -3,6 +3,8 @@
 
 mod controller;
 mod group;
+mod metadata;
 
 pub use controller::ControllerService;
 pub use group::GroupControllerService;
+pub use metadata::SnapshotMetadataService;

@@ -223,6 +223,31 @@ pub fn bytes(n: u64) -> i64 {
     i64::try_from(n).unwrap_or(i64::MAX)
 }
 
+/// A gRPC channel to a CSI endpoint (`unix:///path`, a bare path, or
+/// `tcp://host:port`), for the client, the benchmark and the tests.
+pub async fn connect(endpoint: &str) -> Result<tonic::transport::Channel, tonic::transport::Error> {
+    use tonic::transport::Endpoint;
+    if let Some(addr) = endpoint.strip_prefix("tcp://") {
+        return Endpoint::from_shared(format!("http://{addr}"))?
+            .connect()
+            .await;
+    }
+    let path = endpoint
+        .strip_prefix("unix://")
+        .unwrap_or(endpoint)
+        .to_string();
+    Endpoint::from_static("http://csi.invalid")
+        .connect_with_connector(tower::service_fn(move |_| {
+            let path = path.clone();
+            async move {
+                tokio::net::UnixStream::connect(path)
+                    .await
+                    .map(hyper_util::rt::TokioIo::new)
+            }
+        }))
+        .await
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -267,29 +292,4 @@ mod tests {
         };
         assert!(capability(&c).is_err());
     }
-}
-
-/// A gRPC channel to a CSI endpoint (`unix:///path`, a bare path, or
-/// `tcp://host:port`), for the client, the benchmark and the tests.
-pub async fn connect(endpoint: &str) -> Result<tonic::transport::Channel, tonic::transport::Error> {
-    use tonic::transport::Endpoint;
-    if let Some(addr) = endpoint.strip_prefix("tcp://") {
-        return Endpoint::from_shared(format!("http://{addr}"))?
-            .connect()
-            .await;
-    }
-    let path = endpoint
-        .strip_prefix("unix://")
-        .unwrap_or(endpoint)
-        .to_string();
-    Endpoint::from_static("http://csi.invalid")
-        .connect_with_connector(tower::service_fn(move |_| {
-            let path = path.clone();
-            async move {
-                tokio::net::UnixStream::connect(path)
-                    .await
-                    .map(hyper_util::rt::TokioIo::new)
-            }
-        }))
-        .await
 }

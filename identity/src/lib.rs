@@ -8,7 +8,8 @@ use tonic::{Request, Response, Status};
 
 pub struct IdentityService {
     driver: Shared,
-    /// Whether this process serves the Controller and GroupController services.
+    /// Whether this process serves the Controller, GroupController and
+    /// SnapshotMetadata services.
     controller: bool,
 }
 
@@ -62,6 +63,7 @@ impl Identity for IdentityService {
             if controller {
                 capabilities.push(service(S::ControllerService));
                 capabilities.push(service(S::GroupControllerService));
+                capabilities.push(service(S::SnapshotMetadataService));
             }
             capabilities.push(PluginCapability {
                 r#type: Some(plugin_capability::Type::VolumeExpansion(

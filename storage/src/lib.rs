@@ -9,6 +9,7 @@ pub mod failpoint;
 mod freeze;
 pub mod ids;
 mod locks;
+pub mod metadata;
 pub mod model;
 pub mod node;
 pub mod pool;

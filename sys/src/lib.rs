@@ -11,6 +11,7 @@
 pub mod btrfs;
 pub mod cmd;
 pub mod error;
+pub mod extents;
 pub mod fake;
 pub mod file;
 pub mod linux;
