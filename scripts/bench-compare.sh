@@ -3,7 +3,7 @@
 # hostpathplugin (B), side by side on this machine, and writes the report
 # (results.txt, results.json, scale.svg, snapshot.svg, machine.txt) to OUT.
 #
-#   sudo scripts/bench-compare.sh OUT [--hostpath-version vX.Y.Z] [--hostpath-src DIR]
+#   sudo scripts/bench-compare.sh OUT [--hostpath-version vX.Y.Z] [--hostpath-bin FILE]
 #                                     [--pool-size 48G] [--work DIR] [-- csi-bench flags...]
 #
 # Needs root (loop devices, mounts), cargo, go, xfsprogs. Each driver gets its
@@ -13,14 +13,14 @@
 # hostpathplugin is built from the Go module proxy at a pinned release through a
 # wrapper module (its go.mod has `replace` lines, so `go install pkg@version` is
 # refused): the wrapper requires it and repeats its replace block. Where the proxy
-# does not serve the module, --hostpath-src DIR builds from a checkout of the same
-# tag (with its vendor/ folder). Nothing of it lands in this repository: all is
+# does not serve the module, --hostpath-bin FILE uses a hostpathplugin binary of
+# that release built elsewhere. Nothing of it lands in this repository: all is
 # built under the work directory (default /tmp/csi-bench-work).
 set -euo pipefail
 
 HOSTPATH_MODULE=github.com/kubernetes-csi/csi-driver-host-path
 HOSTPATH_VERSION=v1.18.0
-HOSTPATH_SRC=""
+HOSTPATH_BIN=""
 POOL_SIZE=48G
 WORK=/tmp/csi-bench-work
 OUT=""
@@ -29,7 +29,7 @@ BENCH_ARGS=()
 while [ $# -gt 0 ]; do
     case "$1" in
         --hostpath-version) HOSTPATH_VERSION=$2; shift 2 ;;
-        --hostpath-src) HOSTPATH_SRC=$(realpath "$2"); shift 2 ;;
+        --hostpath-bin) HOSTPATH_BIN=$(realpath "$2"); shift 2 ;;
         --pool-size) POOL_SIZE=$2; shift 2 ;;
         --work) WORK=$2; shift 2 ;;
         --) shift; BENCH_ARGS=("$@"); break ;;
@@ -89,17 +89,18 @@ if [ ! -x "$HOSTPATH" ]; then
         (cd "$W" && go get "$HOSTPATH_MODULE/cmd/hostpathplugin@$HOSTPATH_VERSION" &&
             go build -o "$HOSTPATH" "$HOSTPATH_MODULE/cmd/hostpathplugin")
         HOSTPATH_HOW="wrapper module requiring $HOSTPATH_MODULE $HOSTPATH_VERSION (Go module proxy)"
-    elif [ -n "$HOSTPATH_SRC" ]; then
-        echo "the Go module proxy does not serve $HOSTPATH_MODULE@$HOSTPATH_VERSION; building from $HOSTPATH_SRC"
-        (cd "$HOSTPATH_SRC" && go build -mod=vendor -o "$HOSTPATH" ./cmd/hostpathplugin)
-        HOSTPATH_HOW="checkout of $HOSTPATH_VERSION at $HOSTPATH_SRC (vendored modules)"
+    elif [ -n "$HOSTPATH_BIN" ]; then
+        echo "the Go module proxy does not serve $HOSTPATH_MODULE@$HOSTPATH_VERSION; using $HOSTPATH_BIN"
+        cp "$HOSTPATH_BIN" "$HOSTPATH"
+        HOSTPATH_HOW="binary given with --hostpath-bin ($HOSTPATH_BIN)"
     else
         echo "$0: the Go module proxy does not serve $HOSTPATH_MODULE@$HOSTPATH_VERSION;" >&2
-        echo "  give a checkout of that tag with --hostpath-src DIR" >&2
+        echo "  give a hostpathplugin binary of that release with --hostpath-bin FILE" >&2
         exit 1
     fi
+    echo "$HOSTPATH_HOW" > "$HOSTPATH.how"
 else
-    HOSTPATH_HOW="prebuilt $HOSTPATH"
+    HOSTPATH_HOW="$(cat "$HOSTPATH.how" 2>/dev/null || echo "built earlier") (kept in $HOSTPATH)"
 fi
 
 echo "== pools: two ${POOL_SIZE} loop-mounted xfs images (reflink=1)"

@@ -198,3 +198,70 @@ fn root_client_errors_print_the_grpc_code_and_fail() {
     assert!(!o.status.success());
     assert!(String::from_utf8_lossy(&o.stderr).contains("cannot connect"));
 }
+
+/// The quick start block of README.md (or of docs/benchmark.md, its source before
+/// it is pasted), run by bash as written, against a driver on a test pool. Only the
+/// fixed /tmp/staging and /tmp/target paths are moved into the test's scratch.
+#[test]
+fn root_readme_quick_start_runs_as_written() {
+    if !require_root() {
+        return;
+    }
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let marker = "```sh\ncsi-driver client info\n";
+    let text = ["README.md", "docs/benchmark.md"]
+        .iter()
+        .filter_map(|f| std::fs::read_to_string(root.join(f)).ok())
+        .find(|t| t.contains(marker))
+        .expect("a quick start block in README.md or docs/benchmark.md");
+    let start = text.find(marker).unwrap() + "```sh\n".len();
+    let block = &text[start..start + text[start..].find("```").unwrap()];
+
+    let pool = Pool::new("xfs");
+    let d = Driver::start(&pool, &[]);
+    let scratch = pool.scratch("quick-start");
+    let script: String = block
+        .replace(
+            "/tmp/staging",
+            &scratch.join("staging").display().to_string(),
+        )
+        .replace("/tmp/target", &scratch.join("target").display().to_string())
+        .lines()
+        // The line that shows an error is expected to fail.
+        .map(|l| {
+            if l.contains("# error:") {
+                format!("! {l}\n")
+            } else {
+                format!("{l}\n")
+            }
+        })
+        .collect();
+    let bin_dir = Path::new(env!("CARGO_BIN_EXE_csi-driver"))
+        .parent()
+        .unwrap();
+    let out = Command::new("bash")
+        .args(["-euo", "pipefail", "-c", &script])
+        .env(
+            "PATH",
+            format!(
+                "{}:{}",
+                bin_dir.display(),
+                std::env::var("PATH").unwrap_or_default()
+            ),
+        )
+        .env("CSI_ENDPOINT", format!("unix://{}", d.socket.display()))
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "the quick start failed:\n{script}\nstdout:\n{stdout}\nstderr:\n{stderr}"
+    );
+    assert!(stdout.contains("ready: true"), "{stdout}");
+    assert!(stderr.contains("InvalidArgument"), "{stderr}");
+    assert!(ok(&d, &["list-volumes"]).contains("volumes: []"));
+    assert!(ok(&d, &["list-snapshots"]).contains("snapshots: []"));
+    assert!(mounts_below(&scratch).is_empty());
+    assert!(loops_below(&pool.path).is_empty());
+}

@@ -294,7 +294,7 @@ fn pool_is_btrfs(pool: &Pool) -> bool {
 }
 
 const FAILPOINTS: &[&str] = &[
-    "create-volume.after-intent",
+    "create-volume.before-data",
     "create-volume.after-copy",
     "create-volume.after-data",
     "create-volume.after-commit",

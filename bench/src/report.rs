@@ -256,3 +256,36 @@ fn goals(a: &Medians, b: &Medians) -> Vec<Goal> {
     );
     out
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::scenarios::percentile;
+    use std::time::Duration;
+
+    #[test]
+    fn median_of_odd_and_even_rounds() {
+        assert_eq!(median(&[3.0, 1.0, 2.0]), 2.0);
+        assert_eq!(median(&[4.0, 1.0, 2.0, 3.0]), 2.5);
+        assert!(median(&[]).is_nan());
+    }
+
+    #[test]
+    fn nearest_rank_percentiles() {
+        let s: Vec<Duration> = (1..=100).map(Duration::from_millis).collect();
+        assert_eq!(percentile(&s, 0.50), Duration::from_millis(50));
+        assert_eq!(percentile(&s, 0.99), Duration::from_millis(99));
+        assert_eq!(percentile(&s[..1], 0.95), Duration::from_millis(1));
+    }
+
+    #[test]
+    fn goals_compare_ours_with_the_reference() {
+        let a: Medians = [("scale/5000/create_p50_ms".to_string(), 1.0)].into();
+        let b: Medians = [("scale/5000/create_p50_ms".to_string(), 4.0)].into();
+        let g = goals(&a, &b);
+        assert_eq!(g[0].verdict, "met");
+        assert_eq!(g[1].verdict, "not measured");
+        let svg = crate::svg::scale(&["a".into(), "b".into()], &[a, b]).unwrap();
+        assert!(svg.starts_with("<svg") && svg.contains("polyline"));
+    }
+}

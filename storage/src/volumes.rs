@@ -330,7 +330,7 @@ impl Driver {
             )));
         }
 
-        let mut record = VolumeRecord {
+        let record = VolumeRecord {
             id,
             name: req.name.clone(),
             pool: pool.name.clone(),
@@ -342,13 +342,17 @@ impl Driver {
             mutable_parameters: req.mutable_parameters.clone(),
             source,
             created: Timestamp::now(),
-            state: RecordState::Creating,
+            state: RecordState::Ready,
             pending_size: None,
             published: BTreeMap::new(),
             ephemeral: false,
         };
-        self.volumes.put(&record)?;
-        failpoint::hit("create-volume.after-intent");
+        // No intent record is written: the id comes from the name, so data that a
+        // crash leaves without a record is found by the retry (removed just below)
+        // or by the orphan sweep at start. One record write, after the data is
+        // durable, is what makes the volume exist.
+        self.remove_volume_data(id, false)?;
+        failpoint::hit("create-volume.before-data");
         if let Err(e) = self.make_volume_data(
             &pool,
             &record,
@@ -363,7 +367,6 @@ impl Driver {
             });
         }
         failpoint::hit("create-volume.after-data");
-        record.state = RecordState::Ready;
         self.volumes.put(&record)?;
         failpoint::hit("create-volume.after-commit");
         tracing::info!(volume.id = %id, name = %record.name, pool = %record.pool,

@@ -340,14 +340,34 @@ fn sysfs_read(path: &Path) -> Option<String> {
 }
 
 /// The state of /dev/loopN from sysfs, None when nothing is attached.
+/// The backing file of loop device `n`, or None when it is not attached.
+fn read_backing(n: u32) -> Option<PathBuf> {
+    let backing = sysfs_read(Path::new(&format!("/sys/block/loop{n}/loop/backing_file")))?;
+    // A backing file removed while attached is reported with this suffix.
+    Some(PathBuf::from(
+        backing.strip_suffix(" (deleted)").unwrap_or(&backing),
+    ))
+}
+
+/// The numbers of the loop devices the kernel has.
+fn loop_numbers() -> Result<Vec<u32>> {
+    let dir = std::fs::read_dir("/sys/block")
+        .map_err(|e| SysError::io("read directory", "/sys/block", e))?;
+    Ok(dir
+        .filter_map(|e| e.ok())
+        .filter_map(|e| {
+            e.file_name()
+                .to_str()?
+                .strip_prefix("loop")?
+                .parse::<u32>()
+                .ok()
+        })
+        .collect())
+}
+
 fn read_loop(n: u32) -> Option<LoopDevice> {
     let base = PathBuf::from(format!("/sys/block/loop{n}"));
-    let backing = sysfs_read(&base.join("loop/backing_file"))?;
-    // A backing file removed while attached is reported with this suffix.
-    let backing = backing
-        .strip_suffix(" (deleted)")
-        .unwrap_or(&backing)
-        .to_string();
+    let backing = read_backing(n)?;
     let flag = |name: &str| {
         sysfs_read(&base.join(name))
             .map(|v| v.trim() == "1")
@@ -358,7 +378,7 @@ fn read_loop(n: u32) -> Option<LoopDevice> {
         .unwrap_or(0);
     Some(LoopDevice {
         device: PathBuf::from(format!("/dev/loop{n}")),
-        backing_file: PathBuf::from(backing),
+        backing_file: backing,
         read_only: flag("ro"),
         direct_io: flag("loop/dio"),
         size: sectors.saturating_mul(512),
@@ -576,19 +596,7 @@ impl LinuxLoops {
 
 impl Loops for LinuxLoops {
     fn list(&self) -> Result<Vec<LoopDevice>> {
-        let dir = std::fs::read_dir("/sys/block")
-            .map_err(|e| SysError::io("read directory", "/sys/block", e))?;
-        let mut out: Vec<LoopDevice> = dir
-            .filter_map(|e| e.ok())
-            .filter_map(|e| {
-                e.file_name()
-                    .to_str()?
-                    .strip_prefix("loop")?
-                    .parse::<u32>()
-                    .ok()
-            })
-            .filter_map(read_loop)
-            .collect();
+        let mut out: Vec<LoopDevice> = loop_numbers()?.into_iter().filter_map(read_loop).collect();
         out.sort_by_key(|d| loop_number(&d.device));
         Ok(out)
     }
@@ -599,9 +607,16 @@ impl Loops for LinuxLoops {
     fn find(&self, backing: &Path) -> Result<Vec<LoopDevice>> {
         let want = std::fs::canonicalize(backing).unwrap_or_else(|_| backing.to_path_buf());
         let identity = std::fs::metadata(&want).ok().map(|m| (m.dev(), m.ino()));
-        Ok(self
-            .list()?
+        // Only the backing file of each device is read; the rest of a device's
+        // attributes only for a match (a node may have hundreds of loop devices).
+        let mut numbers: Vec<u32> = loop_numbers()?
             .into_iter()
+            .filter(|n| read_backing(*n).is_some_and(|b| b == want))
+            .collect();
+        numbers.sort_unstable();
+        Ok(numbers
+            .into_iter()
+            .filter_map(read_loop)
             .filter(|d| d.backing_file == want)
             .filter(|d| match (identity, backing_identity(&d.device)) {
                 (Some(a), Some(b)) => a == b,
