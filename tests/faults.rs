@@ -908,7 +908,7 @@ macro_rules! fault_tests {
 }
 
 fault_tests! {
-    root_fault_create_volume_after_intent: "create-volume.after-intent", [], Create("v1");
+    root_fault_create_volume_before_data: "create-volume.before-data", [], Create("v1");
     root_fault_create_volume_after_data: "create-volume.after-data", [], Create("v1");
     root_fault_create_volume_after_commit: "create-volume.after-commit", [], Create("v1");
     root_fault_create_volume_after_copy_clone: "create-volume.after-copy", LIVE, Clone("c1", "v1");

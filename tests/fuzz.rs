@@ -623,7 +623,7 @@ fn generate(rpc: &str, seed: u64, d: &Dict) -> Input {
         "NodePublishVolume" => {
             let eph = g.chance(0.15);
             let volume_id = if eph {
-                format!("csi-fz-eph-{}", g.r.random_range(0..3))
+                format!("csi-fz-eph-{}", g.r.random_range(0..100))
             } else {
                 g.id(0)
             };
@@ -632,6 +632,22 @@ fn generate(rpc: &str, seed: u64, d: &Dict) -> Input {
                 volume_context.insert("csi.storage.k8s.io/ephemeral".into(), "true".into());
                 if g.sane {
                     volume_context.insert("size".into(), "64Mi".into());
+                }
+                if g.chance(0.3) {
+                    let size = g.pick(&[
+                        "0",
+                        "1",
+                        "-1",
+                        "1Ki",
+                        "9223372036854775807",
+                        "9223372036854775808",
+                        "18446744073709551615",
+                        "16Ei",
+                        "8191Pi",
+                        "1e9",
+                        "64Mi ",
+                    ]);
+                    volume_context.insert("size".into(), size.into());
                 }
             }
             Input::NodePublishVolume(csi::NodePublishVolumeRequest {
@@ -647,7 +663,7 @@ fn generate(rpc: &str, seed: u64, d: &Dict) -> Input {
         }
         "NodeUnpublishVolume" => Input::NodeUnpublishVolume(csi::NodeUnpublishVolumeRequest {
             volume_id: if g.chance(0.15) {
-                format!("csi-fz-eph-{}", g.r.random_range(0..3))
+                format!("csi-fz-eph-{}", g.r.random_range(0..100))
             } else {
                 g.id(0)
             },
@@ -1002,7 +1018,7 @@ async fn root_fuzz_every_rpc_with_arbitrary_requests() {
             .volume_ids
             .iter()
             .cloned()
-            .chain((0..3).map(|i| format!("csi-fz-eph-{i}")))
+            .chain((0..100).map(|i| format!("csi-fz-eph-{i}")))
         {
             let _ = s
                 .node
