@@ -483,15 +483,18 @@ fn single_node_writer_allows_two_writers() {
 }
 
 #[test]
-fn a_failed_mount_leaves_the_record_and_a_retry_completes() {
+fn a_failed_first_stage_is_undone_and_a_retry_completes() {
     let w = World::new();
     let id = w.create("pvc-a", ext4());
     w.fake.fail_next("mount", eio("mount"));
     assert_eq!(code(w.stage(&id, &ext4())), Code::Internal);
-    // The intent is kept, so an unstage (or this retry) knows what to undo.
-    let rec = w.node_record(&id).expect("the intent record stays");
-    assert_eq!(rec.staging_path.as_deref(), Some(w.staging().as_path()));
+    // A failed (not crashed) first stage leaves nothing: no record, no device.
+    assert!(
+        w.node_record(&id).is_none(),
+        "the failed stage's record is removed"
+    );
     assert_eq!(w.mounts_at(&w.staging()), 0);
+    assert_eq!(w.fake.counters().detach, 1, "its loop device is detached");
 
     w.stage(&id, &ext4()).unwrap();
     let c = w.fake.counters();
@@ -499,10 +502,7 @@ fn a_failed_mount_leaves_the_record_and_a_retry_completes() {
         c.mkfs, 1,
         "the retry finds the filesystem the first try made"
     );
-    assert_eq!(
-        c.attach, 1,
-        "the retry finds the loop device the first try made"
-    );
+    assert_eq!(c.attach, 2, "the retry attaches again");
     assert_eq!(c.mount, 2);
     assert_eq!(w.mounts_at(&w.staging()), 1);
     assert_eq!(w.node_record(&id).unwrap().fs_type.as_deref(), Some("ext4"));

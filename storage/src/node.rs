@@ -238,6 +238,17 @@ impl Driver {
                 "block access is not possible on a kind=dir volume",
             ));
         }
+        if let Access::Mount {
+            volume_mount_group, ..
+        } = &cap.access
+        {
+            if !volume_mount_group.is_empty() && volume_mount_group.parse::<u32>().is_err() {
+                return Err(Error::invalid(format!(
+                    "volume_mount_group {:?} is not a numeric group id",
+                    crate::volumes::shorten(volume_mount_group)
+                )));
+            }
+        }
         Ok(cap)
     }
 
@@ -305,6 +316,10 @@ impl Driver {
         )
     }
 
+    /// Stages a volume. When the first stage of a volume fails, what this call did
+    /// is undone (mount, loop device, record), so a refused or failed stage leaves
+    /// nothing behind; a crash instead leaves the record, which the retry or the
+    /// unstage finishes.
     #[allow(clippy::too_many_arguments)]
     fn stage_locked(
         &self,
@@ -317,6 +332,41 @@ impl Driver {
         ephemeral: bool,
     ) -> Result<()> {
         let first_stage = self.node_records.get(id).is_none();
+        let result = self.stage_steps(id, volume_id, loc, staging, cap, context, ephemeral);
+        if result.is_err() && first_stage {
+            if let Err(e) = self.undo_first_stage(id, loc, staging) {
+                tracing::warn!(volume.id = %id, error = %e, "could not undo a failed stage");
+            }
+        }
+        result
+    }
+
+    fn undo_first_stage(&self, id: VolumeId, loc: &Located, staging: &Path) -> Result<()> {
+        let devices = self.devices(loc)?;
+        self.unmount_owned(id, loc, &devices, staging)?;
+        let mounts = self.mounts()?;
+        for d in &devices {
+            if mounts_of(&mounts, &d.device).is_empty() {
+                self.sys
+                    .loops
+                    .detach(&d.device)
+                    .context(|| format!("detaching {}", d.device.display()))?;
+            }
+        }
+        self.node_records.remove(id)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn stage_steps(
+        &self,
+        id: VolumeId,
+        volume_id: &str,
+        loc: &Located,
+        staging: &Path,
+        cap: &Capability,
+        context: &BTreeMap<String, String>,
+        ephemeral: bool,
+    ) -> Result<()> {
         let mut rec = match self.node_records.get(id) {
             Some(r) => {
                 if let Some(old) = r.staging_path.as_ref().filter(|p| *p != staging) {
@@ -417,6 +467,12 @@ impl Driver {
                 staging.display()
             )));
         }
+        if let Some(m) = mounts_of(&mounts, &dev.device).first() {
+            return Err(Error::AlreadyExists(format!(
+                "volume {id} is mounted at {} already",
+                m.mount_point.display()
+            )));
+        }
         let wanted = cap
             .fs_type()
             .map(String::from)
@@ -429,23 +485,23 @@ impl Driver {
             .context(|| format!("probing {}", dev.device.display()))?;
         let (fs_type, fresh) = match found {
             None => {
+                let size = self
+                    .sys
+                    .fs
+                    .device_size(&dev.device)
+                    .context(|| format!("sizing {}", dev.device.display()))?;
+                let least = crate::volumes::minimum_size(Some(&wanted));
+                if size < least {
+                    return Err(Error::invalid(format!(
+                        "volume {id} has {size} bytes; {wanted} needs at least {least}"
+                    )));
+                }
                 self.heavy(|| self.sys.fs.mkfs(&dev.device, &wanted))
                     .context(|| format!("making {wanted} on {}", dev.device.display()))?;
                 (wanted, true)
             }
             Some(have) => {
                 if cap.fs_type().is_some_and(|w| w != have) {
-                    if first_stage {
-                        // Bad input changes nothing: undo this call's attach and
-                        // intent (nothing mounts the device: it is not staged).
-                        if mounts_of(&self.mounts()?, &dev.device).is_empty() {
-                            self.sys
-                                .loops
-                                .detach(&dev.device)
-                                .context(|| format!("detaching {}", dev.device.display()))?;
-                        }
-                        self.node_records.remove(id)?;
-                    }
                     return Err(Error::invalid(format!(
                         "volume {id} holds {have}, not the requested {wanted}; it is never \
                          reformatted"
@@ -507,7 +563,8 @@ impl Driver {
     }
 
     fn finish_stage(&self, rec: NodeRecord, staging: &Path, group: &str) -> Result<()> {
-        if !group.is_empty() && !rec.block {
+        // A read-only filesystem cannot change its owner; pods only read it.
+        if !group.is_empty() && !rec.block && !rec.mode.is_read_only() {
             apply_mount_group(staging, group)?;
         }
         self.node_records.put(&rec)?;
@@ -581,10 +638,13 @@ impl Driver {
         let mounts = self.mounts()?;
         for d in &devices {
             if mounts_of(&mounts, &d.device).is_empty() {
-                self.sys
-                    .loops
-                    .detach(&d.device)
-                    .context(|| format!("detaching {}", d.device.display()))?;
+                match self.sys.loops.detach(&d.device) {
+                    // Still open elsewhere for a moment: the kernel detaches it when
+                    // the last user closes it, so the volume is unstaged all the same.
+                    Err(SysError::Busy { .. }) => tracing::warn!(device = %d.device.display(),
+                        "loop device busy; the kernel detaches it once it is closed"),
+                    other => other.context(|| format!("detaching {}", d.device.display()))?,
+                }
             } else {
                 tracing::warn!(device = %d.device.display(), "loop device still mounted elsewhere; kept");
             }
@@ -662,6 +722,13 @@ impl Driver {
         cap: &Capability,
         read_only: bool,
     ) -> Result<()> {
+        if target.starts_with(staging) || staging.starts_with(target) {
+            return Err(Error::invalid(format!(
+                "target_path {} overlaps the staging path {}",
+                target.display(),
+                staging.display()
+            )));
+        }
         let read_only = read_only || cap.mode.is_read_only();
         let flags = match &cap.access {
             Access::Mount { mount_flags, .. } => mount_flags.clone(),
@@ -1016,7 +1083,22 @@ impl Driver {
         let want = range.required.max(0) as u64;
         let len = file::file_len(&loc.path).context(|| format!("sizing {}", loc.path.display()))?;
         if want > len {
-            let want = want.div_ceil(4096) * 4096;
+            let want = want.div_ceil(4096).saturating_mul(4096);
+            let pool = self.pool(&loc.pool)?;
+            let (available, total) = pool.space()?;
+            if want > total {
+                return Err(Error::OutOfRange(format!(
+                    "{want} bytes exceeds the largest volume pool {} can hold ({total} bytes)",
+                    pool.name
+                )));
+            }
+            if want - len > available {
+                return Err(Error::ResourceExhausted(format!(
+                    "pool {} has {available} bytes free; growing by {} was asked",
+                    pool.name,
+                    want - len
+                )));
+            }
             file::grow(&loc.path, want).context(|| format!("growing {}", loc.path.display()))?;
         }
         let devices = self.loops_of(&loc.path)?;
@@ -1038,6 +1120,12 @@ impl Driver {
         let Some(m) = mounts_of(&mounts, &dev.device).into_iter().next().cloned() else {
             return Ok(size); // block volume, or not mounted: nothing more to grow
         };
+        if m.read_only() {
+            return Err(Error::precondition(format!(
+                "volume {id} is staged read-only; its filesystem grows at its next read-write \
+                 stage"
+            )));
+        }
         match self
             .sys
             .fs
@@ -1088,6 +1176,9 @@ impl Driver {
         if cap.is_block() {
             return Err(Error::invalid("ephemeral inline volumes are mount volumes"));
         }
+        if let Some(why) = cap.unsupported_reason() {
+            return Err(Error::invalid(why));
+        }
         let allowed = ["size", "type", EPHEMERAL_KEY];
         if let Some(k) = req
             .volume_context
@@ -1110,12 +1201,66 @@ impl Driver {
             .cloned()
             .unwrap_or_else(|| self.default_pool().name.clone());
         let pool = self.pool(&pool_name)?.clone();
+        let fs = cap
+            .fs_type()
+            .map(String::from)
+            .unwrap_or_else(|| self.cfg.default_fstype.clone());
+        let size = size
+            .max(crate::volumes::minimum_size(Some(&fs)))
+            .checked_next_multiple_of(MIB)
+            .filter(|s| i64::try_from(*s).is_ok())
+            .ok_or_else(|| {
+                Error::OutOfRange(format!("volumeAttribute size={size} is too large"))
+            })?;
+        let (available, total) = pool.space()?;
+        if size > total {
+            return Err(Error::OutOfRange(format!(
+                "{size} bytes exceeds the largest volume pool {} can hold ({total} bytes)",
+                pool.name
+            )));
+        }
         let _guard = self.locks.try_lock([format!("node:{id}")])?;
-        if self
+        let created = self
             .ephemeral_volumes
             .get(id)
-            .is_none_or(|r| r.state != RecordState::Ready)
-        {
+            .is_none_or(|r| r.state != RecordState::Ready);
+        if created && size > available {
+            return Err(Error::ResourceExhausted(format!(
+                "pool {} has {available} bytes free; {size} were asked for",
+                pool.name
+            )));
+        }
+        let result = self.make_ephemeral(req, target, id, &pool, &cap, size, fs, created);
+        if result.is_err() && created {
+            // A refused or failed first publish leaves nothing behind.
+            let staging = self.ephemeral_staging(id);
+            // The target may hold something else: that is left alone, the rest goes.
+            let _ = self.unpublish_locked(id, target);
+            let undo = self
+                .unstage_locked(id, &staging)
+                .and_then(|()| self.remove_volume_data(id, true))
+                .and_then(|()| self.ephemeral_volumes.remove(id));
+            let _ = std::fs::remove_dir(&staging);
+            if let Err(e) = undo {
+                tracing::warn!(volume.id = %id, error = %e, "could not undo a failed ephemeral publish");
+            }
+        }
+        result
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn make_ephemeral(
+        &self,
+        req: &Publish,
+        target: &Path,
+        id: VolumeId,
+        pool: &crate::pool::Pool,
+        cap: &Capability,
+        size: u64,
+        fs: String,
+        create: bool,
+    ) -> Result<()> {
+        if create {
             let create = CreateVolume {
                 name: req.volume_id.clone(),
                 capacity: CapacityRange {
@@ -1125,11 +1270,7 @@ impl Driver {
                 capabilities: vec![cap.clone()],
                 ..Default::default()
             };
-            let fs = cap
-                .fs_type()
-                .map(String::from)
-                .unwrap_or_else(|| self.cfg.default_fstype.clone());
-            self.create_ephemeral(id, &pool, create, fs)?;
+            self.create_ephemeral(id, pool, create, fs)?;
         }
         failpoint::hit("ephemeral.after-create");
         let loc = pool
@@ -1151,7 +1292,7 @@ impl Driver {
             &BTreeMap::new(),
             true,
         )?;
-        self.publish_locked(id, &loc, &staging, target, &cap, req.read_only)
+        self.publish_locked(id, &loc, &staging, target, cap, req.read_only)
     }
 
     fn create_ephemeral(
@@ -1161,8 +1302,8 @@ impl Driver {
         req: CreateVolume,
         fs: String,
     ) -> Result<()> {
-        let size = (req.capacity.required as u64).max(crate::volumes::minimum_size(Some(&fs)));
-        let size = size.div_ceil(MIB) * MIB;
+        // The caller checked and rounded the size.
+        let size = req.capacity.required as u64;
         let rec = VolumeRecord {
             id,
             name: req.name,

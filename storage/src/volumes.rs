@@ -1026,6 +1026,14 @@ impl Driver {
     }
 }
 
+/// A caller's string cut to a length fit for a message.
+pub(crate) fn shorten(s: &str) -> String {
+    match s.char_indices().nth(64) {
+        Some((i, _)) => format!("{}...", &s[..i]),
+        None => s.to_string(),
+    }
+}
+
 /// Parses a pagination token: empty is the start, anything we did not issue is ABORTED.
 pub(crate) fn parse_token<T>(token: &str, parse: impl Fn(&str) -> Option<T>) -> Result<Option<T>> {
     if token.is_empty() {
