@@ -4,7 +4,6 @@
 //! targets), and every use of it is checked against the real world.
 
 use std::collections::BTreeMap;
-use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Component, Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
@@ -1470,15 +1469,8 @@ fn apply_mount_group(root: &Path, group: &str) -> Result<()> {
             "volume_mount_group {group:?} is not a numeric group id"
         ))
     })?;
-    let meta =
-        std::fs::metadata(root).map_err(|e| Error::internal(format!("{}: {e}", root.display())))?;
-    if meta.gid() != gid {
-        std::os::unix::fs::chown(root, None, Some(gid))
-            .map_err(|e| Error::internal(format!("chown {}: {e}", root.display())))?;
-    }
-    let mode = meta.permissions().mode() | 0o2070;
-    std::fs::set_permissions(root, std::fs::Permissions::from_mode(mode))
-        .map_err(|e| Error::internal(format!("chmod {}: {e}", root.display())))
+    file::share_with_group(root, gid)
+        .context(|| format!("giving {} to group {gid}", root.display()))
 }
 
 #[cfg(test)]

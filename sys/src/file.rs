@@ -665,6 +665,20 @@ pub fn mkdir_p_mode(path: &Path, mode: u32) -> Result<()> {
     Ok(())
 }
 
+/// Gives a directory to group `gid` with group read/write/search and the setgid bit,
+/// so that files made in it inherit the group.
+pub fn share_with_group(dir: &Path, gid: u32) -> Result<()> {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let meta = fs::metadata(dir).map_err(|e| SysError::io("stat", dir, e))?;
+    if meta.gid() != gid {
+        std::os::unix::fs::chown(dir, None, Some(gid))
+            .map_err(|e| SysError::io("chown", dir, e))?;
+    }
+    let mode = meta.permissions().mode() | 0o2070;
+    fs::set_permissions(dir, fs::Permissions::from_mode(mode))
+        .map_err(|e| SysError::io("chmod", dir, e))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
