@@ -639,69 +639,81 @@ async fn capabilities(
             )),
         })
         .collect();
-    // A service the driver does not serve is reported, not fatal.
-    let unserved = |s: tonic::Status| json!(format!("{:?}: {}", s.code(), s.message()));
-    let controller = match ctl
-        .controller_get_capabilities(csi::ControllerGetCapabilitiesRequest {})
-        .await
-    {
-        Ok(r) => json!(r
-            .into_inner()
-            .capabilities
-            .into_iter()
-            .filter_map(|c| match c.r#type {
-                Some(controller_service_capability::Type::Rpc(r)) =>
-                    controller_service_capability::rpc::Type::try_from(r.r#type)
-                        .ok()
-                        .map(|x| x.as_str_name().to_string()),
-                None => None,
-            })
-            .collect::<Vec<_>>()),
-        Err(s) => unserved(s),
-    };
-    let node_caps = match node
-        .node_get_capabilities(csi::NodeGetCapabilitiesRequest {})
-        .await
-    {
-        Ok(r) => json!(r
-            .into_inner()
-            .capabilities
-            .into_iter()
-            .filter_map(|c| match c.r#type {
-                Some(node_service_capability::Type::Rpc(r)) =>
-                    node_service_capability::rpc::Type::try_from(r.r#type)
-                        .ok()
-                        .map(|x| x.as_str_name().to_string()),
-                None => None,
-            })
-            .collect::<Vec<_>>()),
-        Err(s) => unserved(s),
-    };
+    let controller = rpc_names(
+        ctl.controller_get_capabilities(csi::ControllerGetCapabilitiesRequest {})
+            .await,
+        |r| {
+            r.capabilities
+                .into_iter()
+                .filter_map(|c| match c.r#type? {
+                    controller_service_capability::Type::Rpc(r) => Some(r.r#type),
+                })
+                .collect()
+        },
+        |n| {
+            controller_service_capability::rpc::Type::try_from(n)
+                .ok()
+                .map(|t| t.as_str_name())
+        },
+    );
+    let node_caps = rpc_names(
+        node.node_get_capabilities(csi::NodeGetCapabilitiesRequest {})
+            .await,
+        |r| {
+            r.capabilities
+                .into_iter()
+                .filter_map(|c| match c.r#type? {
+                    node_service_capability::Type::Rpc(r) => Some(r.r#type),
+                })
+                .collect()
+        },
+        |n| {
+            node_service_capability::rpc::Type::try_from(n)
+                .ok()
+                .map(|t| t.as_str_name())
+        },
+    );
     let mut group = csi::group_controller_client::GroupControllerClient::new(channel);
-    let group_caps = match group
-        .group_controller_get_capabilities(csi::GroupControllerGetCapabilitiesRequest {})
-        .await
-    {
-        Ok(r) => json!(r
-            .into_inner()
-            .capabilities
-            .into_iter()
-            .filter_map(|c| match c.r#type {
-                Some(group_controller_service_capability::Type::Rpc(r)) =>
-                    group_controller_service_capability::rpc::Type::try_from(r.r#type)
-                        .ok()
-                        .map(|x| x.as_str_name().to_string()),
-                None => None,
-            })
-            .collect::<Vec<_>>()),
-        Err(s) => unserved(s),
-    };
+    let group_caps = rpc_names(
+        group
+            .group_controller_get_capabilities(csi::GroupControllerGetCapabilitiesRequest {})
+            .await,
+        |r| {
+            r.capabilities
+                .into_iter()
+                .filter_map(|c| match c.r#type? {
+                    group_controller_service_capability::Type::Rpc(r) => Some(r.r#type),
+                })
+                .collect()
+        },
+        |n| {
+            group_controller_service_capability::rpc::Type::try_from(n)
+                .ok()
+                .map(|t| t.as_str_name())
+        },
+    );
     Ok(json!({
         "plugin": plugin,
         "controller": controller,
         "node": node_caps,
         "group_controller": group_caps,
     }))
+}
+
+/// The names of the RPC capabilities a GetCapabilities call answered; a service
+/// the driver does not serve is reported, not fatal.
+fn rpc_names<R>(
+    answer: Result<tonic::Response<R>, tonic::Status>,
+    rpcs: impl FnOnce(R) -> Vec<i32>,
+    name: impl Fn(i32) -> Option<&'static str>,
+) -> Value {
+    match answer {
+        Ok(r) => json!(rpcs(r.into_inner())
+            .into_iter()
+            .filter_map(name)
+            .collect::<Vec<_>>()),
+        Err(s) => json!(format!("{:?}: {}", s.code(), s.message())),
+    }
 }
 
 fn volume(v: &csi::Volume) -> Value {

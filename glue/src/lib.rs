@@ -93,11 +93,6 @@ impl<R: Redact + Debug + Clone> Debug for Redacted<'_, R> {
     }
 }
 
-/// Formats a request with every secret value replaced.
-pub fn redacted<R: Redact + Debug + Clone>(req: &R) -> String {
-    format!("{:?}", Redacted(req))
-}
-
 macro_rules! no_secrets {
     ($($t:ty),* $(,)?) => { $(impl Redact for $t {})* };
 }
@@ -269,7 +264,7 @@ mod tests {
         assert!(!text.contains("v}"), "{text}");
         assert!(text.contains("password"), "{text}");
         assert!(text.contains("pvc-1"));
-        let text = redacted(&req);
+        let text = format!("{:?}", Redacted(&req));
         assert!(!text.contains("hunter2") && text.contains("<redacted>"));
     }
 

@@ -29,12 +29,6 @@ pub enum Error {
     /// was not issued by this driver.
     #[error("{0}")]
     Aborted(String),
-    /// The driver does not implement this.
-    #[error("{0}")]
-    Unimplemented(String),
-    /// The driver is not ready yet.
-    #[error("{0}")]
-    Unavailable(String),
     /// A failure of the system layer, with what the domain was doing.
     #[error("{context}: {source}")]
     System {
@@ -67,6 +61,17 @@ impl Error {
         Error::Internal(msg.into())
     }
 
+    /// This error, joined by the failure of the cleanup that followed it, if any.
+    pub fn with_cleanup(self, cleanup: Result<()>) -> Error {
+        match cleanup {
+            Ok(()) => self,
+            Err(c) => Error::Cleanup {
+                first: Box::new(self),
+                cleanup: Box::new(c),
+            },
+        }
+    }
+
     /// The gRPC code this error maps to.
     pub fn code(&self) -> tonic::Code {
         use tonic::Code;
@@ -78,8 +83,6 @@ impl Error {
             Error::ResourceExhausted(_) => Code::ResourceExhausted,
             Error::FailedPrecondition(_) => Code::FailedPrecondition,
             Error::Aborted(_) => Code::Aborted,
-            Error::Unimplemented(_) => Code::Unimplemented,
-            Error::Unavailable(_) => Code::Unavailable,
             Error::System { source, .. } => match source {
                 SysError::NoSpace { .. } => Code::ResourceExhausted,
                 SysError::Timeout { .. } => Code::DeadlineExceeded,

@@ -161,6 +161,19 @@ impl Driver {
         self.pools.values().find_map(|p| p.locate(id))
     }
 
+    /// Where a volume's data is, or was when this node staged it (the volume may
+    /// have been deleted since).
+    fn locate_or_recorded(&self, id: VolumeId, rec: Option<&NodeRecord>) -> Option<Located> {
+        self.locate(id).or_else(|| {
+            rec.map(|r| Located {
+                pool: String::new(),
+                path: r.data.clone(),
+                backing: r.backing,
+                ephemeral: r.ephemeral,
+            })
+        })
+    }
+
     fn located(&self, volume_id: &str) -> Result<(VolumeId, Located)> {
         let id = VolumeId::parse_existing(volume_id)?;
         let loc = self
@@ -591,14 +604,7 @@ impl Driver {
 
     fn unstage_locked(&self, id: VolumeId, staging: &Path) -> Result<()> {
         let rec = self.node_records.get(id);
-        let loc = self.locate(id).or_else(|| {
-            rec.as_ref().map(|r| Located {
-                pool: String::new(),
-                path: r.data.clone(),
-                backing: r.backing,
-                ephemeral: r.ephemeral,
-            })
-        });
+        let loc = self.locate_or_recorded(id, rec.as_ref());
         let Some(loc) = loc else {
             // Neither data nor record: nothing of this volume is left here.
             return Ok(());
@@ -910,14 +916,7 @@ impl Driver {
 
     fn unpublish_locked(&self, id: VolumeId, target: &Path) -> Result<()> {
         let mut rec = self.node_records.get(id);
-        let loc = self.locate(id).or_else(|| {
-            rec.as_ref().map(|r| Located {
-                pool: String::new(),
-                path: r.data.clone(),
-                backing: r.backing,
-                ephemeral: r.ephemeral,
-            })
-        });
+        let loc = self.locate_or_recorded(id, rec.as_ref());
         let devices = match &loc {
             Some(l) => self.devices(l)?,
             None => Vec::new(),
@@ -1141,10 +1140,6 @@ impl Driver {
                 source: e,
             }),
         }
-    }
-
-    pub fn staged_count(&self) -> usize {
-        self.node_records.len()
     }
 
     // ---- ephemeral inline volumes ----

@@ -81,7 +81,7 @@ impl Driver {
             self.heavy(|| self.with_frozen(&[(vid, src)], || self.copy_to_snapshot(&vol, &rec)))
         });
         if let Err(e) = made {
-            return Err(self.after_failure(e, self.roll_back_snapshot(&rec)));
+            return Err(e.with_cleanup(self.roll_back_snapshot(&rec)));
         }
         failpoint::hit("create-snapshot.after-data");
         rec.state = RecordState::Ready;
@@ -89,16 +89,6 @@ impl Driver {
         failpoint::hit("create-snapshot.after-commit");
         tracing::info!(snapshot.id = %sid, volume.id = %vid, name, "snapshot created");
         Ok(rec)
-    }
-
-    fn after_failure(&self, first: Error, cleanup: Result<()>) -> Error {
-        match cleanup {
-            Ok(()) => first,
-            Err(c) => Error::Cleanup {
-                first: Box::new(first),
-                cleanup: Box::new(c),
-            },
-        }
     }
 
     fn snapshot_record(
@@ -328,7 +318,7 @@ impl Driver {
             })
         })();
         if let Err(e) = made {
-            return Err(self.after_failure(e, self.roll_back_group(&group)));
+            return Err(e.with_cleanup(self.roll_back_group(&group)));
         }
         for m in &mut members {
             m.state = RecordState::Ready;

@@ -358,13 +358,7 @@ impl Driver {
             &record,
             src_path.as_ref().map(|(p, b)| (p.as_path(), *b)),
         ) {
-            return Err(match self.roll_back_volume(&record) {
-                Ok(()) => e,
-                Err(c) => Error::Cleanup {
-                    first: Box::new(e),
-                    cleanup: Box::new(c),
-                },
-            });
+            return Err(e.with_cleanup(self.roll_back_volume(&record)));
         }
         failpoint::hit("create-volume.after-data");
         self.volumes.put(&record)?;
@@ -961,12 +955,9 @@ impl Driver {
             // (Creating, Deleting) and a retry of its call repairs it, so one bad
             // record never keeps the driver from starting.
             let repaired = match (rec.state, rec.pending_size) {
-                (RecordState::Creating, _) => {
-                    tracing::warn!(volume.id = %rec.id, "rolling back an interrupted create");
-                    self.roll_back_volume(&rec)
-                }
-                (RecordState::Deleting, _) => {
-                    tracing::warn!(volume.id = %rec.id, "finishing an interrupted delete");
+                (RecordState::Creating | RecordState::Deleting, _) => {
+                    tracing::warn!(volume.id = %rec.id, state = ?rec.state,
+                        "removing a volume an interrupted create or delete left");
                     self.roll_back_volume(&rec)
                 }
                 (RecordState::Ready, Some(size)) => {
