@@ -674,6 +674,87 @@ def check_binary(binary, flags_in_use, r):
                 f"the binary accepts {f} (in its --help)")
 
 
+# ---------------------------------------------------------------- node label domains
+
+# NodeRestriction lets a kubelet set node labels in the kubernetes.io and k8s.io
+# domains only from this list (and the two prefixes after it). The kubelet puts
+# a CSI driver's topology keys on its Node as labels, so a topology key in those
+# domains makes registration fail on every cluster with NodeRestriction on.
+KUBELET_ALLOWED_LABELS = {
+    "kubernetes.io/hostname", "kubernetes.io/arch", "kubernetes.io/os",
+    "beta.kubernetes.io/arch", "beta.kubernetes.io/os", "beta.kubernetes.io/instance-type",
+    "node.kubernetes.io/instance-type",
+    "failure-domain.beta.kubernetes.io/region", "failure-domain.beta.kubernetes.io/zone",
+    "topology.kubernetes.io/region", "topology.kubernetes.io/zone",
+}
+KUBELET_ALLOWED_PREFIXES = ("kubelet.kubernetes.io/", "node.kubernetes.io/")
+TOPOLOGY_KEY_RE = re.compile(r"\btopology\.[A-Za-z0-9.-]+/[A-Za-z0-9._-]+")
+SOURCE_SUFFIXES = {".rs", ".proto", ".yaml", ".yml", ".md", ".py", ".sh", ".json", ".tpl", ".txt"}
+
+
+def reserved_for_kubelet(key):
+    """True when NodeRestriction forbids a kubelet to set `key` on its Node."""
+    domain, slash, _ = key.partition("/")
+    if not slash:
+        return False
+    domain = domain.lower()
+    reserved = any(domain == d or domain.endswith("." + d) for d in ("kubernetes.io", "k8s.io"))
+    return reserved and key not in KUBELET_ALLOWED_LABELS and not key.startswith(KUBELET_ALLOWED_PREFIXES)
+
+
+def node_label_keys(doc):
+    """Node label keys an object selects on: nodeSelector, node affinity,
+    topology spread constraints, a StorageClass's allowedTopologies."""
+    keys = []
+
+    def walk(o):
+        if isinstance(o, dict):
+            for k, v in o.items():
+                if k == "nodeSelector" and isinstance(v, dict):
+                    keys.extend(v)
+                elif k == "nodeSelectorTerms" and isinstance(v, list):
+                    for t in v:
+                        for e in (t.get("matchExpressions") or []) + (t.get("matchFields") or []):
+                            keys.append(e.get("key", ""))
+                elif k == "topologyKey" and isinstance(v, str):
+                    keys.append(v)
+                elif k == "allowedTopologies" and isinstance(v, list):
+                    for t in v:
+                        for e in t.get("matchLabelExpressions") or []:
+                            keys.append(e.get("key", ""))
+                walk(v)
+        elif isinstance(o, list):
+            for i in o:
+                walk(i)
+
+    walk(doc)
+    return [k for k in keys if k]
+
+
+def check_label_domains(rendered, examples, r):
+    for origin, docs in list(rendered.items()) + [(f"examples/{n}", d) for n, d in examples.items()]:
+        for d in docs:
+            for k in node_label_keys(d):
+                r.check(not reserved_for_kubelet(k),
+                        f"{origin}: {d['kind']} {d['metadata'].get('name')} selects node label {k}",
+                        "in a domain NodeRestriction reserves: the kubelet cannot set it")
+    seen = 0
+    for path in sorted(REPO.rglob("*")):
+        rel = path.relative_to(REPO)
+        if rel.parts[0] in ("target", ".git") or not path.is_file() or path.suffix not in SOURCE_SUFFIXES:
+            continue
+        try:
+            text = path.read_text(errors="replace")
+        except OSError:
+            continue
+        for m in TOPOLOGY_KEY_RE.finditer(text):
+            seen += 1
+            r.check(not reserved_for_kubelet(m.group(0)),
+                    f"{rel}: topology key {m.group(0)}",
+                    "in a domain NodeRestriction reserves: the kubelet cannot label its Node with it")
+    r.check(seen > 0, "the driver's topology key is found in the sources")
+
+
 # ---------------------------------------------------------------- main
 
 def crate_version():
@@ -804,6 +885,12 @@ def main():
               "snapshot classes name the driver; VolumeAttributesClass uses only the mutable parameters",
               "claims use an example StorageClass; the inline volume names the driver and a size")
     check_examples(examples, r)
+
+    r.section("node label domains",
+              "every topology key in the sources, the manifests and the examples, and every node label "
+              "they select on, is one a kubelet may set under NodeRestriction "
+              "(not in kubernetes.io or k8s.io, except the kubelet's own labels)")
+    check_label_domains(rendered, examples, r)
 
     flags = driver_flags(rendered)
     r.section("flags passed to the driver: " + " ".join(flags))

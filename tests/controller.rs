@@ -944,7 +944,7 @@ async fn root_bad_inputs_get_spec_codes_and_change_nothing() {
     let mut r = base();
     r.accessibility_requirements = Some(csi::TopologyRequirement {
         requisite: vec![csi::Topology {
-            segments: map(&[("topology.example.csi.k8s.io/node", "other-node")]),
+            segments: map(&[("topology.example.csi/node", "other-node")]),
         }],
         preferred: vec![],
     });
@@ -1378,7 +1378,7 @@ async fn root_names_capacity_condition_expand_list_modify() {
     assert_eq!(
         a.accessible_topology[0]
             .segments
-            .get("topology.example.csi.k8s.io/node"),
+            .get("topology.example.csi/node"),
         Some(&"test-node".to_string())
     );
     let e = c
@@ -1410,7 +1410,7 @@ async fn root_names_capacity_condition_expand_list_modify() {
         volume_capabilities: vec![mount_cap("ext4", writer())],
         parameters: HashMap::new(),
         accessible_topology: topo.map(|n| csi::Topology {
-            segments: map(&[("topology.example.csi.k8s.io/node", n)]),
+            segments: map(&[("topology.example.csi/node", n)]),
         }),
     };
     let mine = c

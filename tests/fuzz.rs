@@ -405,7 +405,7 @@ impl G<'_> {
     }
     fn topology(&mut self) -> csi::Topology {
         let key = self
-            .pick(&["topology.example.csi.k8s.io/node", "zone", ""])
+            .pick(&["topology.example.csi/node", "zone", ""])
             .to_string();
         let val = self.pick(&["fuzz-node", "other-node", ""]).to_string();
         csi::Topology {

@@ -1544,7 +1544,7 @@ async fn root_node_info_and_capabilities() {
     assert_eq!(info.max_volumes_per_node, 7);
     let topo = info.accessible_topology.unwrap().segments;
     assert_eq!(
-        topo.get("topology.example.csi.k8s.io/node")
+        topo.get("topology.example.csi/node")
             .map(String::as_str),
         Some("test-node")
     );

@@ -9,7 +9,7 @@ use crate::error::{Error, Result};
 use crate::ids::{GroupSnapshotId, SnapshotId, VolumeId};
 
 /// The topology key of this driver; its value is the node id.
-pub const TOPOLOGY_KEY: &str = "topology.example.csi.k8s.io/node";
+pub const TOPOLOGY_KEY: &str = "topology.example.csi/node";
 
 /// Filesystems a mount volume can carry.
 pub const FILESYSTEMS: [&str; 3] = ["ext4", "xfs", "btrfs"];
