@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs every test of example-csi: formatting and lints, the Rust unit and
 # integration tests (real loop devices, mkfs and mounts: run as root), the CSI
-# contract check, csi-sanity in every configuration, and the deploy/ validation.
+# contract check, csi-sanity in every configuration, the deploy/ validation, and
+# the end-to-end scenarios on a real single-node Kubernetes (central flavor).
 # Installs what is missing first, so it works on a fresh machine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -47,9 +48,18 @@ drc=${PIPESTATUS[0]}
 set -e
 deploy_failed=0; [ "$drc" -ne 0 ] && deploy_failed=1
 
-passed=$(( ${cargo_passed:-0} + ${sanity_passed:-0} ))
-failed=$(( ${cargo_failed:-0} + ${sanity_failed:-0} + deploy_failed ))
+step "end-to-end on a real Kubernetes (e2e/run.sh --flavor central)"
+set +e
+e2e/run.sh --flavor central 2>&1 | tee "$log"
+erc=${PIPESTATUS[0]}
+set -e
+e2e_passed=$(grep -E "^e2e .*: [0-9]+ passed" "$log" | sed -E 's/.*: ([0-9]+) passed.*/\1/')
+e2e_failed=$(grep -E "^e2e .*: [0-9]+ passed" "$log" | sed -E 's/.* ([0-9]+) failed.*/\1/')
+[ "$erc" -ne 0 ] && [ "${e2e_failed:-0}" = 0 ] && e2e_failed=1
+
+passed=$(( ${cargo_passed:-0} + ${sanity_passed:-0} + ${e2e_passed:-0} ))
+failed=$(( ${cargo_failed:-0} + ${sanity_failed:-0} + deploy_failed + ${e2e_failed:-0} ))
 echo
-echo "cargo test: ${cargo_passed:-0} passed, ${cargo_failed:-0} failed; csi-sanity: ${sanity_passed:-0} passed, ${sanity_failed:-0} failed; deploy checks: $([ $deploy_failed = 0 ] && echo ok || echo FAILED)"
+echo "cargo test: ${cargo_passed:-0} passed, ${cargo_failed:-0} failed; csi-sanity: ${sanity_passed:-0} passed, ${sanity_failed:-0} failed; deploy checks: $([ $deploy_failed = 0 ] && echo ok || echo FAILED); e2e: ${e2e_passed:-0} passed, ${e2e_failed:-0} failed"
 echo "total: $passed passed, $failed failed"
 [ "$failed" = 0 ]

@@ -1,0 +1,165 @@
+# shellcheck shell=bash
+# Assertions and waits of the end-to-end scenarios. Each check prints one line
+# and is counted; the run ends with "e2e: N passed, M failed".
+
+E2E_PASSED=0
+E2E_FAILED=0
+E2E_FAILURES=()
+SCENARIO=""
+
+scenario() {
+    SCENARIO=$1
+    printf '\n%s ==== %s\n' "$(date +%T)" "$SCENARIO"
+}
+
+pass() { E2E_PASSED=$((E2E_PASSED + 1)); printf '  ok    %s\n' "$*"; }
+fail() {
+    E2E_FAILED=$((E2E_FAILED + 1))
+    E2E_FAILURES+=("$SCENARIO: $*")
+    printf '  FAIL  %s\n' "$*"
+}
+
+# check WHAT CMD...: passes when CMD succeeds.
+check() {
+    local what=$1; shift
+    if "$@" >/dev/null 2>&1; then pass "$what"; else fail "$what"; fi
+}
+
+# check_eq WHAT EXPECTED ACTUAL
+check_eq() {
+    if [ "$2" = "$3" ]; then pass "$1 ($3)"; else fail "$1: expected '$2', got '$3'"; fi
+}
+
+# eventually SECONDS WHAT CMD...: passes once CMD succeeds within SECONDS.
+eventually() {
+    local secs=$1 what=$2; shift 2
+    local end=$((SECONDS + secs)) start=$SECONDS
+    until "$@" >/dev/null 2>&1; do
+        if [ $SECONDS -ge $end ]; then fail "$what (not within ${secs}s)"; return 1; fi
+        sleep 1
+    done
+    pass "$what ($((SECONDS - start))s)"
+}
+
+# jp KIND/NAME JSONPATH [NAMESPACE]: one field of an object.
+jp() { kc -n "${3:-$NS}" get "$1" -o jsonpath="$2" 2>/dev/null; }
+
+# field_is KIND/NAME JSONPATH VALUE
+field_is() { [ "$(jp "$1" "$2")" = "$3" ]; }
+
+pod_running() { field_is "pod/$1" '{.status.phase}' Running; }
+pvc_bound() { field_is "pvc/$1" '{.status.phase}' Bound; }
+
+# in_pod POD CMD...: runs CMD in the pod's first container.
+in_pod() { kc -n "$NS" exec "$1" -- "${@:2}"; }
+
+apply() { kc -n "$NS" apply -f - >/dev/null; }
+
+# volume_of PVC: the driver's volume id of a bound claim.
+volume_of() {
+    local pv; pv=$(jp "pvc/$1" '{.spec.volumeName}')
+    [ -n "$pv" ] && kc get pv "$pv" -o jsonpath='{.spec.csi.volumeHandle}'
+}
+
+# pool_files: volume and snapshot files in the pools, one path a line.
+pool_files() {
+    local p
+    for p in "${POOL_DIRS[@]}"; do
+        find "$p/volumes" "$p/snapshots" "$p/ephemeral" -mindepth 1 -maxdepth 1 2>/dev/null
+    done | sort
+}
+
+# pool_file_of VOLUME_ID: the volume's backing file or directory.
+pool_file_of() {
+    local p
+    for p in "${POOL_DIRS[@]}"; do
+        for f in "$p/volumes/$1.img" "$p/volumes/$1"; do [ -e "$f" ] && { echo "$f"; return 0; }; done
+    done
+    return 1
+}
+
+# Pod and claim manifests -------------------------------------------------
+
+# pvc NAME SIZE STORAGECLASS [MODE] [extra spec lines]
+pvc() {
+    local mode=${4:-Filesystem}
+    apply <<EOF
+apiVersion: v1
+kind: PersistentVolumeClaim
+metadata:
+  name: $1
+  labels: {e2e: "true"${PVC_LABELS:+, $PVC_LABELS}}
+spec:
+  accessModes: [ReadWriteOnce]
+  volumeMode: $mode
+  storageClassName: $3
+  resources: {requests: {storage: $2}}
+${5:-}
+EOF
+}
+
+# pod NAME CLAIM COMMAND [security context lines]: busybox with the claim at /data.
+pod() {
+    apply <<EOF
+apiVersion: v1
+kind: Pod
+metadata:
+  name: $1
+  labels: {e2e: "true"}
+spec:
+  terminationGracePeriodSeconds: 1
+${4:-}
+  containers:
+    - name: app
+      image: $BUSYBOX_IMAGE
+      imagePullPolicy: Never
+      command: ["sh", "-c", "$3"]
+      volumeMounts: [{name: data, mountPath: /data}]
+  volumes:
+    - name: data
+      persistentVolumeClaim: {claimName: $2}
+EOF
+}
+
+# block_pod NAME CLAIM COMMAND: the claim as the raw device /dev/xvda.
+block_pod() {
+    apply <<EOF
+apiVersion: v1
+kind: Pod
+metadata:
+  name: $1
+  labels: {e2e: "true"}
+spec:
+  terminationGracePeriodSeconds: 1
+  containers:
+    - name: app
+      image: $BUSYBOX_IMAGE
+      imagePullPolicy: Never
+      command: ["sh", "-c", "$3"]
+      volumeDevices: [{name: data, devicePath: /dev/xvda}]
+  volumes:
+    - name: data
+      persistentVolumeClaim: {claimName: $2}
+EOF
+}
+
+delete_pod() { kc -n "$NS" delete pod "$@" --wait=true --timeout=120s >/dev/null 2>&1 || true; }
+
+# Predicates for eventually/check ------------------------------------------
+
+not() { ! "$@"; }
+gone() { ! kc -n "$NS" get "$1" >/dev/null 2>&1; }
+all_of() { local c; for c in "$@"; do eval "$c" || return 1; done; }
+# count_is N CMD...: CMD prints exactly N non-empty lines
+count_is() { local n=$1; shift; [ "$("$@" 2>/dev/null | grep -c .)" = "$n" ]; }
+empty_dirs() { [ -z "$(find "$@" -mindepth 1 -maxdepth 1 2>/dev/null)" ]; }
+df_over() { local k; k=$(in_pod "$1" df -k "$2" | awk 'NR==2 {print $2}'); [ -n "$k" ] && [ "$k" -gt "$3" ]; }
+pvc_condition() { jp "pvc/$1" '{.status.conditions[*].type}' | grep -qE "$2"; }
+bound_count_is() {
+    [ "$(kc -n "$NS" get pvc -l "$1" -o jsonpath='{range .items[*]}{.status.phase}{"\n"}{end}' | grep -c Bound)" = "$2" ]
+}
+pool_loops() { losetup -n -O BACK-FILE 2>/dev/null | grep -E "^($(IFS='|'; echo "${POOL_DIRS[*]}"))/"; }
+volume_mounts() {
+    awk '{print $5}' /proc/self/mountinfo \
+        | grep -E '/var/lib/kubelet/(pods/.*/volumes/kubernetes.io~csi|plugins/kubernetes.io/csi/)'
+}

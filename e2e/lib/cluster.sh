@@ -1,0 +1,257 @@
+# shellcheck shell=bash
+# A single-node (or two-node) Kubernetes on this machine: etcd, the control
+# plane, containerd and a kubelet per node, every process started here, tracked
+# by PID, and stopped at teardown. Nothing listens beyond loopback and the
+# machine's own address; pods live on a bridge of their own with no route out.
+#
+# Needs: W (the work directory), BIN_K8S, BIN_ETCD, HOST_IP.
+
+SERVICE_CIDR=10.96.0.0/24
+SERVICE_IP=10.96.0.1
+POD_CIDR_BASE=10.244     # node i gets 10.244.i.0/24 on bridge e2e-br<i>
+APISERVER_PORT=6443
+
+log() { printf '%s e2e: %s\n' "$(date +%T)" "$*" >&2; }
+die() { log "FAIL: $*"; exit 1; }
+
+# host_ip: the machine's own address (not loopback), the node IP of the kubelets.
+host_ip() {
+    ip -4 -o addr show scope global | awk '{split($4, a, "/"); print a[1]; exit}'
+}
+
+# start_bg NAME CMD...: runs CMD in the background, logging to $W/logs/NAME.log,
+# and records its PID for teardown.
+start_bg() {
+    local name=$1; shift
+    mkdir -p "$W/logs"
+    setsid "$@" >>"$W/logs/$name.log" 2>&1 </dev/null &
+    echo "$! $name" >>"$W/pids"
+}
+
+# wait_for SECONDS WHAT CMD...: retries CMD every half second until it succeeds.
+wait_for() {
+    local secs=$1 what=$2; shift 2
+    local end=$((SECONDS + secs))
+    until "$@" >/dev/null 2>&1; do
+        [ $SECONDS -ge $end ] && { log "timed out after ${secs}s waiting for $what"; return 1; }
+        sleep 0.5
+    done
+}
+
+kc() { "$BIN_K8S/kubectl" --kubeconfig "$W/admin.kubeconfig" "$@"; }
+
+start_control_plane() {
+    local pki=$W/pki
+    pki_make "$pki" "$HOST_IP" "$SERVICE_IP" "${NODES[@]}"
+    local server="https://$HOST_IP:$APISERVER_PORT"
+    kubeconfig "$W/admin.kubeconfig" "$server" "$pki" admin
+    kubeconfig "$W/controller-manager.kubeconfig" "$server" "$pki" controller-manager
+    kubeconfig "$W/scheduler.kubeconfig" "$server" "$pki" scheduler
+    local n
+    for n in "${NODES[@]}"; do kubeconfig "$W/kubelet-$n.kubeconfig" "$server" "$pki" "kubelet-$n"; done
+
+    log "starting etcd"
+    start_bg etcd "$BIN_ETCD/etcd" --data-dir "$W/etcd" --name e2e \
+        --listen-client-urls http://127.0.0.1:2379 --advertise-client-urls http://127.0.0.1:2379 \
+        --listen-peer-urls http://127.0.0.1:2380 --initial-advertise-peer-urls http://127.0.0.1:2380 \
+        --initial-cluster e2e=http://127.0.0.1:2380 --log-level warn
+    wait_for 60 etcd curl -sf http://127.0.0.1:2379/health || die "etcd did not start (logs/etcd.log)"
+
+    log "starting kube-apiserver (NodeRestriction on)"
+    start_bg kube-apiserver "$BIN_K8S/kube-apiserver" \
+        --etcd-servers=http://127.0.0.1:2379 \
+        --bind-address="$HOST_IP" --advertise-address="$HOST_IP" --secure-port=$APISERVER_PORT \
+        --tls-cert-file="$pki/apiserver.crt" --tls-private-key-file="$pki/apiserver.key" \
+        --client-ca-file="$pki/ca.crt" \
+        --kubelet-client-certificate="$pki/apiserver-kubelet-client.crt" \
+        --kubelet-client-key="$pki/apiserver-kubelet-client.key" \
+        --kubelet-preferred-address-types=Hostname \
+        --authorization-mode=Node,RBAC --enable-admission-plugins=NodeRestriction \
+        --allow-privileged=true \
+        --service-cluster-ip-range=$SERVICE_CIDR \
+        --service-account-key-file="$pki/sa.pub" --service-account-signing-key-file="$pki/sa.key" \
+        --service-account-issuer=https://kubernetes.default.svc \
+        --profiling=false --v=1
+    wait_for 120 kube-apiserver kc get --raw /readyz || die "kube-apiserver did not become ready (logs/kube-apiserver.log)"
+
+    log "starting kube-controller-manager and kube-scheduler"
+    start_bg kube-controller-manager "$BIN_K8S/kube-controller-manager" \
+        --kubeconfig="$W/controller-manager.kubeconfig" --leader-elect=false \
+        --service-account-private-key-file="$pki/sa.key" --root-ca-file="$pki/ca.crt" \
+        --use-service-account-credentials=true --service-cluster-ip-range=$SERVICE_CIDR \
+        --cluster-signing-cert-file="$pki/ca.crt" --cluster-signing-key-file="$pki/ca.key" \
+        --bind-address=127.0.0.1 --secure-port=10257 --v=1
+    start_bg kube-scheduler "$BIN_K8S/kube-scheduler" \
+        --kubeconfig="$W/scheduler.kubeconfig" --leader-elect=false \
+        --bind-address=127.0.0.1 --secure-port=10259 --v=1
+
+    # The pods reach the API server at the kubernetes Service's address, as in
+    # any cluster; with no kube-proxy here, one DNAT rule plays its part.
+    iptables -t nat -I PREROUTING -d "$SERVICE_IP/32" -p tcp --dport 443 \
+        -j DNAT --to-destination "$HOST_IP:$APISERVER_PORT"
+    iptables -t nat -I OUTPUT -d "$SERVICE_IP/32" -p tcp --dport 443 \
+        -j DNAT --to-destination "$HOST_IP:$APISERVER_PORT"
+    wait_for 60 "the default service account" kc -n default get serviceaccount default \
+        || die "no default service account (logs/kube-controller-manager.log)"
+}
+
+# start_node INDEX NAME: a containerd and a kubelet for node NAME. The first node
+# uses /var/lib/kubelet (the path deploy/ mounts); another gets its own root dir.
+start_node() {
+    local i=$1 name=$2
+    local cdir=$W/containerd-$name
+    mkdir -p "$cdir" "$W/cni-$name/net.d" "$W/cni-$name/cache"
+    cat >"$W/cni-$name/net.d/10-e2e.conflist" <<EOF
+{
+  "cniVersion": "0.4.0",
+  "name": "e2e-$name",
+  "plugins": [
+    {
+      "type": "bridge",
+      "bridge": "e2e-br$i",
+      "isGateway": true,
+      "ipMasq": false,
+      "hairpinMode": true,
+      "ipam": {
+        "type": "host-local",
+        "ranges": [[{"subnet": "$POD_CIDR_BASE.$i.0/24"}]],
+        "routes": [{"dst": "0.0.0.0/0"}],
+        "dataDir": "$W/cni-$name/ipam"
+      }
+    },
+    {"type": "portmap", "capabilities": {"portMappings": true}}
+  ]
+}
+EOF
+    cat >"$cdir/config.toml" <<EOF
+version = 2
+root = "$cdir/root"
+state = "$cdir/state"
+[grpc]
+  address = "$cdir/containerd.sock"
+[ttrpc]
+  address = "$cdir/containerd.sock.ttrpc"
+[debug]
+  level = "warn"
+[plugins."io.containerd.grpc.v1.cri"]
+  sandbox_image = "$PAUSE_IMAGE"
+  restrict_oom_score_adj = true
+  enable_cdi = false
+  [plugins."io.containerd.grpc.v1.cri".containerd]
+    snapshotter = "overlayfs"
+    default_runtime_name = "runc"
+    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+      runtime_type = "io.containerd.runc.v2"
+      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+        SystemdCgroup = false
+  [plugins."io.containerd.grpc.v1.cri".cni]
+    bin_dir = "/usr/lib/cni"
+    conf_dir = "$W/cni-$name/net.d"
+EOF
+    log "starting containerd for node $name"
+    start_bg "containerd-$name" containerd --config "$cdir/config.toml"
+    wait_for 60 "containerd of $name" ctr --address "$cdir/containerd.sock" version \
+        || die "containerd did not start (logs/containerd-$name.log)"
+    import_images "$cdir/containerd.sock"
+
+    local root=/var/lib/kubelet
+    [ "$i" -gt 0 ] && root=$W/kubelet-$name
+    mkdir -p "$root"
+    # Bidirectional mount propagation (the node plugin's mounts reaching the
+    # pods) needs the kubelet's directory to be a shared mount.
+    if ! awk -v p="$root" '$5 == p' /proc/self/mountinfo | grep -q shared:; then
+        mount --bind "$root" "$root"
+        mount --make-rshared "$root"
+    fi
+    local pki=$W/pki
+    cat >"$W/kubelet-$name.yaml" <<EOF
+apiVersion: kubelet.config.k8s.io/v1beta1
+kind: KubeletConfiguration
+address: 127.0.0.1
+port: $((10250 + i * 10))
+healthzBindAddress: 127.0.0.1
+healthzPort: $((10248 + i * 10))
+readOnlyPort: 0
+cgroupDriver: cgroupfs
+failCgroupV1: false
+failSwapOn: false
+tlsCertFile: $pki/kubelet-serving-$name.crt
+tlsPrivateKeyFile: $pki/kubelet-serving-$name.key
+authentication:
+  anonymous: {enabled: false}
+  webhook: {enabled: true}
+  x509: {clientCAFile: $pki/ca.crt}
+authorization:
+  mode: Webhook
+containerRuntimeEndpoint: unix://$cdir/containerd.sock
+imageServiceEndpoint: unix://$cdir/containerd.sock
+staticPodPath: ""
+serializeImagePulls: false
+evictionHard: {memory.available: "100Mi", nodefs.available: "1%", imagefs.available: "1%", nodefs.inodesFree: "1%"}
+imageGCHighThresholdPercent: 100
+imageGCLowThresholdPercent: 99
+resolvConf: /etc/resolv.conf
+protectKernelDefaults: false
+makeIPTablesUtilChains: true
+localStorageCapacityIsolation: true
+volumeStatsAggPeriod: 10s
+EOF
+    log "starting kubelet $name (root $root)"
+    start_bg "kubelet-$name" "$BIN_K8S/kubelet" \
+        --config="$W/kubelet-$name.yaml" --kubeconfig="$W/kubelet-$name.kubeconfig" \
+        --hostname-override="$name" --node-ip="$HOST_IP" --root-dir="$root" \
+        --cert-dir="$W/kubelet-$name-certs" --v=2
+    wait_for 120 "node $name Ready" node_ready "$name" || die "node $name not Ready (logs/kubelet-$name.log)"
+}
+
+node_ready() {
+    [ "$(kc get node "$1" -o jsonpath='{.status.conditions[?(@.type=="Ready")].status}' 2>/dev/null)" = True ]
+}
+
+# stop_cluster: every pod's containers, then the kubelets, containerds, control
+# plane and etcd, by the PIDs recorded at start.
+stop_cluster() {
+    [ -f "$W/pids" ] || return 0
+    local name
+    # the kubelets first, so that nothing restarts what is being stopped
+    stop_pids kubelet
+    for sock in "$W"/containerd-*/containerd.sock; do
+        [ -S "$sock" ] || continue
+        local t
+        for t in $(ctr --address "$sock" -n k8s.io tasks ls -q 2>/dev/null); do
+            ctr --address "$sock" -n k8s.io tasks kill -s KILL "$t" >/dev/null 2>&1 || true
+        done
+        sleep 1
+        for t in $(ctr --address "$sock" -n k8s.io tasks ls -q 2>/dev/null); do
+            ctr --address "$sock" -n k8s.io tasks delete -f "$t" >/dev/null 2>&1 || true
+        done
+    done
+    stop_pids containerd
+    # shims outlive containerd: end them and what they run
+    local pid
+    for pid in $(pgrep -f "containerd-shim.*-address $W/" 2>/dev/null); do
+        pkill -KILL -P "$pid" 2>/dev/null || true
+        kill -KILL "$pid" 2>/dev/null || true
+    done
+    stop_pids kube-scheduler
+    stop_pids kube-controller-manager
+    stop_pids kube-apiserver
+    stop_pids etcd
+    stop_pids ""
+}
+
+# stop_pids PREFIX: TERM, then KILL after 10 s, the recorded processes whose
+# name starts with PREFIX (all of them for "").
+stop_pids() {
+    local prefix=$1 pid name pids=()
+    while read -r pid name; do
+        [[ $name == "$prefix"* ]] && kill -0 "$pid" 2>/dev/null && pids+=("$pid")
+    done <"$W/pids"
+    [ ${#pids[@]} -eq 0 ] && return 0
+    for pid in "${pids[@]}"; do kill -TERM -- "-$pid" 2>/dev/null || kill -TERM "$pid" 2>/dev/null || true; done
+    local end=$((SECONDS + 10))
+    for pid in "${pids[@]}"; do
+        while kill -0 "$pid" 2>/dev/null && [ $SECONDS -lt $end ]; do sleep 0.2; done
+        kill -KILL -- "-$pid" 2>/dev/null || kill -KILL "$pid" 2>/dev/null || true
+    done
+}

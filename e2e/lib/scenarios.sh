@@ -1,0 +1,287 @@
+# shellcheck shell=bash
+# The end-to-end scenarios. Each one acts as a user would (StorageClasses,
+# claims, pods, snapshots through the Kubernetes API only) and then checks the
+# objects, what the pod sees, and what the pool holds.
+#
+# Needs: kc, NS, NODES, POOL_DIRS, BUSYBOX_IMAGE, FLAVOR.
+
+WRITE_DATA='dd if=/dev/urandom of=/data/file bs=1M count=16 2>/dev/null && sha256sum /data/file | cut -d\" \" -f1 > /data/file.sum && sync && exec sleep 100000'
+READ_DATA='sha256sum /data/file | cut -d\" \" -f1 > /tmp/now.sum; exec sleep 100000'
+
+storage_classes() {
+    kc apply -f "$E2E_ROOT/deploy/examples/storageclass.yaml" \
+        -f "$E2E_ROOT/deploy/examples/storageclass-block.yaml" \
+        -f "$E2E_ROOT/deploy/examples/volumesnapshotclass.yaml" \
+        -f "$E2E_ROOT/deploy/examples/volumegroupsnapshotclass.yaml" \
+        -f "$E2E_ROOT/deploy/examples/volumeattributesclass.yaml" >/dev/null
+    # xfs, to show online expansion on a machine that refuses it for ext4, and
+    # an Immediate class, so that claims bind without pods
+    kc apply -f - >/dev/null <<EOF
+apiVersion: storage.k8s.io/v1
+kind: StorageClass
+metadata: {name: e2e-xfs}
+provisioner: example.csi.k8s.io
+parameters: {type: ssd, csi.storage.k8s.io/fstype: xfs}
+reclaimPolicy: Delete
+allowVolumeExpansion: true
+volumeBindingMode: WaitForFirstConsumer
+---
+apiVersion: storage.k8s.io/v1
+kind: StorageClass
+metadata: {name: e2e-immediate}
+provisioner: example.csi.k8s.io
+parameters: {type: default}
+reclaimPolicy: Delete
+volumeBindingMode: Immediate
+EOF
+}
+
+# The StorageClass of the design: a 10Gi claim stays Pending until a pod is
+# scheduled, then binds to a volume on this node and holds what the pod wrote.
+scenario_provision() {
+    scenario "provision: WaitForFirstConsumer claim, pod writes data"
+    pvc data 10Gi example-csi
+    sleep 3
+    check_eq "claim waits for its first consumer" Pending "$(jp pvc/data '{.status.phase}')"
+    pod writer data "$WRITE_DATA"
+    eventually 120 "pod writer running" pod_running writer || return
+    eventually 30 "claim bound" pvc_bound data
+    eventually 60 "pod wrote its data" in_pod writer test -s /data/file.sum
+    SUM=$(in_pod writer cat /data/file.sum)
+    local pv; pv=$(jp pvc/data '{.spec.volumeName}')
+    check_eq "PV made by our driver" example.csi.k8s.io "$(kc get pv "$pv" -o jsonpath='{.spec.csi.driver}')"
+    check_eq "PV pinned to the node by our topology key" "$NODE" \
+        "$(kc get pv "$pv" -o jsonpath='{.spec.nodeAffinity.required.nodeSelectorTerms[0].matchExpressions[?(@.key=="topology.example.csi/node")].values[0]}')"
+    check_eq "PV capacity" 10Gi "$(kc get pv "$pv" -o jsonpath='{.spec.capacity.storage}')"
+    local vol file; vol=$(volume_of data)
+    file=$(pool_file_of "$vol")
+    check "the volume's image is in the ssd pool" test -f "$POOL_SSD/volumes/$vol.img"
+    check_eq "image size is the claim's size" $((10 << 30)) "$(stat -c %s "$file" 2>/dev/null)"
+    local blocks; blocks=$(( $(stat -c %b "$file") * 512 ))
+    check "the image is sparse (holds $((blocks >> 20)) MiB of 10 GiB)" test "$blocks" -lt $((1 << 30))
+    check_eq "the pod sees a 10Gi ext4 filesystem" ext4 \
+        "$(in_pod writer sh -c 'grep " /data " /proc/mounts' | awk '{print $3}')"
+    local size; size=$(in_pod writer df -k /data | awk 'NR==2 {print $2}')
+    check "its size is about 10 GiB ($size KiB)" test "$size" -gt $((9 << 20))
+}
+
+# A snapshot of the claim; a claim restored from it and a clone of the claim
+# hold the same data.
+scenario_snapshot_restore_clone() {
+    scenario "snapshot, restore and clone"
+    [ -n "${SUM:-}" ] || { fail "no data from the provision scenario"; return; }
+    kc -n "$NS" apply -f - >/dev/null <<EOF
+apiVersion: snapshot.storage.k8s.io/v1
+kind: VolumeSnapshot
+metadata: {name: snap}
+spec:
+  volumeSnapshotClassName: example-csi
+  source: {persistentVolumeClaimName: data}
+EOF
+    eventually 120 "snapshot ready to use" field_is volumesnapshot/snap '{.status.readyToUse}' true || return
+    local content handle
+    content=$(jp volumesnapshot/snap '{.status.boundVolumeSnapshotContentName}')
+    handle=$(kc get volumesnapshotcontent "$content" -o jsonpath='{.status.snapshotHandle}')
+    check "the snapshot is a file in the pool ($handle)" test -e "$POOL_SSD/snapshots/$handle.img"
+    check_eq "snapshot size" 10Gi "$(jp volumesnapshot/snap '{.status.restoreSize}')"
+    pvc restored 10Gi example-csi Filesystem "  dataSource: {apiGroup: snapshot.storage.k8s.io, kind: VolumeSnapshot, name: snap}"
+    pvc clone 10Gi example-csi Filesystem "  dataSource: {kind: PersistentVolumeClaim, name: data}"
+    pod reader-restored restored "$READ_DATA"
+    pod reader-clone clone "$READ_DATA"
+    local p
+    for p in reader-restored reader-clone; do
+        eventually 120 "pod $p running" pod_running $p || continue
+        eventually 30 "$p read the data" in_pod $p test -s /tmp/now.sum
+        check_eq "$p sees the same checksum" "$SUM" "$(in_pod $p cat /tmp/now.sum)"
+    done
+    local a b
+    a=$(volume_of restored); b=$(volume_of clone)
+    check "restore and clone are volumes of their own in the pool" \
+        test -f "$POOL_SSD/volumes/$a.img" -a -f "$POOL_SSD/volumes/$b.img" -a "$a" != "$b"
+    delete_pod reader-restored reader-clone
+    kc -n "$NS" delete pvc restored clone --wait=true --timeout=120s >/dev/null
+    eventually 60 "restore and clone deleted from the pool" \
+        test ! -e "$POOL_SSD/volumes/$a.img" -a ! -e "$POOL_SSD/volumes/$b.img"
+}
+
+# can_grow_ext4_online: whether this kernel lets resize2fs grow a mounted ext4
+# (it needs CAP_SYS_RESOURCE, which some VMs withhold even from root).
+can_grow_ext4_online() {
+    local eff; eff=$(awk '/^CapEff/ {print $2}' /proc/self/status)
+    (( (16#$eff >> 24) & 1 ))
+}
+
+# Expansion while the pod runs: xfs grows online; ext4 online where the kernel
+# allows it, else at the next stage (the pod restarted), as documented.
+scenario_expand() {
+    scenario "expansion of a claim in use (10Gi -> 20Gi)"
+    pvc grow-xfs 10Gi e2e-xfs
+    pod grower-xfs grow-xfs "exec sleep 100000"
+    eventually 120 "xfs pod running" pod_running grower-xfs || return
+    kc -n "$NS" patch pvc grow-xfs -p '{"spec":{"resources":{"requests":{"storage":"20Gi"}}}}' >/dev/null
+    eventually 120 "xfs claim reports 20Gi" field_is pvc/grow-xfs '{.status.capacity.storage}' 20Gi
+    eventually 60 "the running pod sees about 20 GiB on xfs" \
+        df_over grower-xfs /data $((19 << 20))
+    local vol; vol=$(volume_of grow-xfs)
+    check_eq "the image grew to 20 GiB" $((20 << 30)) "$(stat -c %s "$(pool_file_of "$vol")")"
+
+    [ -n "${SUM:-}" ] || return
+    kc -n "$NS" patch pvc data -p '{"spec":{"resources":{"requests":{"storage":"20Gi"}}}}' >/dev/null
+    if can_grow_ext4_online; then
+        eventually 120 "ext4 claim reports 20Gi (online)" field_is pvc/data '{.status.capacity.storage}' 20Gi
+    else
+        echo "  (this kernel refuses online ext4 growth without CAP_SYS_RESOURCE: the pod is restarted)"
+        eventually 120 "ext4 resize waits for the node" pvc_condition data 'FileSystemResizePending|NodeResizeError'
+        delete_pod writer
+        pod writer data "$READ_DATA"
+        eventually 120 "pod restarted on the claim" pod_running writer
+        eventually 120 "ext4 claim reports 20Gi (grown at stage)" field_is pvc/data '{.status.capacity.storage}' 20Gi
+    fi
+    eventually 60 "the pod sees about 20 GiB on ext4" \
+        df_over writer /data $((19 << 20))
+    check_eq "data intact after growth" "$SUM" "$(in_pod writer sha256sum /data/file | cut -d' ' -f1)"
+    delete_pod grower-xfs
+}
+
+scenario_block() {
+    scenario "raw block claim"
+    pvc raw 1Gi example-csi-block Block
+    block_pod blocky raw "dd if=/dev/urandom of=/tmp/x bs=1M count=4 2>/dev/null && dd if=/tmp/x of=/dev/xvda bs=1M count=4 conv=fsync 2>/dev/null && sha256sum /tmp/x | cut -d\" \" -f1 > /tmp/x.sum && exec sleep 100000"
+    eventually 120 "block pod running" pod_running blocky || return
+    eventually 30 "pod wrote to the device" in_pod blocky test -s /tmp/x.sum
+    check "the pod sees a block device" in_pod blocky test -b /dev/xvda
+    check_eq "the device's data reads back" "$(in_pod blocky cat /tmp/x.sum)" \
+        "$(in_pod blocky sh -c 'dd if=/dev/xvda bs=1M count=4 2>/dev/null | sha256sum | cut -d" " -f1')"
+    local vol; vol=$(volume_of raw)
+    check_eq "the image's first 4 MiB are what the pod wrote" "$(in_pod blocky cat /tmp/x.sum)" \
+        "$(dd if="$(pool_file_of "$vol")" bs=1M count=4 2>/dev/null | sha256sum | cut -d' ' -f1)"
+    delete_pod blocky
+}
+
+scenario_ephemeral() {
+    scenario "generic ephemeral volume and CSI inline volume"
+    apply <<EOF
+apiVersion: v1
+kind: Pod
+metadata: {name: eph, labels: {e2e: "true"}}
+spec:
+  terminationGracePeriodSeconds: 1
+  containers:
+    - name: app
+      image: $BUSYBOX_IMAGE
+      imagePullPolicy: Never
+      command: ["sh", "-c", "echo hi > /scratch/f && exec sleep 100000"]
+      volumeMounts: [{name: scratch, mountPath: /scratch}, {name: inline, mountPath: /inline}]
+  volumes:
+    - name: scratch
+      ephemeral:
+        volumeClaimTemplate:
+          spec:
+            accessModes: [ReadWriteOnce]
+            storageClassName: example-csi
+            resources: {requests: {storage: 1Gi}}
+    - name: inline
+      csi:
+        driver: example.csi.k8s.io
+        fsType: ext4
+        volumeAttributes: {size: 256Mi}
+EOF
+    eventually 120 "pod with both volumes running" pod_running eph || return
+    check "generic ephemeral claim eph-scratch bound" pvc_bound eph-scratch
+    check "the pod writes to its generic ephemeral volume" in_pod eph test -s /scratch/f
+    local isize; isize=$(in_pod eph df -k /inline | awk 'NR==2 {print $2}')
+    check "the inline volume is an ext4 of about 256 MiB ($isize KiB)" \
+        test "$isize" -gt 200000 -a "$isize" -lt 270000
+    local eph_files; eph_files=$(find "${POOL_DIRS[@]/%//ephemeral}" -mindepth 1 -maxdepth 1 2>/dev/null | wc -l)
+    check "the inline volume lives in a pool's ephemeral area ($eph_files)" test "$eph_files" -ge 1
+    local vol; vol=$(volume_of eph-scratch)
+    delete_pod eph
+    eventually 60 "the generic ephemeral claim goes with its pod" gone pvc/eph-scratch
+    eventually 60 "its volume is deleted from the pool" not pool_file_of "$vol"
+    eventually 60 "the inline volume is deleted with its pod" empty_dirs "${POOL_DIRS[@]/%//ephemeral}"
+}
+
+scenario_modify() {
+    scenario "VolumeAttributesClass change (ControllerModifyVolume)"
+    pvc attrs 1Gi e2e-immediate
+    eventually 60 "claim bound" pvc_bound attrs || return
+    kc -n "$NS" patch pvc attrs -p '{"spec":{"volumeAttributesClassName":"example-csi-fast"}}' >/dev/null
+    eventually 120 "claim now has class example-csi-fast" \
+        field_is pvc/attrs '{.status.currentVolumeAttributesClassName}' example-csi-fast
+    local f; f=$(pool_file_of "$(volume_of attrs)")
+    check_eq "directIO recorded on the volume" true "$(getfattr --only-values -n user.example-csi.directIO "$f" 2>/dev/null)"
+    check_eq "readAheadKiB recorded on the volume" 1024 "$(getfattr --only-values -n user.example-csi.readAheadKiB "$f" 2>/dev/null)"
+}
+
+scenario_group_snapshot() {
+    scenario "VolumeGroupSnapshot of two claims"
+    PVC_LABELS='group: pair' pvc g1 1Gi e2e-immediate
+    PVC_LABELS='group: pair' pvc g2 1Gi e2e-immediate
+    eventually 60 "both claims bound" all_of "pvc_bound g1" "pvc_bound g2" || return
+    kc -n "$NS" apply -f - >/dev/null <<EOF
+apiVersion: groupsnapshot.storage.k8s.io/v1
+kind: VolumeGroupSnapshot
+metadata: {name: pair}
+spec:
+  volumeGroupSnapshotClassName: example-csi
+  source: {selector: {matchLabels: {group: pair}}}
+EOF
+    eventually 120 "group snapshot ready" field_is volumegroupsnapshot/pair '{.status.readyToUse}' true || return
+    local members
+    members=$(kc -n "$NS" get volumesnapshot -o json | python3 -c '
+import json, sys
+items = json.load(sys.stdin)["items"]
+print(sum(1 for i in items if any(o.get("kind") == "VolumeGroupSnapshot" for o in i["metadata"].get("ownerReferences", []))))')
+    check_eq "one member snapshot per claim" 2 "$members"
+    kc -n "$NS" delete volumegroupsnapshot pair --wait=true --timeout=120s >/dev/null
+    eventually 60 "member snapshots gone with the group" count_is 1 kc -n "$NS" get volumesnapshot -o name
+}
+
+scenario_fsgroup() {
+    scenario "fsGroup through VOLUME_MOUNT_GROUP (no recursive chown)"
+    pvc shared 1Gi example-csi
+    pod first shared "touch /data/old && exec sleep 100000"
+    eventually 120 "root pod running" pod_running first || return
+    eventually 30 "root pod made a file" in_pod first test -e /data/old
+    delete_pod first
+    pod second shared "exec sleep 100000" "  securityContext: {runAsUser: 1000, runAsGroup: 1000, fsGroup: 2000}"
+    eventually 120 "pod with fsGroup 2000 running" pod_running second || return
+    check_eq "volume root owned by group 2000 with setgid" "2000 2" \
+        "$(in_pod second sh -c 'stat -c "%g %a" /data | cut -c1-6')"
+    check "the pod (uid 1000) can write" in_pod second touch /data/new
+    check_eq "a new file takes the group" 2000 "$(in_pod second stat -c %g /data/new)"
+    check_eq "the old file kept its group: no recursive chown" 0 "$(in_pod second stat -c %g /data/old)"
+    delete_pod second
+}
+
+scenario_churn() {
+    scenario "20 claims at once while the controller pod is deleted"
+    local i
+    for i in $(seq 1 20); do PVC_LABELS='churn: "yes"' pvc "churn-$i" 64Mi e2e-immediate; done
+    sleep 2
+    kc -n "$DRIVER_NS" delete pod -l app.kubernetes.io/component="$CONTROLLER_COMPONENT" --wait=false >/dev/null
+    eventually 300 "all 20 claims bound" bound_count_is churn=yes 20
+    local vols
+    vols=$(kc get pv -o jsonpath='{range .items[?(@.spec.claimRef.name)]}{.spec.claimRef.name} {.spec.csi.volumeHandle}{"\n"}{end}' | grep -c '^churn-')
+    check_eq "one PV per claim" 20 "$vols"
+    local files; files=$(find "$POOL_DEFAULT/volumes" -mindepth 1 -maxdepth 1 | wc -l)
+    check_eq "one image per claim in the pool, none leaked" 20 "$files"
+    kc -n "$NS" delete pvc -l churn=yes --wait=true --timeout=180s >/dev/null
+    eventually 120 "all 20 volumes deleted from the pool" empty_dirs "$POOL_DEFAULT/volumes"
+}
+
+# Everything deleted: no PV, no volume file, no mount or loop device of the
+# pools, the kubelet's directories clean.
+scenario_cleanup() {
+    scenario "everything deleted leaves nothing behind"
+    kc -n "$NS" delete pod --all --wait=true --timeout=180s >/dev/null 2>&1
+    kc -n "$NS" delete volumesnapshot --all --wait=true --timeout=120s >/dev/null 2>&1
+    kc -n "$NS" delete pvc --all --wait=true --timeout=180s >/dev/null 2>&1
+    eventually 180 "no PersistentVolume left" count_is 0 kc get pv -o name
+    eventually 60 "no VolumeSnapshotContent left" count_is 0 kc get volumesnapshotcontent -o name
+    eventually 60 "the pools hold no volume or snapshot" count_is 0 pool_files
+    check "no loop device backed by a pool file" count_is 0 pool_loops
+    check "no mount of a volume under the kubelet's directory" count_is 0 volume_mounts
+    check "no staging directory left" count_is 0 find /var/lib/kubelet/plugins/kubernetes.io/csi \
+        -mindepth 2 -maxdepth 4 -type d -name globalmount
+}

@@ -1,0 +1,298 @@
+#!/usr/bin/env bash
+# The end-to-end test: a real single-node Kubernetes built on this machine from
+# upstream sources runs the driver from deploy/, and workloads use it as users
+# do. Run as root:
+#
+#   e2e/run.sh [--flavor central|central-attach|distributed]... [--suite]
+#              [--registrar-bin PATH] [--livenessprobe-bin PATH] [--keep]
+#
+# It builds or reuses (e2e/build.sh, cache in ~/.cache/example-csi-e2e) the
+# Kubernetes binaries, etcd and the sidecars deploy/ pins; builds the driver's
+# image and the sidecars' images without a registry; starts etcd, the control
+# plane (NodeRestriction on), containerd and a kubelet; applies each flavor of
+# deploy/ and runs the scenarios of e2e/lib/scenarios.sh against it; and tears
+# everything down on success, failure or interrupt, putting back what the
+# kubelet and CNI changed on the host. Without --flavor it runs all three.
+#
+# node-driver-registrar and livenessprobe are not served by the Go module
+# proxy: unless their binaries are given, each flavor is applied with the
+# deploy/components/builtin-sidecars component (the driver's own kubelet
+# registration and liveness endpoint).
+#
+# --suite also runs Kubernetes' own "External Storage" suite against the
+# central flavor (e2e/testdriver.yaml; see docs/e2e.md).
+set -euo pipefail
+E2E_DIR=$(cd "$(dirname "$0")" && pwd)
+. "$E2E_DIR/versions.sh"
+. "$E2E_DIR/lib/hoststate.sh"
+. "$E2E_DIR/lib/pki.sh"
+. "$E2E_DIR/lib/cluster.sh"
+. "$E2E_DIR/lib/images.sh"
+. "$E2E_DIR/lib/checks.sh"
+. "$E2E_DIR/lib/scenarios.sh"
+export PATH="$PATH:/usr/local/go/bin:$HOME/go/bin:/usr/sbin:/sbin:$HOME/.cargo/bin"
+
+FLAVORS=()
+SUITE=0
+KEEP=0
+TEARDOWN_ONLY=0
+REGISTRAR_BIN=""
+LIVENESSPROBE_BIN=""
+while [ $# -gt 0 ]; do
+    case $1 in
+        --flavor) FLAVORS+=("$2"); shift 2 ;;
+        --suite) SUITE=1; shift ;;
+        --keep) KEEP=1; shift ;;
+        --teardown-only) TEARDOWN_ONLY=1; shift ;;
+        --registrar-bin) REGISTRAR_BIN=$2; shift 2 ;;
+        --livenessprobe-bin) LIVENESSPROBE_BIN=$2; shift 2 ;;
+        -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
+        *) echo "e2e/run.sh: unknown argument $1" >&2; exit 2 ;;
+    esac
+done
+[ ${#FLAVORS[@]} -gt 0 ] || FLAVORS=(central central-attach distributed)
+[ "$(id -u)" = 0 ] || { echo "e2e/run.sh: run as root" >&2; exit 2; }
+
+W=${E2E_WORK:-/tmp/example-csi-e2e}
+NODE=localhost
+NODES=("$NODE")
+NS=e2e
+DRIVER_NS=example-csi
+POOL_ROOT=/var/lib/example-csi
+POOL_DEFAULT=$POOL_ROOT/pool
+POOL_SSD=$POOL_ROOT/ssd
+POOL_DIRS=("$POOL_DEFAULT" "$POOL_SSD")
+HOST_IP=$(host_ip)
+[ -n "$HOST_IP" ] || { echo "e2e/run.sh: no non-loopback IPv4 address on this machine" >&2; exit 2; }
+STARTED=$SECONDS
+
+# ------------------------------------------------------------------ setup
+
+install_host_packages() {
+    local need=() pair
+    for pair in containerd:containerd runc:runc ctr:containerd iptables:iptables mmdebstrap:mmdebstrap \
+                openssl:openssl gcc:gcc getfattr:attr curl:curl /usr/lib/cni/bridge:containernetworking-plugins \
+                /bin/busybox:busybox-static mkfs.xfs:xfsprogs; do
+        [ -e "${pair%%:*}" ] || command -v "${pair%%:*}" >/dev/null 2>&1 || need+=("${pair#*:}")
+    done
+    [ -f /usr/lib/x86_64-linux-gnu/libc.a ] || need+=(libc6-dev)
+    if [ ${#need[@]} -gt 0 ]; then
+        log "installing ${need[*]}"
+        export DEBIAN_FRONTEND=noninteractive
+        apt-get update -qq && apt-get install -y -qq "${need[@]}" >/dev/null
+    fi
+}
+
+teardown() {
+    local rc=$?
+    trap - EXIT INT TERM
+    if [ "$KEEP" = 1 ] && [ "$rc" != 130 ]; then
+        log "--keep: the cluster stays up (kubectl --kubeconfig $W/admin.kubeconfig); remove it with: $0 --teardown-only"
+        return
+    fi
+    log "tearing down"
+    stop_cluster
+    # what the node plugin left attached or mounted (after a failure)
+    local l
+    for l in $(losetup -n -O NAME,BACK-FILE 2>/dev/null | awk -v r="$POOL_ROOT/" 'index($2, r) == 1 {print $1}'); do
+        losetup -d "$l" 2>/dev/null || true
+    done
+    umount_under /var/lib/kubelet
+    for l in $(losetup -n -O NAME,BACK-FILE 2>/dev/null | awk -v r="$POOL_ROOT/" 'index($2, r) == 1 {print $1}'); do
+        losetup -d "$l" 2>/dev/null || true
+    done
+    umount_under "$POOL_ROOT"
+    for l in $(losetup -n -O NAME,BACK-FILE 2>/dev/null | awk -v w="$W/" 'index($2, w) == 1 {print $1}'); do
+        losetup -d "$l" 2>/dev/null || true
+    done
+    umount_under "$W"
+    hoststate_restore "$W/host-before"
+    local left
+    left=$(hoststate_diff "$W/host-before")
+    if [ -n "$left" ]; then
+        echo "$left" | sed 's/^/  /' >&2
+        log "the machine is NOT as it was (above)"
+        [ "$rc" = 0 ] && rc=1
+    else
+        log "the machine is as it was"
+    fi
+    # keep the logs of a failed run; the rest goes
+    if [ "$rc" = 0 ]; then rm -rf --one-file-system "$W"; else
+        find "$W" -mindepth 1 -maxdepth 1 ! -name logs ! -name host-before -exec rm -rf --one-file-system {} + 2>/dev/null
+        log "logs kept in $W/logs"
+    fi
+    exit "$rc"
+}
+
+make_pools() {
+    mkdir -p "$W/pools"
+    local name
+    for name in pool ssd; do
+        truncate -s 64G "$W/pools/$name.img"
+        mkfs.xfs -q -f -m reflink=1 "$W/pools/$name.img"
+        mkdir -p "$POOL_ROOT/$name"
+        mount -o loop "$W/pools/$name.img" "$POOL_ROOT/$name"
+    done
+}
+
+# ------------------------------------------------------------------ deploy
+
+KUSTOMIZE=""
+find_kustomize() {
+    local gobin; gobin=$(go env GOPATH)/bin
+    if [ -x "$gobin/kustomize" ]; then KUSTOMIZE="$gobin/kustomize build --load-restrictor LoadRestrictionsNone"
+    else KUSTOMIZE="$BIN_K8S/kubectl kustomize --load-restrictor LoadRestrictionsNone"; fi
+}
+
+# render FLAVOR: the manifests applied for a flavor, in $W/deploy-FLAVOR.yaml
+render() {
+    local flavor=$1 dir=$W/kustomize-$1
+    mkdir -p "$dir"
+    {
+        echo "apiVersion: kustomize.config.k8s.io/v1beta1"
+        echo "kind: Kustomization"
+        echo "resources: [$E2E_ROOT/deploy/overlays/$flavor]"
+        [ -z "$REGISTRAR_BIN" ] && echo "components: [$E2E_ROOT/deploy/components/builtin-sidecars]"
+    } >"$dir/kustomization.yaml"
+    # shellcheck disable=SC2086
+    $KUSTOMIZE "$dir" >"$W/deploy-$flavor.yaml"
+}
+
+snapshot_infrastructure() {
+    log "snapshot CRDs and snapshot-controller $SNAPSHOTTER_VERSION"
+    kc apply -f "$BIN_SNAPSHOTTER/crds/" >/dev/null
+    kc wait --for=condition=Established crd --all --timeout=60s >/dev/null
+    sed "s/:PINNED\$/:$SNAPSHOTTER_VERSION/" "$E2E_DIR/manifests/snapshot-controller.yaml" | kc apply -f - >/dev/null
+    kc -n kube-system rollout status deployment/snapshot-controller --timeout=180s >/dev/null \
+        || die "snapshot-controller not ready"
+}
+
+csinode_has_driver() {
+    kc get csinode "$NODE" -o jsonpath='{.spec.drivers[*].name}' 2>/dev/null | grep -qw example.csi.k8s.io
+}
+
+deploy_flavor() {
+    local flavor=$1
+    scenario "deploy $flavor"
+    render "$flavor"
+    kc apply -f "$W/deploy-$flavor.yaml" >/dev/null
+    local d
+    for d in $(kc -n "$DRIVER_NS" get deployment -o name); do
+        eventually 180 "$d available" kc -n "$DRIVER_NS" rollout status "$d" --timeout=5s
+    done
+    for d in $(kc -n "$DRIVER_NS" get daemonset -o name); do
+        eventually 180 "$d ready" kc -n "$DRIVER_NS" rollout status "$d" --timeout=5s
+    done
+    eventually 120 "the kubelet registered the driver (CSINode $NODE lists it)" csinode_has_driver || return 1
+    check_eq "CSINode topology key" topology.example.csi/node \
+        "$(kc get csinode "$NODE" -o jsonpath='{.spec.drivers[?(@.name=="example.csi.k8s.io")].topologyKeys[0]}')"
+    check_eq "the Node carries the topology label (set by the kubelet under NodeRestriction)" "$NODE" \
+        "$(kc get node "$NODE" -o jsonpath='{.metadata.labels.topology\.example\.csi/node}')"
+    check_eq "CSIDriver attachRequired" "$([ "$flavor" = central-attach ] && echo true || echo false)" \
+        "$(kc get csidriver example.csi.k8s.io -o jsonpath='{.spec.attachRequired}')"
+}
+
+undeploy_flavor() {
+    local flavor=$1
+    scenario "remove $flavor"
+    kc delete -f "$W/deploy-$flavor.yaml" --wait=true --timeout=180s >/dev/null 2>&1 || true
+    eventually 120 "driver pods gone" count_is 0 kc -n "$DRIVER_NS" get pods -o name
+    eventually 60 "the kubelet unregistered the driver" not csinode_has_driver
+    check "no registration socket left" count_is 0 find /var/lib/kubelet/plugins_registry -name 'example.csi.k8s.io*'
+    check "no driver socket left" count_is 0 find /var/lib/kubelet/plugins/example.csi.k8s.io -type s
+}
+
+run_flavor() {
+    local flavor=$1
+    CONTROLLER_COMPONENT=controller
+    [ "$flavor" = distributed ] && CONTROLLER_COMPONENT=node
+    deploy_flavor "$flavor" || { undeploy_flavor "$flavor"; return; }
+    kc create namespace "$NS" >/dev/null
+    storage_classes
+    SUM=""
+    scenario_provision
+    scenario_snapshot_restore_clone
+    scenario_expand
+    scenario_block
+    scenario_ephemeral
+    scenario_modify
+    scenario_group_snapshot
+    scenario_fsgroup
+    scenario_churn
+    scenario_cleanup
+    kc delete namespace "$NS" --wait=true --timeout=120s >/dev/null 2>&1 || true
+    undeploy_flavor "$flavor"
+}
+
+# ------------------------------------------------------------------ main
+
+mkdir -p "$W"
+if [ -f "$W/pids" ]; then
+    log "a previous run left $W: tearing it down first"
+    ( trap - EXIT; KEEP=0; teardown ) || true
+fi
+[ "$TEARDOWN_ONLY" = 1 ] && { rm -rf --one-file-system "$W"; log "torn down"; exit 0; }
+rm -rf --one-file-system "$W"; mkdir -p "$W/logs"
+
+install_host_packages
+log "building (or reusing) Kubernetes $KUBERNETES_VERSION, etcd $ETCD_VERSION and the sidecars"
+build_args=()
+[ "$SUITE" = 1 ] && build_args+=(--suite)
+"$E2E_DIR/build.sh" "${build_args[@]}"
+BIN_K8S=$E2E_CACHE/kubernetes-$KUBERNETES_VERSION
+BIN_ETCD=$E2E_CACHE/etcd-$ETCD_VERSION
+BIN_SNAPSHOTTER=$E2E_CACHE/snapshotter-$SNAPSHOTTER_VERSION
+declare -A SIDECAR_BINS=(
+    [csi-provisioner]=$E2E_CACHE/provisioner-$PROVISIONER_VERSION/csi-provisioner
+    [csi-attacher]=$E2E_CACHE/attacher-$ATTACHER_VERSION/csi-attacher
+    [csi-resizer]=$E2E_CACHE/resizer-$RESIZER_VERSION/csi-resizer
+    [csi-snapshotter]=$BIN_SNAPSHOTTER/csi-snapshotter
+    [snapshot-controller]=$BIN_SNAPSHOTTER/snapshot-controller
+)
+declare -A SIDECAR_TAGS=(
+    [csi-provisioner]=$PROVISIONER_VERSION [csi-attacher]=$ATTACHER_VERSION
+    [csi-resizer]=$RESIZER_VERSION [csi-snapshotter]=$SNAPSHOTTER_VERSION
+    [snapshot-controller]=$SNAPSHOTTER_VERSION
+)
+if [ -n "$REGISTRAR_BIN" ]; then
+    SIDECAR_BINS[csi-node-driver-registrar]=$REGISTRAR_BIN
+    SIDECAR_TAGS[csi-node-driver-registrar]=$(pinned_tag csi-node-driver-registrar)
+fi
+if [ -n "$LIVENESSPROBE_BIN" ]; then
+    SIDECAR_BINS[livenessprobe]=$LIVENESSPROBE_BIN
+    SIDECAR_TAGS[livenessprobe]=$(pinned_tag livenessprobe)
+fi
+
+log "building the driver (release)"
+(cd "$E2E_ROOT" && cargo build --release --quiet --bin csi-driver)
+DRIVER_BIN=${CARGO_TARGET_DIR:-$E2E_ROOT/target}/release/csi-driver
+find_kustomize
+
+hoststate_save "$W/host-before"
+trap teardown EXIT
+trap 'exit 130' INT TERM
+
+log "building the images"
+build_images
+make_pools
+start_control_plane
+start_node 0 "$NODE"
+snapshot_infrastructure
+log "cluster up in $((SECONDS - STARTED))s"
+
+for flavor in "${FLAVORS[@]}"; do
+    run_flavor "$flavor"
+done
+
+if [ "$SUITE" = 1 ]; then
+    . "$E2E_DIR/lib/suite.sh"
+    run_suite
+fi
+
+echo
+if [ ${#E2E_FAILURES[@]} -gt 0 ]; then
+    echo "failed checks:"
+    printf '  - %s\n' "${E2E_FAILURES[@]}"
+fi
+echo "e2e ($(IFS=,; echo "${FLAVORS[*]}"); Kubernetes $KUBERNETES_VERSION; $((SECONDS - STARTED))s): $E2E_PASSED passed, $E2E_FAILED failed"
+[ "$E2E_FAILED" = 0 ]
