@@ -1,6 +1,7 @@
 //! `csi-driver`: serves the CSI services of example-csi on a Unix socket, or, as
 //! `csi-driver client ...`, calls them.
 
+mod authority;
 mod cli;
 mod client;
 mod endpoint;
@@ -12,6 +13,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio_stream::wrappers::UnixListenerStream;
+use tokio_stream::StreamExt;
 
 use cli::{Cli, Command, LogFormat, Mode, DEFAULT_POOL_PATH};
 use csi_proto::csi::{
@@ -276,7 +278,10 @@ async fn serve(
                 .map_err(|e| format!("cannot listen on {}: {e}", path.display()))?;
             tracing::info!(endpoint = %path.display(), "serving");
             let server = tokio::spawn(
-                router.serve_with_incoming_shutdown(UnixListenerStream::new(listener), stopping),
+                router.serve_with_incoming_shutdown(
+                    UnixListenerStream::new(listener).map(|s| s.map(authority::Conn::new)),
+                    stopping,
+                ),
             );
             let result = wait(server, stop_tx, grace).await;
             let _ = std::fs::remove_file(&path);
