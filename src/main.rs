@@ -226,7 +226,13 @@ async fn serve(
             ));
             tracing::info!(address = %listener.local_addr().map_err(|e| e.to_string())?,
                 "serving metrics on /metrics and health on /healthz");
-            tokio::spawn(metrics::serve(listener, m.clone(), driver.clone(), sys));
+            tokio::spawn(metrics::serve(
+                listener,
+                m.clone(),
+                driver.clone(),
+                sys,
+                endpoint.clone(),
+            ));
             Some(m)
         }
     };
