@@ -12,9 +12,9 @@ Usage:
       the wiring of sockets, ports, flags and RBAC inside each overlay.
       With --check-binary, also run `PATH --help` and require every flag
       the manifests pass to the driver to appear in it.
-      Without --rendered, the overlays are rendered here with kustomize
-      (KUSTOMIZE, kustomize on PATH or in $(go env GOPATH)/bin, or
-      `kubectl kustomize`).
+      Without --rendered, the overlays are rendered here, each alone and
+      with each component of deploy/components/, with kustomize (KUSTOMIZE,
+      kustomize on PATH or in $(go env GOPATH)/bin, or `kubectl kustomize`).
 
   check_manifests.py --driver-flags
       Print, one a line and once each, the name of every flag (--name) the
@@ -30,6 +30,7 @@ import os
 import re
 import shutil
 import subprocess
+import tempfile
 import sys
 from pathlib import Path
 
@@ -38,6 +39,8 @@ import yaml
 DEPLOY = Path(__file__).resolve().parent
 REPO = DEPLOY.parent
 OVERLAYS = ["central", "central-attach", "distributed"]
+# Components an operator may add to any overlay; each overlay is checked with each.
+COMPONENTS = ["builtin-sidecars"]
 DRIVER_NAME = "example.csi.k8s.io"
 DRIVER_IMAGE_REPO = "example-csi/csi-driver"
 DRIVER_CONTAINER = "csi-driver"
@@ -122,11 +125,22 @@ def find_kustomize():
     return None
 
 
-def render(overlay, kustomize):
-    out = subprocess.run(kustomize + [str(DEPLOY / "overlays" / overlay)],
-                         capture_output=True, text=True)
+def render(overlay, kustomize, component=None):
+    """The overlay rendered, alone or with a component (through a kustomization
+    made for the purpose, which names both by relative path as kustomize requires)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        target = DEPLOY / "overlays" / overlay
+        if component:
+            rel = os.path.relpath(DEPLOY, tmp)
+            Path(tmp, "kustomization.yaml").write_text(
+                "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
+                f"resources:\n  - {rel}/overlays/{overlay}\n"
+                f"components:\n  - {rel}/components/{component}\n")
+            target = tmp
+        out = subprocess.run(kustomize + [str(target)], capture_output=True, text=True)
     if out.returncode != 0:
-        raise RuntimeError(f"kustomize failed for {overlay}: {out.stderr.strip()}")
+        what = f"{overlay} with {component}" if component else overlay
+        raise RuntimeError(f"kustomize failed for {what}: {out.stderr.strip()}")
     return [d for d in yaml.safe_load_all(out.stdout) if d]
 
 
@@ -179,6 +193,17 @@ def flag(c, name, default=None):
     if not vals:
         return default
     return vals[-1] if vals[-1] is not None else "true"
+
+
+def setting(c, name, env_name):
+    """A driver setting given as --name=value or through its environment variable."""
+    v = flag(c, name)
+    if v is not None:
+        return v
+    for e in c.get("env") or []:
+        if e["name"] == env_name:
+            return e.get("value")
+    return None
 
 
 def expand_env(c, value):
@@ -399,43 +424,62 @@ def check_pods(name, docs, r):
             r.check(resolve_path(spec, c, addr) == where,
                     f"{name}: {cn} --csi-address {addr} is the driver's socket {sock}",
                     f"{resolve_path(spec, c, addr)} != {where}")
-        # Registrar: kubelet's path to the socket is the socket's host path.
-        for c in cs:
-            reg = flag(c, "--kubelet-registration-path")
-            if reg is None:
-                continue
+        # Registration with the kubelet: by node-driver-registrar, or by the driver
+        # itself (--kubelet-registration-dir); either way kubelet's path to the
+        # socket is the socket's host path, and plugins_registry is mounted where
+        # the registration socket is made.
+        registrations = [(c, flag(c, "--kubelet-registration-path"), "/registration") for c in cs
+                         if c is not drv and flag(c, "--kubelet-registration-path") is not None]
+        builtin_dir = setting(drv, "--kubelet-registration-dir", "CSI_KUBELET_REGISTRATION_DIR")
+        if builtin_dir:
+            registrations.append((drv, setting(drv, "--kubelet-registration-path",
+                                               "CSI_KUBELET_REGISTRATION_PATH"), builtin_dir))
+        if d["kind"] == "DaemonSet":
+            r.check(len(registrations) == 1,
+                    f"{name}: {w} registers with the kubelet exactly once (registrar or built-in)",
+                    f"{len(registrations)} registrations")
+        else:
+            r.check(not registrations, f"{name}: {w} (not a node plugin) does not register with the kubelet")
+        for c, reg, reg_dir_path in registrations:
             cn = f"{w}/{c['name']}"
             vol = volume(spec, where[0]) or {}
             host = (vol.get("hostPath") or {}).get("path")
             host_sock = f"{host.rstrip('/')}/{where[1]}" if host else None
             r.check(reg == host_sock,
-                    f"{name}: {cn} --kubelet-registration-path {reg} is the driver socket's hostPath",
+                    f"{name}: {cn} registration path {reg} is the driver socket's hostPath",
                     f"socket volume {where[0]} is {host_sock}")
             r.check(reg == f"{KUBELET_DIR}/plugins/{DRIVER_NAME}/csi.sock",
                     f"{name}: {cn} registers {KUBELET_DIR}/plugins/{DRIVER_NAME}/csi.sock")
-            reg_dir = resolve_path(spec, c, "/registration")
+            reg_dir = resolve_path(spec, c, reg_dir_path)
             regvol = volume(spec, reg_dir[0]) if reg_dir else None
-            r.check(regvol is not None and (regvol.get("hostPath") or {}).get("path")
-                    == f"{KUBELET_DIR}/plugins_registry",
-                    f"{name}: {cn} has {KUBELET_DIR}/plugins_registry at /registration")
-        # Liveness: the driver's probe goes to the livenessprobe sidecar.
+            r.check(regvol is not None and reg_dir[1] == ""
+                    and (regvol.get("hostPath") or {}).get("path") == f"{KUBELET_DIR}/plugins_registry",
+                    f"{name}: {cn} has {KUBELET_DIR}/plugins_registry at {reg_dir_path}")
+        # Liveness: the driver's probe goes to the livenessprobe sidecar, or, without
+        # one, to the driver's own /healthz on its metrics port.
         probes = [c for c in cs if c.get("image", "").startswith(SIDECAR_REGISTRY + "livenessprobe:")]
         lp = drv.get("livenessProbe") or {}
-        if r.check(len(probes) == 1 and "httpGet" in lp,
-                   f"{name}: {w} driver has a livenessProbe served by a livenessprobe sidecar"):
+        r.check("httpGet" in lp and lp["httpGet"].get("path") == "/healthz",
+                f"{name}: {w} driver has an HTTP livenessProbe on /healthz")
+        probed = port_number(drv, (lp.get("httpGet") or {}).get("port"))
+        if len(probes) == 1:
             served = endpoint_port(flag(probes[0], "--http-endpoint")) or \
                 int(flag(probes[0], "--health-port", "9808"))
-            probed = port_number(drv, lp["httpGet"].get("port"))
-            r.check(probed == served and lp["httpGet"].get("path") == "/healthz",
+            r.check(probed == served,
                     f"{name}: {w} driver probe port {probed} is livenessprobe's port {served}")
+        elif r.check(not probes, f"{name}: {w} has at most one livenessprobe sidecar"):
+            own = endpoint_port(setting(drv, "--metrics-address", "CSI_METRICS_ADDRESS"))
+            r.check(own is not None and probed == own,
+                    f"{name}: {w} driver probe port {probed} is its own --metrics-address port {own} "
+                    "(no livenessprobe sidecar)")
         for c in cs:
             probe = c.get("livenessProbe") or {}
             port = (probe.get("httpGet") or {}).get("port")
             if port is not None:
                 r.check(port_number(c, port) is not None,
                         f"{name}: {w}/{c['name']} probe port {port} is declared by the container")
-        metrics = flag(drv, "--metrics-address")
-        if metrics is not None:
+        metrics = setting(drv, "--metrics-address", "CSI_METRICS_ADDRESS")
+        if metrics:
             mport = endpoint_port(metrics)
             r.check(any(p["containerPort"] == mport for p in drv.get("ports") or []),
                     f"{name}: {w} driver metrics port {mport} is declared")
@@ -510,9 +554,15 @@ def check_overlay_flags(name, docs, r):
                 f"{name}: every driver runs with --disable-controller-expansion "
                 "(the resizer cannot reach the volume's node)")
     for kind, img in (("provisioner", "csi-provisioner"), ("resizer", "csi-resizer"),
-                      ("snapshotter", "csi-snapshotter"), ("registrar", "csi-node-driver-registrar")):
+                      ("snapshotter", "csi-snapshotter")):
         r.check(any(SIDECAR_REGISTRY + img + ":" in i for i in images),
                 f"{name}: runs external {kind} ({img})")
+    builtin = any(setting(c, "--kubelet-registration-dir", "CSI_KUBELET_REGISTRATION_DIR")
+                  for c in drivers)
+    registrar = any(SIDECAR_REGISTRY + "csi-node-driver-registrar:" in i for i in images)
+    r.check(registrar != builtin,
+            f"{name}: registers with the kubelet through node-driver-registrar or the driver's "
+            f"built-in registration, not both (registrar={registrar}, built-in={builtin})")
 
 
 def rbac_rules_for(docs, sa, namespace):
@@ -661,7 +711,7 @@ def check_examples(docs_by_file, r):
                         f"examples/{fname}: claim uses an example StorageClass")
 
 
-def check_binary(binary, flags_in_use, r):
+def check_binary(binary, flags_in_use, env_in_use, r):
     try:
         out = subprocess.run([binary, "--help"], capture_output=True, text=True, timeout=30)
     except OSError as e:
@@ -672,6 +722,9 @@ def check_binary(binary, flags_in_use, r):
     for f in flags_in_use:
         r.check(re.search(re.escape(f) + r"(?![A-Za-z0-9-])", text) is not None,
                 f"the binary accepts {f} (in its --help)")
+    for e in env_in_use:
+        r.check(re.search(r"\[env: " + re.escape(e) + "=", text) is not None,
+                f"the binary reads the environment variable {e} (in its --help)")
 
 
 # ---------------------------------------------------------------- node label domains
@@ -763,16 +816,27 @@ def crate_version():
     return m.group(1) if m else None
 
 
-def driver_flags(rendered):
+def driver_settings(rendered, names):
+    """Once each, in order, the names(c) of every driver container."""
     seen = []
     for docs in rendered.values():
         for _, spec in pod_workloads(docs):
             for c in containers(spec):
                 if is_driver(c):
-                    for f in flag_values(c)[0]:
-                        if f not in seen:
-                            seen.append(f)
+                    for n in names(c):
+                        if n not in seen:
+                            seen.append(n)
     return seen
+
+
+def driver_flags(rendered):
+    return driver_settings(rendered, lambda c: flag_values(c)[0])
+
+
+def driver_env(rendered):
+    """The driver's settings given as environment variables (CSI_*)."""
+    return driver_settings(rendered, lambda c: [e["name"] for e in c.get("env") or []
+                                                if e["name"].startswith("CSI_")])
 
 
 def main():
@@ -798,6 +862,8 @@ def main():
                 return 2
             for o in OVERLAYS:
                 rendered[o] = render(o, kustomize)
+                for comp in COMPONENTS:
+                    rendered[f"{o}+{comp}"] = render(o, kustomize, comp)
     except (OSError, RuntimeError, yaml.YAMLError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -850,9 +916,12 @@ def main():
 
     r.section("wiring inside each pod",
               "every sidecar's --csi-address is the socket of the driver's --endpoint (same volume, same file)",
-              "the registrar's --kubelet-registration-path is the socket's hostPath, "
-              f"{KUBELET_DIR}/plugins/{DRIVER_NAME}/csi.sock; plugins_registry at /registration",
-              "the driver's livenessProbe targets the livenessprobe sidecar's port; probe ports declared",
+              "each node plugin registers exactly once, by node-driver-registrar or by the driver "
+              "(--kubelet-registration-dir); the registration path is the socket's hostPath, "
+              f"{KUBELET_DIR}/plugins/{DRIVER_NAME}/csi.sock; plugins_registry mounted where the "
+              "registration socket is made",
+              "the driver's livenessProbe targets the livenessprobe sidecar's port, or without one its "
+              "own /healthz on its metrics port; probe ports declared",
               "the driver's --metrics-address port is declared; --mode fits the workload kind",
               "every $(VAR) in args is in the container's env; every flag written --name=value",
               "node-deployment sidecars: DaemonSet, NODE_NAME, no leader election; "
@@ -893,9 +962,11 @@ def main():
     check_label_domains(rendered, examples, r)
 
     flags = driver_flags(rendered)
-    r.section("flags passed to the driver: " + " ".join(flags))
+    env = driver_env(rendered)
+    r.section("flags passed to the driver: " + " ".join(flags),
+              "environment settings of the driver: " + " ".join(env))
     if args.check_binary:
-        check_binary(args.check_binary, flags, r)
+        check_binary(args.check_binary, flags, env, r)
     else:
         print("   (not compared with a binary here: give --check-binary PATH; "
               "a Rust test compares `check_manifests.py --driver-flags` with --help)")

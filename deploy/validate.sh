@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Validates deploy/ without a cluster:
-#   1. renders every overlay with kustomize,
+#   1. renders every overlay with kustomize, alone and with each component
+#      of deploy/components/,
 #   2. lints the YAML sources with yamllint (deploy/.yamllint),
 #   3. runs deploy/check_manifests.py on the rendered overlays and the
 #      examples: Kubernetes API schemas (kubernetes-validate, strict) for
@@ -27,6 +28,7 @@ KUSTOMIZE_VERSION="v5.8.2"         # the newest that builds with this machine's 
 KUBERNETES_VALIDATE_VERSION="1.37.0"
 YAMLLINT_VERSION="1.38.0"
 OVERLAYS=(central central-attach distributed)
+COMPONENTS=(builtin-sidecars)       # each overlay is also validated with each of these
 PYTHON="${PYTHON:-python3}"
 
 step() { printf '\n### %s\n' "$*"; }
@@ -84,6 +86,20 @@ for o in "${OVERLAYS[@]}"; do
     "$(grep '^kind: ' "$out/$o.yaml" | cut -d' ' -f2 | sort | uniq -c | awk '{printf "%s%s×%s", (NR>1?", ":""), $2, $1}')"
   rendered+=(--rendered "$o=$out/$o.yaml")
 done
+# Each overlay with each component, through a kustomization that names both by
+# relative path (kustomize refuses absolute ones).
+for o in "${OVERLAYS[@]}"; do
+  for c in "${COMPONENTS[@]}"; do
+    k="$out/$o+$c"
+    mkdir -p "$k"
+    rel="$(realpath --relative-to="$k" "$DEPLOY")"
+    printf 'apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources:\n  - %s\ncomponents:\n  - %s\n' \
+      "$rel/overlays/$o" "$rel/components/$c" >"$k/kustomization.yaml"
+    "${kustomize_cmd[@]}" "$k" >"$k.yaml" || die "kustomize build of overlays/$o with components/$c failed"
+    printf '  %-34s %3d objects\n' "$o + $c" "$(grep -c '^kind: ' "$k.yaml")"
+    rendered+=(--rendered "$o+$c=$k.yaml")
+  done
+done
 
 # ------------------------------------------------------------ yamllint
 step "yamllint (deploy/.yamllint, strict)"
@@ -128,4 +144,5 @@ else
 fi
 [[ $fail -eq 0 ]] || die "Dockerfile checks failed"
 
-printf '\nvalidate.sh: deploy/ is valid (overlays: %s; Kubernetes %s)\n' "${OVERLAYS[*]}" "$K8S_VERSIONS"
+printf '\nvalidate.sh: deploy/ is valid (overlays: %s; each also with: %s; Kubernetes %s)\n' \
+  "${OVERLAYS[*]}" "${COMPONENTS[*]}" "$K8S_VERSIONS"

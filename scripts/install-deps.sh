@@ -14,6 +14,30 @@ if [ ${#need[@]} -gt 0 ]; then
   apt-get install -y -qq "${need[@]}" >/dev/null
 fi
 command -v go >/dev/null || { echo "Go is required (csi-sanity, the CSI contract check)"; exit 1; }
+
+# gRPC clients other than Go's, for tests/clients.rs: Python grpcio at its
+# defaults (grpc C-core) in its own virtualenv, and grpcurl.
+GRPC_VENV=/opt/example-csi/grpc-venv
+GRPCIO_VERSION=1.85.1
+GRPCURL_VERSION=v1.9.4
+if ! "$GRPC_VENV/bin/python" -c "import grpc, grpc_tools, sys; sys.exit(grpc.__version__ != '$GRPCIO_VERSION')" 2>/dev/null; then
+  echo "installing grpcio $GRPCIO_VERSION and grpcio-tools in $GRPC_VENV"
+  if ! python3 -m venv --help >/dev/null 2>&1 || ! python3 -c 'import ensurepip' 2>/dev/null; then
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq
+    apt-get install -y -qq python3-venv >/dev/null
+  fi
+  rm -rf "$GRPC_VENV"
+  python3 -m venv "$GRPC_VENV"
+  "$GRPC_VENV/bin/pip" install --quiet --disable-pip-version-check \
+    "grpcio==$GRPCIO_VERSION" "grpcio-tools==$GRPCIO_VERSION"
+fi
+gobin="$(go env GOBIN)"; [ -n "$gobin" ] || gobin="$(go env GOPATH)/bin"
+# `go install` leaves grpcurl's own -version unset; the module version is in the binary.
+if ! go version -m "$gobin/grpcurl" 2>/dev/null | grep -Eq "^\s+mod\s+github.com/fullstorydev/grpcurl\s+$GRPCURL_VERSION\s"; then
+  echo "installing grpcurl $GRPCURL_VERSION"
+  (cd "${TMPDIR:-/tmp}" && go install "github.com/fullstorydev/grpcurl/cmd/grpcurl@$GRPCURL_VERSION")
+fi
 command -v cargo >/dev/null || { echo "Rust (cargo) is required"; exit 1; }
 if command -v rustup >/dev/null; then
   for c in rustfmt clippy; do

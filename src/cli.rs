@@ -91,6 +91,19 @@ pub struct Cli {
     #[arg(long, env = "CSI_METRICS_ADDRESS", default_value = "")]
     pub metrics_address: String,
 
+    /// Register the driver with the kubelet without node-driver-registrar: the
+    /// kubelet's plugins_registry directory as mounted here (e.g.
+    /// /var/lib/kubelet/plugins_registry). Serves <drivername>-reg.sock there.
+    /// Off when empty; --mode node or all only.
+    #[arg(long, env = "CSI_KUBELET_REGISTRATION_DIR", default_value = "")]
+    pub kubelet_registration_dir: String,
+
+    /// The CSI socket's path as the kubelet on the host sees it (e.g.
+    /// /var/lib/kubelet/plugins/example.csi.k8s.io/csi.sock); required with
+    /// --kubelet-registration-dir.
+    #[arg(long, env = "CSI_KUBELET_REGISTRATION_PATH", default_value = "")]
+    pub kubelet_registration_path: String,
+
     /// Filesystem made on a mount volume whose capability names none.
     #[arg(long, env = "CSI_DEFAULT_FSTYPE", default_value = "ext4",
           value_parser = ["ext4", "xfs", "btrfs"])]

@@ -1,10 +1,12 @@
 //! `csi-driver`: serves the CSI services of example-csi on a Unix socket, or, as
 //! `csi-driver client ...`, calls them.
 
+mod authority;
 mod cli;
 mod client;
 mod endpoint;
 mod metrics;
+mod registration;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -12,6 +14,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tokio_stream::wrappers::UnixListenerStream;
+use tokio_stream::StreamExt;
 
 use cli::{Cli, Command, LogFormat, Mode, DEFAULT_POOL_PATH};
 use csi_proto::csi::{
@@ -84,6 +87,10 @@ fn main() -> ExitCode {
             Err(e) => return usage_error(e),
         },
     };
+    let registration = match registration_config(&cli) {
+        Ok(r) => r,
+        Err(e) => return usage_error(e),
+    };
     if let Err(e) = init_logging(&cli) {
         return usage_error(e);
     }
@@ -116,7 +123,7 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(serve(cli, cfg, endpoint, metrics_address)) {
+    match runtime.block_on(serve(cli, cfg, endpoint, metrics_address, registration)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             tracing::error!(error = %e, "stopped");
@@ -124,6 +131,38 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// The built-in kubelet registration, when --kubelet-registration-dir asks for it.
+fn registration_config(cli: &Cli) -> Result<Option<registration::Config>, String> {
+    let dir = cli.kubelet_registration_dir.trim();
+    let path = cli.kubelet_registration_path.trim();
+    if dir.is_empty() {
+        if !path.is_empty() {
+            return Err("--kubelet-registration-path needs --kubelet-registration-dir".into());
+        }
+        return Ok(None);
+    }
+    if cli.mode == Mode::Controller {
+        return Err(
+            "--kubelet-registration-dir registers a node plugin: not with --mode controller".into(),
+        );
+    }
+    if !dir.starts_with('/') {
+        return Err(format!(
+            "--kubelet-registration-dir {dir:?}: the path must be absolute"
+        ));
+    }
+    if !path.starts_with('/') {
+        return Err(format!(
+            "--kubelet-registration-path {path:?}: the absolute path of the CSI socket on \
+             the host is required with --kubelet-registration-dir"
+        ));
+    }
+    let cfg = registration::Config::new(std::path::Path::new(dir), &cli.drivername, path);
+    let name = cfg.socket.to_string_lossy().into_owned();
+    endpoint::parse(&name, false).map_err(|e| format!("--kubelet-registration-dir: {e}"))?;
+    Ok(Some(cfg))
 }
 
 /// Parses --pool values. Without any, the default pool directory is made.
@@ -189,6 +228,7 @@ async fn serve(
     cfg: Config,
     endpoint: Endpoint,
     metrics_address: Option<std::net::SocketAddr>,
+    registration: Option<registration::Config>,
 ) -> Result<(), String> {
     let mode = cli.mode;
     tracing::info!(version = env!("CARGO_PKG_VERSION"), node = %cfg.node_id, mode = ?mode,
@@ -224,7 +264,13 @@ async fn serve(
             ));
             tracing::info!(address = %listener.local_addr().map_err(|e| e.to_string())?,
                 "serving metrics on /metrics and health on /healthz");
-            tokio::spawn(metrics::serve(listener, m.clone(), driver.clone(), sys));
+            tokio::spawn(metrics::serve(
+                listener,
+                m.clone(),
+                driver.clone(),
+                sys,
+                endpoint.clone(),
+            ));
             Some(m)
         }
     };
@@ -275,10 +321,22 @@ async fn serve(
             let listener = endpoint::bind(&path)
                 .map_err(|e| format!("cannot listen on {}: {e}", path.display()))?;
             tracing::info!(endpoint = %path.display(), "serving");
-            let server = tokio::spawn(
-                router.serve_with_incoming_shutdown(UnixListenerStream::new(listener), stopping),
-            );
+            let server = tokio::spawn(router.serve_with_incoming_shutdown(
+                UnixListenerStream::new(listener).map(|s| s.map(authority::Conn::new)),
+                stopping,
+            ));
+            // The kubelet calls the CSI socket as soon as it is registered, so the
+            // registration starts once that socket is served.
+            let registering = match start_registration(registration) {
+                Ok(r) => r,
+                Err(e) => {
+                    server.abort();
+                    let _ = std::fs::remove_file(&path);
+                    return Err(e);
+                }
+            };
             let result = wait(server, stop_tx, grace).await;
+            stop_registration(registering).await;
             let _ = std::fs::remove_file(&path);
             tracing::info!("stopped");
             result
@@ -287,7 +345,41 @@ async fn serve(
             let addr = addr.parse().map_err(|e| format!("{addr}: {e}"))?;
             tracing::warn!(%addr, "serving on TCP: anyone who can reach it controls this node's mounts");
             let server = tokio::spawn(router.serve_with_shutdown(addr, stopping));
-            wait(server, stop_tx, grace).await
+            let registering = start_registration(registration)?;
+            let result = wait(server, stop_tx, grace).await;
+            stop_registration(registering).await;
+            result
+        }
+    }
+}
+
+type Registering = (
+    tokio::sync::watch::Sender<bool>,
+    tokio::task::JoinHandle<()>,
+    PathBuf,
+);
+
+fn start_registration(cfg: Option<registration::Config>) -> Result<Option<Registering>, String> {
+    let Some(cfg) = cfg else {
+        return Ok(None);
+    };
+    let listener = registration::bind(&cfg)?;
+    let socket = cfg.socket.clone();
+    let (tx, rx) = tokio::sync::watch::channel(false);
+    let task = tokio::spawn(registration::serve(cfg, listener, rx));
+    Ok(Some((tx, task, socket)))
+}
+
+/// Removes the registration socket: the kubelet then drops the plugin.
+async fn stop_registration(registering: Option<Registering>) {
+    if let Some((tx, task, socket)) = registering {
+        let _ = tx.send(true);
+        if tokio::time::timeout(Duration::from_secs(5), task)
+            .await
+            .is_err()
+        {
+            tracing::warn!("the registration server did not stop in time");
+            let _ = std::fs::remove_file(socket);
         }
     }
 }

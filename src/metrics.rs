@@ -1,4 +1,5 @@
-//! Operations: Prometheus metrics and a health check on HTTP (`--metrics-address`),
+//! Operations: Prometheus metrics and a health check (`/healthz`, Probe on the CSI
+//! endpoint, for a pod's livenessProbe) on HTTP (`--metrics-address`),
 //! and the tower layer around the gRPC server that counts and times every RPC and
 //! bounds how many non-Identity RPCs run at once.
 //!
@@ -27,6 +28,8 @@ use prometheus_client::metrics::info::Info;
 use prometheus_client::registry::Registry;
 
 use csi_storage::{Driver, System};
+
+use crate::endpoint::Endpoint;
 
 type Labels = Vec<(&'static str, String)>;
 type HistogramFamily = Family<Labels, Histogram, fn() -> Histogram>;
@@ -313,6 +316,36 @@ struct Http {
     metrics: Arc<Metrics>,
     driver: Arc<Driver>,
     sys: System,
+    csi: Endpoint,
+}
+
+/// How long /healthz waits for Probe; a kubelet's probe gives up after a
+/// second by default, the sidecar livenessprobe likewise.
+const PROBE_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// Calls Probe on the CSI endpoint, as a CO would: the answer is that of the
+/// service the sidecars and the kubelet use, so a driver whose socket is gone
+/// or whose gRPC server no longer answers is not reported healthy.
+async fn probe(csi: &Endpoint) -> Result<bool, String> {
+    use csi_proto::csi::{identity_client::IdentityClient, ProbeRequest};
+    let target = match csi {
+        Endpoint::Unix(path) => format!("unix://{}", path.display()),
+        Endpoint::Tcp(addr) => format!("tcp://{addr}"),
+    };
+    let call = async {
+        let channel = csi_glue::connect(&target)
+            .await
+            .map_err(|e| format!("cannot connect to the CSI endpoint: {e}"))?;
+        let answer = IdentityClient::new(channel)
+            .probe(ProbeRequest {})
+            .await
+            .map_err(|s| format!("Probe failed: {}: {}", s.code(), s.message()))?;
+        // CSI: an answer without `ready` means ready.
+        Ok(answer.into_inner().ready.unwrap_or(true))
+    };
+    tokio::time::timeout(PROBE_TIMEOUT, call)
+        .await
+        .map_err(|_| format!("Probe did not answer within {PROBE_TIMEOUT:?}"))?
 }
 
 /// Binds the metrics listener (so that a busy port fails the start).
@@ -322,17 +355,19 @@ pub async fn bind(addr: SocketAddr) -> Result<tokio::net::TcpListener, String> {
         .map_err(|e| format!("--metrics-address {addr}: {e}"))
 }
 
-/// Serves `/metrics` and `/healthz` until the task is dropped.
+/// Serves `/metrics` and `/healthz` (Probe on `csi`) until the task is dropped.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     metrics: Arc<Metrics>,
     driver: Arc<Driver>,
     sys: System,
+    csi: Endpoint,
 ) {
     let http = Arc::new(Http {
         metrics,
         driver,
         sys,
+        csi,
     });
     loop {
         let stream = match listener.accept().await {
@@ -393,31 +428,23 @@ async fn respond<B>(http: &Arc<Http>, req: http::Request<B>) -> http::Response<F
                 ),
             }
         }
-        "/healthz" => {
-            let d = http.driver.clone();
-            match tokio::task::spawn_blocking(move || d.probe()).await {
-                Ok(Ok(true)) => reply(
-                    http::StatusCode::OK,
-                    "text/plain; charset=utf-8",
-                    "ok\n".into(),
-                ),
-                Ok(Ok(false)) => reply(
-                    http::StatusCode::SERVICE_UNAVAILABLE,
-                    "text/plain; charset=utf-8",
-                    "not ready\n".into(),
-                ),
-                Ok(Err(e)) => reply(
-                    http::StatusCode::SERVICE_UNAVAILABLE,
-                    "text/plain; charset=utf-8",
-                    format!("not ready: {}\n", e),
-                ),
-                Err(e) => reply(
-                    http::StatusCode::SERVICE_UNAVAILABLE,
-                    "text/plain; charset=utf-8",
-                    format!("not ready: {e}\n"),
-                ),
-            }
-        }
+        "/healthz" => match probe(&http.csi).await {
+            Ok(true) => reply(
+                http::StatusCode::OK,
+                "text/plain; charset=utf-8",
+                "ok\n".into(),
+            ),
+            Ok(false) => reply(
+                http::StatusCode::SERVICE_UNAVAILABLE,
+                "text/plain; charset=utf-8",
+                "not ready\n".into(),
+            ),
+            Err(e) => reply(
+                http::StatusCode::SERVICE_UNAVAILABLE,
+                "text/plain; charset=utf-8",
+                format!("not ready: {e}\n"),
+            ),
+        },
         _ => reply(
             http::StatusCode::NOT_FOUND,
             "text/plain; charset=utf-8",

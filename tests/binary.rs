@@ -838,6 +838,26 @@ async fn root_healthz_fails_when_a_pool_is_gone() {
     assert_eq!(http_get(port, "/healthz").0, 200);
 }
 
+#[tokio::test]
+async fn root_healthz_answers_what_probe_answers_on_the_socket() {
+    if !require_root() {
+        return;
+    }
+    let pool = Pool::new("xfs");
+    let port = free_port();
+    let driver = Driver::start(&pool, &[&format!("--metrics-address=127.0.0.1:{port}")]);
+    assert_eq!(http_get(port, "/healthz").0, 200);
+    // The CSI socket is gone (a cleaned host directory): the kubelet and the
+    // sidecars can no longer reach the driver, so it is not alive to them.
+    let aside = driver.socket.with_extension("aside");
+    std::fs::rename(&driver.socket, &aside).unwrap();
+    let (code, body) = http_get(port, "/healthz");
+    std::fs::rename(&aside, &driver.socket).unwrap();
+    assert_eq!(code, 503, "{body}");
+    assert!(body.contains("cannot connect"), "{body}");
+    assert_eq!(http_get(port, "/healthz").0, 200);
+}
+
 /// A codec that sends and receives raw bytes, to put what we like on the wire.
 #[derive(Clone, Default)]
 struct RawCodec;

@@ -1,5 +1,6 @@
 //! The CSI v1.12.0 wire contract: the types and gRPC services generated from
-//! `csi.proto`. Nothing else lives here.
+//! `csi.proto`; and the kubelet's plugin-registration service (v1) from
+//! `pluginregistration.proto`. Nothing else lives here.
 
 #[allow(clippy::all, clippy::pedantic)]
 pub mod v1 {
@@ -7,3 +8,9 @@ pub mod v1 {
 }
 
 pub use v1 as csi;
+
+/// The kubelet's plugin-registration service, v1 (its package has no version).
+#[allow(clippy::all, clippy::pedantic)]
+pub mod pluginregistration {
+    tonic::include_proto!("pluginregistration");
+}

@@ -1,0 +1,919 @@
+//! Connections on the Unix socket, made acceptable to h2 whatever `:authority`
+//! the client sends.
+//!
+//! gRPC clients built on grpc C-core (Python, C++, Ruby, PHP) and grpc-java name
+//! a Unix socket's path as the request's `:authority` (`/csi/csi.sock`, or its
+//! percent-encoded form). That is not an RFC 3986 authority, and h2 resets every
+//! such stream with PROTOCOL_ERROR before tonic sees it. On a Unix socket the
+//! authority carries nothing (the socket is the peer), so this reader replaces a
+//! malformed `:authority` value, in the HPACK-coded header blocks as they arrive,
+//! with one h2 accepts. Everything else passes through byte for byte.
+//!
+//! The replacement has exactly the length of the original. HPACK sizes its
+//! dynamic table by the decoded lengths of names and values, so the client's
+//! table and h2's evict the same entries and every later index still points at
+//! the same field; only the `:authority` entry itself differs, and a later
+//! reference to it yields the replacement. To find the fields, this reader keeps
+//! its own copy of that table (names' and values' lengths, and whether a name is
+//! `:authority`) for the connection. On anything it cannot follow it stops
+//! rewriting and passes the rest unchanged, leaving the verdict to h2.
+
+use std::collections::VecDeque;
+use std::io;
+use std::pin::Pin;
+use std::task::{ready, Context, Poll};
+
+use hpack::huffman::HuffmanDecoder;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::UnixStream;
+
+const PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+const FRAME_HEADER: usize = 9;
+const TYPE_HEADERS: u8 = 0x1;
+const TYPE_CONTINUATION: u8 = 0x9;
+const FLAG_END_STREAM: u8 = 0x1;
+const FLAG_END_HEADERS: u8 = 0x4;
+const FLAG_PADDED: u8 = 0x8;
+const FLAG_PRIORITY: u8 = 0x20;
+/// The smallest SETTINGS_MAX_FRAME_SIZE a peer may have, and the one the server
+/// announces: a frame this reader writes is never larger.
+const MAX_FRAME: usize = 16_384;
+/// A header block held back longer than this is passed on untouched: the server
+/// refuses header lists above 16 KiB decoded anyway, and HPACK never codes a
+/// field in more bytes than it decodes to (plus a few).
+const MAX_BLOCK: usize = 64 * 1024;
+/// The dynamic table's size until the client changes it (SETTINGS_HEADER_TABLE_SIZE
+/// default; the server announces no other).
+const DEFAULT_TABLE_SIZE: usize = 4096;
+
+/// Name lengths of the HPACK static table (RFC 7541, appendix A), index 1 first;
+/// index 1 is `:authority`.
+const STATIC_NAMES: [&str; 61] = [
+    ":authority",
+    ":method",
+    ":method",
+    ":path",
+    ":path",
+    ":scheme",
+    ":scheme",
+    ":status",
+    ":status",
+    ":status",
+    ":status",
+    ":status",
+    ":status",
+    ":status",
+    "accept-charset",
+    "accept-encoding",
+    "accept-language",
+    "accept-ranges",
+    "accept",
+    "access-control-allow-origin",
+    "age",
+    "allow",
+    "authorization",
+    "cache-control",
+    "content-disposition",
+    "content-encoding",
+    "content-language",
+    "content-length",
+    "content-location",
+    "content-range",
+    "content-type",
+    "cookie",
+    "date",
+    "etag",
+    "expect",
+    "expires",
+    "from",
+    "host",
+    "if-match",
+    "if-modified-since",
+    "if-none-match",
+    "if-range",
+    "if-unmodified-since",
+    "last-modified",
+    "link",
+    "location",
+    "max-forwards",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "range",
+    "referer",
+    "refresh",
+    "retry-after",
+    "server",
+    "set-cookie",
+    "strict-transport-security",
+    "transfer-encoding",
+    "user-agent",
+    "vary",
+    "via",
+    "www-authenticate",
+];
+
+/// Why a header block could not be followed.
+#[derive(Debug, PartialEq, Eq)]
+struct Malformed;
+
+/// An entry of the dynamic table, as far as this reader needs it.
+struct Entry {
+    name_len: usize,
+    size: usize,
+    authority: bool,
+}
+
+/// This connection's view of the decoder's dynamic table.
+struct Table {
+    entries: VecDeque<Entry>,
+    size: usize,
+    max: usize,
+    huffman: HuffmanDecoder,
+}
+
+impl Table {
+    fn new() -> Table {
+        Table {
+            entries: VecDeque::new(),
+            size: 0,
+            max: DEFAULT_TABLE_SIZE,
+            huffman: HuffmanDecoder::new(),
+        }
+    }
+
+    fn resize(&mut self, max: usize) {
+        self.max = max;
+        self.evict(0);
+    }
+
+    fn evict(&mut self, room: usize) {
+        while self.size + room > self.max {
+            match self.entries.pop_back() {
+                Some(e) => self.size -= e.size,
+                None => break,
+            }
+        }
+    }
+
+    fn insert(&mut self, name_len: usize, value_len: usize, authority: bool) {
+        let size = name_len + value_len + 32;
+        if size > self.max {
+            self.entries.clear();
+            self.size = 0;
+            return;
+        }
+        self.evict(size);
+        self.size += size;
+        self.entries.push_front(Entry {
+            name_len,
+            size,
+            authority,
+        });
+    }
+
+    /// (name length, is `:authority`) of the field at `index`.
+    fn name(&self, index: usize) -> Result<(usize, bool), Malformed> {
+        match index {
+            0 => Err(Malformed),
+            1..=61 => Ok((STATIC_NAMES[index - 1].len(), index == 1)),
+            _ => self
+                .entries
+                .get(index - 62)
+                .map(|e| (e.name_len, e.authority))
+                .ok_or(Malformed),
+        }
+    }
+
+    fn decode(&mut self, s: HpackString<'_>) -> Result<Vec<u8>, Malformed> {
+        if s.huffman {
+            self.huffman.decode(s.bytes).map_err(|_| Malformed)
+        } else {
+            Ok(s.bytes.to_vec())
+        }
+    }
+
+    /// Walks one header block, keeping the table in step. Returns the block with
+    /// every malformed `:authority` value replaced, or None when none was.
+    fn rewrite(&mut self, block: &[u8]) -> Result<Option<Vec<u8>>, Malformed> {
+        let mut out = Vec::with_capacity(block.len() + 16);
+        let mut changed = false;
+        let mut i = 0;
+        while i < block.len() {
+            let start = i;
+            let first = block[i];
+            if first & 0x80 != 0 {
+                // Indexed field: the table is not changed.
+                if integer(block, &mut i, 7)? == 0 {
+                    return Err(Malformed);
+                }
+                out.extend_from_slice(&block[start..i]);
+                continue;
+            }
+            if first & 0xE0 == 0x20 {
+                let max = integer(block, &mut i, 5)?;
+                self.resize(max);
+                out.extend_from_slice(&block[start..i]);
+                continue;
+            }
+            // A literal: with incremental indexing (01), without (0000) or never
+            // indexed (0001).
+            let indexed = first & 0xC0 == 0x40;
+            let name_index = integer(block, &mut i, if indexed { 6 } else { 4 })?;
+            let (name_len, authority) = if name_index == 0 {
+                let name = string(block, &mut i)?;
+                let name = self.decode(name)?;
+                (name.len(), name == b":authority")
+            } else {
+                self.name(name_index)?
+            };
+            let value_at = i;
+            let value = string(block, &mut i)?;
+            let mut value_len = value.bytes.len();
+            if indexed || authority {
+                let decoded = self.decode(value)?;
+                value_len = decoded.len();
+                if authority && needs_replacing(&decoded) {
+                    out.extend_from_slice(&block[start..value_at]);
+                    put_string(&mut out, &replacement(&decoded));
+                    changed = true;
+                } else {
+                    out.extend_from_slice(&block[start..i]);
+                }
+            } else {
+                out.extend_from_slice(&block[start..i]);
+            }
+            if indexed {
+                self.insert(name_len, value_len, authority);
+            }
+        }
+        Ok(changed.then_some(out))
+    }
+}
+
+/// h2 refuses exactly what `http` cannot parse as an authority. An empty value
+/// cannot be given a replacement of the same length; h2 judges it.
+fn needs_replacing(value: &[u8]) -> bool {
+    !value.is_empty() && http::uri::Authority::try_from(value).is_err()
+}
+
+/// A registered name of the same length: letters, digits and `-._~` are kept,
+/// every other byte becomes `_` (`/csi/csi.sock` reads `_csi_csi.sock`).
+fn replacement(value: &[u8]) -> Vec<u8> {
+    value
+        .iter()
+        .map(|&c| {
+            if c.is_ascii_alphanumeric() || b"-._~".contains(&c) {
+                c
+            } else {
+                b'_'
+            }
+        })
+        .collect()
+}
+
+/// An HPACK integer with an `n`-bit prefix (RFC 7541, 5.1).
+fn integer(buf: &[u8], i: &mut usize, n: u8) -> Result<usize, Malformed> {
+    let mask = (1usize << n) - 1;
+    let mut value = usize::from(*buf.get(*i).ok_or(Malformed)?) & mask;
+    *i += 1;
+    if value < mask {
+        return Ok(value);
+    }
+    let mut shift = 0;
+    loop {
+        let b = *buf.get(*i).ok_or(Malformed)?;
+        *i += 1;
+        // Nothing in a header block of at most MAX_BLOCK bytes needs more.
+        if shift > 21 {
+            return Err(Malformed);
+        }
+        value += usize::from(b & 0x7F) << shift;
+        shift += 7;
+        if b & 0x80 == 0 {
+            return Ok(value);
+        }
+    }
+}
+
+#[derive(Clone, Copy)]
+struct HpackString<'a> {
+    huffman: bool,
+    bytes: &'a [u8],
+}
+
+fn string<'a>(buf: &'a [u8], i: &mut usize) -> Result<HpackString<'a>, Malformed> {
+    let huffman = buf.get(*i).ok_or(Malformed)? & 0x80 != 0;
+    let len = integer(buf, i, 7)?;
+    let bytes = buf.get(*i..*i + len).ok_or(Malformed)?;
+    *i += len;
+    Ok(HpackString { huffman, bytes })
+}
+
+/// A string literal without Huffman coding.
+fn put_string(out: &mut Vec<u8>, s: &[u8]) {
+    let mut len = s.len();
+    if len < 0x7F {
+        out.push(len as u8);
+    } else {
+        out.push(0x7F);
+        len -= 0x7F;
+        while len >= 0x80 {
+            out.push((len & 0x7F) as u8 | 0x80);
+            len >>= 7;
+        }
+        out.push(len as u8);
+    }
+    out.extend_from_slice(s);
+}
+
+fn frame_header(out: &mut Vec<u8>, len: usize, kind: u8, flags: u8, stream: [u8; 4]) {
+    out.extend_from_slice(&(len as u32).to_be_bytes()[1..]);
+    out.push(kind);
+    out.push(flags);
+    out.extend_from_slice(&stream);
+}
+
+/// A header block being gathered from a HEADERS frame and its CONTINUATIONs.
+struct Block {
+    /// The frames as received, sent on unchanged when nothing is replaced.
+    raw: Vec<u8>,
+    fragment: Vec<u8>,
+    stream: [u8; 4],
+    flags: u8,
+    priority: Option<[u8; 5]>,
+}
+
+enum State {
+    /// Bytes of the connection preface matched so far.
+    Preface(usize),
+    /// Gathering a frame header, or a whole HEADERS or CONTINUATION frame, in `partial`.
+    Frame,
+    /// Payload bytes of another frame still to pass on.
+    Payload(usize),
+    /// Not rewriting any more.
+    Passthrough,
+}
+
+/// The inbound byte stream of one connection, with `:authority` values fixed.
+pub struct Rewriter {
+    state: State,
+    partial: Vec<u8>,
+    block: Option<Block>,
+    table: Table,
+    rewritten: u64,
+}
+
+impl Default for Rewriter {
+    fn default() -> Self {
+        Rewriter {
+            state: State::Preface(0),
+            partial: Vec::new(),
+            block: None,
+            table: Table::new(),
+            rewritten: 0,
+        }
+    }
+}
+
+impl Rewriter {
+    /// How many header blocks had their `:authority` replaced.
+    pub fn rewritten(&self) -> u64 {
+        self.rewritten
+    }
+
+    /// Takes bytes read from the client; appends what may go on to `out`.
+    pub fn feed(&mut self, mut input: &[u8], out: &mut Vec<u8>) {
+        while !input.is_empty() {
+            match &mut self.state {
+                State::Passthrough => {
+                    out.extend_from_slice(input);
+                    return;
+                }
+                State::Preface(seen) => {
+                    let want = &PREFACE[*seen..];
+                    let n = want.len().min(input.len());
+                    if input[..n] != want[..n] {
+                        self.state = State::Passthrough;
+                        continue;
+                    }
+                    out.extend_from_slice(&input[..n]);
+                    input = &input[n..];
+                    *seen += n;
+                    if *seen == PREFACE.len() {
+                        self.state = State::Frame;
+                    }
+                }
+                State::Payload(left) => {
+                    let n = (*left).min(input.len());
+                    out.extend_from_slice(&input[..n]);
+                    input = &input[n..];
+                    *left -= n;
+                    if *left == 0 {
+                        self.state = State::Frame;
+                    }
+                }
+                State::Frame => {
+                    let need = if self.partial.len() < FRAME_HEADER {
+                        FRAME_HEADER
+                    } else {
+                        FRAME_HEADER + payload_len(&self.partial)
+                    };
+                    let n = (need - self.partial.len()).min(input.len());
+                    self.partial.extend_from_slice(&input[..n]);
+                    input = &input[n..];
+                    if self.partial.len() == need {
+                        self.frame(out);
+                    }
+                }
+            }
+        }
+    }
+
+    /// Called at the end of the input: whatever is held goes on as it came.
+    pub fn finish(&mut self, out: &mut Vec<u8>) {
+        self.give_up(out);
+    }
+
+    fn give_up(&mut self, out: &mut Vec<u8>) {
+        if let Some(b) = self.block.take() {
+            out.extend_from_slice(&b.raw);
+        }
+        out.append(&mut self.partial);
+        self.state = State::Passthrough;
+    }
+
+    /// `partial` holds a frame header, or a whole frame whose header said to gather it.
+    fn frame(&mut self, out: &mut Vec<u8>) {
+        let len = payload_len(&self.partial);
+        let kind = self.partial[3];
+        let gather = kind == TYPE_HEADERS || (kind == TYPE_CONTINUATION && self.block.is_some());
+        if self.partial.len() == FRAME_HEADER && len > 0 {
+            if !gather {
+                out.append(&mut self.partial);
+                self.state = State::Payload(len);
+                return;
+            }
+            if len > MAX_FRAME {
+                self.give_up(out);
+            }
+            // Otherwise wait for the payload.
+            return;
+        }
+        if !gather {
+            // A frame without payload.
+            if self.block.is_some() {
+                // Only CONTINUATION may follow an unfinished header block.
+                self.give_up(out);
+                return;
+            }
+            out.append(&mut self.partial);
+            return;
+        }
+        let frame = std::mem::take(&mut self.partial);
+        let flags = frame[4];
+        let stream: [u8; 4] = frame[5..9].try_into().expect("9-byte frame header");
+        let payload = &frame[FRAME_HEADER..];
+        if kind == TYPE_HEADERS {
+            if self.block.is_some() {
+                self.partial = frame;
+                self.give_up(out);
+                return;
+            }
+            let Some((priority, fragment)) = headers_payload(flags, payload) else {
+                self.partial = frame;
+                self.give_up(out);
+                return;
+            };
+            self.block = Some(Block {
+                fragment: fragment.to_vec(),
+                raw: frame.clone(),
+                stream,
+                flags,
+                priority,
+            });
+        } else {
+            let block = self.block.as_mut().expect("gathering a block");
+            if block.stream != stream || block.raw.len() + frame.len() > MAX_BLOCK {
+                self.partial = frame;
+                self.give_up(out);
+                return;
+            }
+            block.fragment.extend_from_slice(payload);
+            block.raw.extend_from_slice(&frame);
+        }
+        if flags & FLAG_END_HEADERS != 0 {
+            let block = self.block.take().expect("a block");
+            self.finish_block(block, out);
+        }
+    }
+
+    fn finish_block(&mut self, block: Block, out: &mut Vec<u8>) {
+        match self.table.rewrite(&block.fragment) {
+            Ok(None) => out.extend_from_slice(&block.raw),
+            Ok(Some(fragment)) => {
+                self.rewritten += 1;
+                write_block(out, &block, &fragment);
+            }
+            Err(Malformed) => {
+                out.extend_from_slice(&block.raw);
+                self.state = State::Passthrough;
+            }
+        }
+    }
+}
+
+fn payload_len(header: &[u8]) -> usize {
+    (usize::from(header[0]) << 16) | (usize::from(header[1]) << 8) | usize::from(header[2])
+}
+
+/// The priority fields and the header block fragment of a HEADERS payload.
+fn headers_payload(flags: u8, payload: &[u8]) -> Option<(Option<[u8; 5]>, &[u8])> {
+    let mut p = payload;
+    let mut pad = 0;
+    if flags & FLAG_PADDED != 0 {
+        pad = usize::from(*p.first()?);
+        p = &p[1..];
+    }
+    let mut priority = None;
+    if flags & FLAG_PRIORITY != 0 {
+        priority = Some(p.get(..5)?.try_into().ok()?);
+        p = &p[5..];
+    }
+    let end = p.len().checked_sub(pad)?;
+    Some((priority, &p[..end]))
+}
+
+/// A HEADERS frame and as many CONTINUATIONs as the block needs, without padding.
+fn write_block(out: &mut Vec<u8>, block: &Block, fragment: &[u8]) {
+    let prio_len = block.priority.map_or(0, |_| 5);
+    let first = fragment.len().min(MAX_FRAME - prio_len);
+    let (head, mut rest) = fragment.split_at(first);
+    let mut flags = block.flags & (FLAG_END_STREAM | FLAG_PRIORITY);
+    if rest.is_empty() {
+        flags |= FLAG_END_HEADERS;
+    }
+    frame_header(
+        out,
+        prio_len + head.len(),
+        TYPE_HEADERS,
+        flags,
+        block.stream,
+    );
+    if let Some(p) = block.priority {
+        out.extend_from_slice(&p);
+    }
+    out.extend_from_slice(head);
+    while !rest.is_empty() {
+        let n = rest.len().min(MAX_FRAME);
+        let (chunk, tail) = rest.split_at(n);
+        rest = tail;
+        let flags = if rest.is_empty() { FLAG_END_HEADERS } else { 0 };
+        frame_header(out, n, TYPE_CONTINUATION, flags, block.stream);
+        out.extend_from_slice(chunk);
+    }
+}
+
+/// A Unix-socket connection whose inbound bytes pass through a [`Rewriter`].
+pub struct Conn {
+    inner: UnixStream,
+    rewriter: Rewriter,
+    ready: Vec<u8>,
+    at: usize,
+    scratch: Box<[u8]>,
+    eof: bool,
+    logged: bool,
+}
+
+impl Conn {
+    pub fn new(inner: UnixStream) -> Conn {
+        Conn {
+            inner,
+            rewriter: Rewriter::default(),
+            ready: Vec::new(),
+            at: 0,
+            scratch: vec![0; 16 * 1024].into_boxed_slice(),
+            eof: false,
+            logged: false,
+        }
+    }
+}
+
+impl AsyncRead for Conn {
+    fn poll_read(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = self.get_mut();
+        loop {
+            if this.at < this.ready.len() {
+                let n = (this.ready.len() - this.at).min(buf.remaining());
+                buf.put_slice(&this.ready[this.at..this.at + n]);
+                this.at += n;
+                if this.at == this.ready.len() {
+                    this.ready.clear();
+                    this.at = 0;
+                }
+                return Poll::Ready(Ok(()));
+            }
+            if this.eof {
+                // Whatever was held goes on; then end of stream.
+                this.rewriter.finish(&mut this.ready);
+                if this.ready.is_empty() {
+                    return Poll::Ready(Ok(()));
+                }
+                continue;
+            }
+            let mut rb = ReadBuf::new(&mut this.scratch);
+            ready!(Pin::new(&mut this.inner).poll_read(cx, &mut rb))?;
+            if rb.filled().is_empty() {
+                this.eof = true;
+                continue;
+            }
+            let n = rb.filled().len();
+            this.rewriter.feed(&this.scratch[..n], &mut this.ready);
+            if !this.logged && this.rewriter.rewritten() > 0 {
+                this.logged = true;
+                tracing::debug!(
+                    "a client named the socket path as :authority; replaced with a valid name"
+                );
+            }
+        }
+    }
+}
+
+impl AsyncWrite for Conn {
+    fn poll_write(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().inner).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        Pin::new(&mut self.get_mut().inner).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.inner.is_write_vectored()
+    }
+
+    fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
+    }
+}
+
+impl tonic::transport::server::Connected for Conn {
+    type ConnectInfo = <UnixStream as tonic::transport::server::Connected>::ConnectInfo;
+
+    fn connect_info(&self) -> Self::ConnectInfo {
+        self.inner.connect_info()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A literal with incremental indexing of a static name, raw value.
+    fn lit_indexed(name_index: u8, value: &[u8]) -> Vec<u8> {
+        let mut v = vec![0x40 | name_index];
+        put_string(&mut v, value);
+        v
+    }
+
+    fn headers_frame(flags: u8, stream: u32, fragment: &[u8]) -> Vec<u8> {
+        let mut v = Vec::new();
+        frame_header(
+            &mut v,
+            fragment.len(),
+            TYPE_HEADERS,
+            flags,
+            stream.to_be_bytes(),
+        );
+        v.extend_from_slice(fragment);
+        v
+    }
+
+    /// Decodes a header block as h2 would see it, with a real HPACK decoder.
+    fn decoded(decoder: &mut hpack::Decoder<'_>, block: &[u8]) -> Vec<(String, String)> {
+        decoder
+            .decode(block)
+            .unwrap()
+            .into_iter()
+            .map(|(n, v)| (String::from_utf8(n).unwrap(), String::from_utf8(v).unwrap()))
+            .collect()
+    }
+
+    /// Feeds `input` one byte at a time (the worst split) and in one piece; both
+    /// must give the same output.
+    fn run(input: &[u8]) -> Vec<u8> {
+        let mut whole = Vec::new();
+        let mut r = Rewriter::default();
+        r.feed(input, &mut whole);
+        r.finish(&mut whole);
+        let mut bytewise = Vec::new();
+        let mut r = Rewriter::default();
+        for b in input {
+            r.feed(std::slice::from_ref(b), &mut bytewise);
+        }
+        r.finish(&mut bytewise);
+        assert_eq!(
+            whole, bytewise,
+            "the output does not depend on how reads split"
+        );
+        whole
+    }
+
+    /// Splits the rewriter's output into (type, flags, payload) frames after the preface.
+    fn frames(out: &[u8]) -> Vec<(u8, u8, Vec<u8>)> {
+        assert!(out.starts_with(PREFACE));
+        let mut p = &out[PREFACE.len()..];
+        let mut v = Vec::new();
+        while !p.is_empty() {
+            let len = payload_len(p);
+            v.push((p[3], p[4], p[9..9 + len].to_vec()));
+            p = &p[9 + len..];
+        }
+        v
+    }
+
+    #[test]
+    fn the_replacement_is_a_valid_authority_of_the_same_length() {
+        for bad in [
+            &b"/csi/csi.sock"[..],
+            b"%2Fvar%2Flib%2Fkubelet%2Fplugins%2Fx%2Fcsi.sock",
+            b"unix:/tmp/a b@c:[d]",
+            b"/",
+        ] {
+            assert!(needs_replacing(bad), "{bad:?}");
+            let r = replacement(bad);
+            assert_eq!(r.len(), bad.len());
+            assert!(http::uri::Authority::try_from(&r[..]).is_ok(), "{r:?}");
+        }
+        for good in [&b"localhost"[..], b"127.0.0.1:10000", b"[::1]:80", b""] {
+            assert!(!needs_replacing(good), "{good:?}");
+        }
+    }
+
+    #[test]
+    fn a_path_authority_is_replaced_and_the_tables_stay_in_step() {
+        let path = b"/run/example-csi/csi.sock";
+        // First request: :method POST (3), :scheme http (6), :path literal,
+        // :authority indexed into the table, a custom header indexed too.
+        let mut block1 = vec![0x83, 0x86];
+        block1.extend(lit_indexed(4, b"/csi.v1.Identity/Probe"));
+        block1.extend(lit_indexed(1, path));
+        block1.extend([0x40]);
+        put_string(&mut block1, b"x-mine");
+        put_string(&mut block1, b"value");
+        // The second request refers to the three table entries: x-mine is
+        // index 62 (0xBE), :authority 63 (0xBF), :path 64 (0xC0).
+        let block2 = vec![0x83, 0x86, 0xC0, 0xBF, 0xBE];
+        let mut input = PREFACE.to_vec();
+        input.extend(headers_frame(FLAG_END_HEADERS, 1, &block1));
+        input.extend(headers_frame(
+            FLAG_END_HEADERS | FLAG_END_STREAM,
+            3,
+            &block2,
+        ));
+        let out = run(&input);
+        let f = frames(&out);
+        assert_eq!(f.len(), 2);
+        let mut decoder = hpack::Decoder::new();
+        let first = decoded(&mut decoder, &f[0].2);
+        assert!(first.contains(&(":authority".into(), "_run_example-csi_csi.sock".into())));
+        assert!(first.contains(&("x-mine".into(), "value".into())));
+        let second = decoded(&mut decoder, &f[1].2);
+        assert_eq!(
+            second[2..],
+            [
+                (":path".to_string(), "/csi.v1.Identity/Probe".to_string()),
+                (":authority".into(), "_run_example-csi_csi.sock".into()),
+                ("x-mine".into(), "value".into()),
+            ]
+        );
+        // The second block needed no change and is passed as it came.
+        assert_eq!(f[1].2, block2);
+        assert_eq!(f[1].1, FLAG_END_HEADERS | FLAG_END_STREAM);
+    }
+
+    #[test]
+    fn huffman_coded_values_and_padding_are_handled() {
+        // "www.example.com" Huffman-coded (RFC 7541, C.4.1) is a valid authority:
+        // nothing changes, padding included.
+        let www = [
+            0x8c, 0xf1, 0xe3, 0xc2, 0xe5, 0xf2, 0x3a, 0x6b, 0xa0, 0xab, 0x90, 0xf4, 0xff,
+        ];
+        let mut block = vec![0x82, 0x86, 0x84, 0x41];
+        block.extend(www);
+        let mut payload = vec![3u8]; // pad length
+        payload.extend(&block);
+        payload.extend([0, 0, 0]);
+        let mut input = PREFACE.to_vec();
+        input.extend(headers_frame(FLAG_END_HEADERS | FLAG_PADDED, 1, &payload));
+        assert_eq!(run(&input), input);
+
+        // "/a" Huffman-coded ('/' is 011000, 'a' 00011, then EOS padding) is
+        // not: it becomes a raw "_a", and the padding is dropped.
+        let mut block = vec![0x82, 0x86, 0x84, 0x41, 0x82, 0x60, 0x7F];
+        let mut payload = vec![2u8];
+        payload.append(&mut block);
+        payload.extend([0, 0]);
+        let mut input = PREFACE.to_vec();
+        input.extend(headers_frame(FLAG_END_HEADERS | FLAG_PADDED, 1, &payload));
+        let f = frames(&run(&input));
+        assert_eq!(f[0].1, FLAG_END_HEADERS);
+        assert_eq!(f[0].2, [0x82, 0x86, 0x84, 0x41, 0x02, b'_', b'a']);
+    }
+
+    #[test]
+    fn a_block_split_over_continuations_is_rewritten_into_valid_frames() {
+        let path = b"/var/lib/kubelet/plugins/example.csi.k8s.io/csi.sock";
+        let mut block = vec![0x83, 0x86, 0x84];
+        // Never indexed, literal name.
+        block.push(0x10);
+        put_string(&mut block, b":authority");
+        put_string(&mut block, path);
+        block.extend(lit_indexed(58, &vec![b'u'; 20_000]));
+        let (a, b) = block.split_at(10);
+        let mut input = PREFACE.to_vec();
+        let mut prio = vec![0x80, 0, 0, 1, 15];
+        prio.extend(a);
+        input.extend(headers_frame(FLAG_PRIORITY | FLAG_END_STREAM, 5, &prio));
+        for (i, chunk) in b.chunks(MAX_FRAME).enumerate() {
+            let last = (i + 1) * MAX_FRAME >= b.len();
+            frame_header(
+                &mut input,
+                chunk.len(),
+                TYPE_CONTINUATION,
+                if last { FLAG_END_HEADERS } else { 0 },
+                5u32.to_be_bytes(),
+            );
+            input.extend(chunk);
+        }
+        let out = run(&input);
+        let f = frames(&out);
+        assert!(f.len() >= 2);
+        assert_eq!(f[0].0, TYPE_HEADERS);
+        assert_eq!(f[0].1 & FLAG_END_STREAM, FLAG_END_STREAM);
+        assert_eq!(f[0].1 & FLAG_PRIORITY, FLAG_PRIORITY);
+        assert!(f.iter().all(|x| x.2.len() <= MAX_FRAME));
+        assert_eq!(f.last().unwrap().1 & FLAG_END_HEADERS, FLAG_END_HEADERS);
+        let mut joined = f[0].2[5..].to_vec();
+        for x in &f[1..] {
+            assert_eq!(x.0, TYPE_CONTINUATION);
+            joined.extend(&x.2);
+        }
+        let fields = decoded(&mut hpack::Decoder::new(), &joined);
+        let auth = &fields.iter().find(|(n, _)| n == ":authority").unwrap().1;
+        assert_eq!(auth.len(), path.len());
+        assert!(http::uri::Authority::try_from(auth.as_str()).is_ok());
+        assert_eq!(fields.last().unwrap().1.len(), 20_000);
+    }
+
+    #[test]
+    fn other_frames_and_garbage_pass_unchanged() {
+        let mut input = PREFACE.to_vec();
+        // SETTINGS (empty), DATA with a payload, PING.
+        frame_header(&mut input, 0, 0x4, 0, [0; 4]);
+        frame_header(&mut input, 5, 0x0, 1, 1u32.to_be_bytes());
+        input.extend(b"hello");
+        frame_header(&mut input, 8, 0x6, 0, [0; 4]);
+        input.extend([1; 8]);
+        assert_eq!(run(&input), input);
+        // Not HTTP/2 at all.
+        assert_eq!(run(b"GET / HTTP/1.1\r\n\r\n"), b"GET / HTTP/1.1\r\n\r\n");
+        // A malformed block: passed on as it came, then passthrough.
+        let mut bad = PREFACE.to_vec();
+        bad.extend(headers_frame(FLAG_END_HEADERS, 1, &[0x80]));
+        bad.extend(headers_frame(FLAG_END_HEADERS, 3, &lit_indexed(1, b"/x")));
+        assert_eq!(run(&bad), bad);
+        // A truncated connection: held bytes go on at the end.
+        let mut cut = PREFACE.to_vec();
+        cut.extend(&headers_frame(0, 1, &lit_indexed(1, b"/x"))[..12]);
+        assert_eq!(run(&cut), cut);
+    }
+
+    #[test]
+    fn table_eviction_follows_the_decoded_sizes() {
+        let mut t = Table::new();
+        t.resize(100);
+        t.insert(10, 20, true); // 62
+        t.insert(5, 5, false); // 42: 62 + 42 > 100, the first is evicted
+        assert_eq!(t.entries.len(), 1);
+        assert_eq!(t.name(62), Ok((5, false)));
+        assert_eq!(t.name(63), Err(Malformed));
+        t.insert(100, 0, false);
+        assert!(t.entries.is_empty());
+    }
+}
