@@ -75,6 +75,9 @@ pub const EPHEMERAL_KEY: &str = "csi.storage.k8s.io/ephemeral";
 /// Size of an ephemeral inline volume whose volumeAttributes name none.
 pub const EPHEMERAL_DEFAULT_SIZE: u64 = GIB;
 
+/// The kernel refuses to resize a btrfs filesystem to less than this.
+const BTRFS_LEAST_RESIZE: u64 = 256 * MIB;
+
 /// Directories no volume may ever be published onto.
 const FORBIDDEN: [&str; 12] = [
     "/etc",
@@ -618,7 +621,7 @@ impl Driver {
         if !fresh {
             self.heavy(|| self.sys.fs.check(&dev.device, &fs_type))
                 .context(|| format!("checking the {fs_type} filesystem of volume {id}"))?;
-            if fs_type == "ext4" && self.fs_smaller_than_device(&dev.device, &fs_type) {
+            if fs_type == "ext4" && self.grows_at_stage(&dev.device, &fs_type) {
                 // ext4 is grown before it is mounted: online growth needs a
                 // privilege some nodes withhold, offline growth does not.
                 self.heavy(|| self.sys.fs.grow(&dev.device, None, &fs_type))
@@ -641,11 +644,7 @@ impl Driver {
             .mount(&dev.device, staging, &fs_type, &opts)
             .context(|| format!("mounting volume {id} at {}", staging.display()))?;
         failpoint::hit("stage.after-mount");
-        if !fresh
-            && fs_type != "ext4"
-            && !read_only
-            && self.fs_smaller_than_device(&dev.device, &fs_type)
-        {
+        if !fresh && fs_type != "ext4" && !read_only && self.grows_at_stage(&dev.device, &fs_type) {
             self.sys
                 .fs
                 .grow(&dev.device, Some(staging), &fs_type)
@@ -655,15 +654,36 @@ impl Driver {
         self.finish_stage(rec, staging, &group)
     }
 
-    fn fs_smaller_than_device(&self, dev: &Path, fs_type: &str) -> bool {
-        match (
-            self.sys.fs.device_size(dev),
-            self.sys.fs.fs_size(dev, fs_type),
-        ) {
-            // Filesystems end on a block boundary: ignore less than a MiB.
-            (Ok(d), Ok(f)) => f + MIB <= d,
-            _ => false,
+    fn fs_smaller_than_device(&self, dev: &Path, fs_type: &str) -> Result<bool> {
+        let device = self
+            .sys
+            .fs
+            .device_size(dev)
+            .context(|| format!("sizing {}", dev.display()))?;
+        let fs = self
+            .sys
+            .fs
+            .fs_size(dev, fs_type)
+            .context(|| format!("sizing the {fs_type} filesystem on {}", dev.display()))?;
+        // Filesystems end on a block boundary: ignore less than a MiB.
+        Ok(fs + MIB <= device)
+    }
+
+    /// Whether the stage should grow the filesystem (now or, for ext4, before it is
+    /// mounted). A size that cannot be read is no reason to refuse the stage.
+    fn grows_at_stage(&self, dev: &Path, fs_type: &str) -> bool {
+        let smaller = self.fs_smaller_than_device(dev, fs_type).unwrap_or(false);
+        if smaller && fs_type == "btrfs" {
+            match self.sys.fs.device_size(dev) {
+                Ok(size) if size >= BTRFS_LEAST_RESIZE => {}
+                _ => {
+                    tracing::warn!(device = %dev.display(),
+                        "btrfs below 256 MiB cannot be resized; staged at its present size");
+                    return false;
+                }
+            }
         }
+        smaller
     }
 
     fn finish_stage(&self, rec: NodeRecord, staging: &Path, group: &str) -> Result<()> {
@@ -1210,6 +1230,18 @@ impl Driver {
         let Some(m) = mounts_of(&mounts, &dev.device).into_iter().next().cloned() else {
             return Ok(size); // block volume, or not mounted: nothing more to grow
         };
+        // A filesystem that fills its device already is left alone: growing it
+        // again is refused by some (btrfs below 256 MiB, ext4 online without
+        // CAP_SYS_RESOURCE) and needless for all.
+        if !self.fs_smaller_than_device(&dev.device, &m.fs_type)? {
+            return Ok(size);
+        }
+        if m.fs_type == "btrfs" && size < BTRFS_LEAST_RESIZE {
+            return Err(Error::OutOfRange(format!(
+                "volume {id} has {size} bytes; btrfs filesystems can only be resized to \
+                 {BTRFS_LEAST_RESIZE} bytes (256 MiB) or more: expand it to at least that"
+            )));
+        }
         if m.read_only() {
             return Err(Error::precondition(format!(
                 "volume {id} is staged read-only; its filesystem grows at its next read-write \
