@@ -702,6 +702,82 @@ async fn root_stats_match_df_and_report_vanished_mounts() {
     assert!(fx.volume_loops().is_empty());
 }
 
+/// `btrfs qgroup show` of a subvolume: (referenced, limit) in bytes.
+fn qgroup_show(subvolume: &Path) -> (u64, Option<u64>) {
+    let out = sh(
+        "btrfs",
+        &[
+            "qgroup",
+            "show",
+            "--raw",
+            "-r",
+            "-f",
+            "--sync",
+            subvolume.to_str().unwrap(),
+        ],
+    );
+    let row: Vec<&str> = out
+        .lines()
+        .find(|l| l.starts_with("0/"))
+        .unwrap_or_else(|| panic!("no qgroup row in:\n{out}"))
+        .split_whitespace()
+        .collect();
+    (row[1].parse().unwrap(), row[3].parse().ok())
+}
+
+/// A btrfs `dir` volume (a subvolume with a qgroup limit) reports its qgroup's
+/// figures, not the pool's; btrfs counts no inodes, so none are reported.
+#[tokio::test]
+async fn root_stats_of_a_btrfs_dir_volume_are_its_qgroup() {
+    if !require_root() {
+        return;
+    }
+    let mut fx = fixture("btrfs", &[]).await;
+    let cap = mount_cap("", writer());
+    let id = fx
+        .create("pvc-qgroup", 64 * MIB, cap.clone(), &[("kind", "dir")])
+        .await;
+    let subvolume = fx.pool.path.join("volumes").join(&id);
+    let staging = fx.pool.scratch("staging");
+    let target = fx.pool.scratch("pods").join("t");
+    fx.stage(&id, &staging, &cap).await.unwrap();
+    fx.publish(&id, &staging, &target, &cap, false)
+        .await
+        .unwrap();
+    for (i, mib) in [0usize, 5, 20].into_iter().enumerate() {
+        if mib > 0 {
+            write_synced(&target.join(format!("f{i}")), &pattern(mib << 20, i as u8));
+        }
+        let s = fx.stats(&id, &target).await.unwrap();
+        let bytes = usage(&s, csi::volume_usage::Unit::Bytes);
+        let (referenced, limit) = qgroup_show(&subvolume);
+        assert_eq!(limit, Some(64 * MIB as u64), "the qgroup limit is the size");
+        assert_eq!(bytes.total, 64 * MIB, "{mib} MiB written: {s:?}");
+        assert_eq!(bytes.used as u64, referenced, "{mib} MiB written: {s:?}");
+        assert_eq!(bytes.available, bytes.total - bytes.used, "{s:?}");
+        assert!(
+            bytes.used >= (mib as i64) * MIB,
+            "{mib} MiB written, {} used",
+            bytes.used
+        );
+        assert!(
+            s.usage
+                .iter()
+                .all(|u| u.unit != csi::volume_usage::Unit::Inodes as i32),
+            "btrfs tells no inode counts: {s:?}"
+        );
+        // statvfs would have told the pool's 8 GiB.
+        assert!(fs_bytes(&target) > 1024 * 1024 * 1024);
+        assert!(!s.volume_condition.unwrap().abnormal);
+    }
+    // The staging path answers the same.
+    let s = fx.stats(&id, &staging).await.unwrap();
+    assert_eq!(usage(&s, csi::volume_usage::Unit::Bytes).total, 64 * MIB);
+    fx.unpublish(&id, &target).await.unwrap();
+    fx.unstage(&id, &staging).await.unwrap();
+    fx.delete(&id).await;
+}
+
 // ---------------------------------------------------------------- expansion
 
 async fn controller_expand(

@@ -8,7 +8,7 @@ use std::path::{Component, Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use csi_sys::{file, xattr, LoopDevice, LoopOptions, MountEntry, MountOptions, SysError};
+use csi_sys::{btrfs, file, xattr, LoopDevice, LoopOptions, MountEntry, MountOptions, SysError};
 
 use crate::error::{Context, Error, Result};
 use crate::failpoint;
@@ -1136,9 +1136,22 @@ impl Driver {
                 stats.total_bytes = s.total_bytes;
                 stats.available_bytes = s.available_bytes;
                 stats.used_bytes = s.total_bytes.saturating_sub(s.free_bytes);
+                // btrfs counts no inodes (statvfs says 0): the figures stay unknown.
                 stats.total_inodes = s.total_inodes;
                 stats.available_inodes = s.free_inodes;
                 stats.used_inodes = s.total_inodes.saturating_sub(s.free_inodes);
+                if loc.backing == Backing::Subvolume {
+                    // statvfs shows the whole pool; the volume's size is its qgroup's.
+                    let q = btrfs::qgroup_info(&loc.path)
+                        .context(|| format!("reading the qgroup of volume {volume_id}"))?;
+                    stats.used_bytes = q.referenced;
+                    if let Some(limit) = q.max_referenced {
+                        stats.total_bytes = limit;
+                        // The pool may run out before the limit is reached.
+                        stats.available_bytes =
+                            limit.saturating_sub(q.referenced).min(s.available_bytes);
+                    }
+                }
                 let meant_ro = rec
                     .as_ref()
                     .and_then(|r| r.targets.get(&path).map(|t| t.read_only))
