@@ -2,6 +2,9 @@
 # Runs the official CSI conformance suite (csi-sanity) against csi-driver, once per
 # configuration below, each on a throwaway pool made for it. Usage:
 #   csi-sanity/run.sh [CONFIG ...]      (default: every configuration)
+# CSI_SANITY_FLAGS adds csi-sanity flags after the configuration's own, which they
+# override (e.g. CSI_SANITY_FLAGS="-csi.testvolumesize 67108864"); CSI_DRIVER_BIN
+# runs that driver binary instead of building one.
 # Needs root (loop devices, mounts). Everything it makes is torn down on exit,
 # also when specs fail or the run is interrupted.
 set -euo pipefail
@@ -34,7 +37,7 @@ fi
 driver="${CSI_DRIVER_BIN:-}"
 if [ -z "$driver" ]; then
   (cd "$top" && cargo build --quiet --bin csi-driver)
-  driver="$top/target/debug/csi-driver"
+  driver="${CARGO_TARGET_DIR:-$top/target}/debug/csi-driver"
 fi
 
 work=$(mktemp -d /tmp/example-csi-sanity.XXXXXX)
@@ -109,12 +112,14 @@ for entry in "${CONFIGS[@]}"; do
   skip=$(skips_for "$name")
   [ -n "$skip" ] && extra+=(-ginkgo.skip "$skip")
   set +e
+  # shellcheck disable=SC2086 # CSI_SANITY_FLAGS is split into words on purpose
   csi-sanity -csi.endpoint "$d/csi.sock" \
     -csi.stagingdir "$d/target/staging" -csi.mountdir "$d/target/mount" \
     -csi.testvolumesize $((mib * 1024 * 1024)) -csi.testvolumeexpandsize $((2 * mib * 1024 * 1024)) \
     -csi.testvolumeparameters "$d/params.yaml" -csi.testvolumemutableparameters "$d/mutable.yaml" \
     -csi.testsnapshotparameters /dev/null \
-    -csi.junitfile "$here/.work/$name.junit.xml" -ginkgo.no-color "${extra[@]}" > "$d/sanity.log" 2>&1
+    -csi.junitfile "$here/.work/$name.junit.xml" -ginkgo.no-color "${extra[@]}" \
+    ${CSI_SANITY_FLAGS:-} > "$d/sanity.log" 2>&1
   rc=$?
   set -e
   summary=$(grep -E "^Ran [0-9]+ of [0-9]+ Specs" "$d/sanity.log" || true)

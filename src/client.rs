@@ -3,6 +3,7 @@
 //! and printing live here: every decision is the driver's.
 
 use std::collections::HashMap;
+use std::io::Write;
 use std::process::ExitCode;
 
 use clap::{Args, Subcommand, ValueEnum};
@@ -15,8 +16,14 @@ use tonic::transport::Channel;
 
 #[derive(Debug, Args)]
 pub struct ClientArgs {
-    /// Output format.
-    #[arg(short = 'o', long = "output", value_enum, default_value = "yaml")]
+    /// Output format (before or after the call's name).
+    #[arg(
+        short = 'o',
+        long = "output",
+        value_enum,
+        default_value = "yaml",
+        global = true
+    )]
     pub output: Output,
 
     #[command(subcommand)]
@@ -254,7 +261,7 @@ pub fn main(endpoint: &str, args: &ClientArgs) -> ExitCode {
     {
         Ok(r) => r,
         Err(e) => {
-            eprintln!("csi-driver client: cannot start the runtime: {e}");
+            complain(&format!("csi-driver client: cannot start the runtime: {e}"));
             return ExitCode::FAILURE;
         }
     };
@@ -264,17 +271,59 @@ pub fn main(endpoint: &str, args: &ClientArgs) -> ExitCode {
                 Output::Json => serde_json::to_string_pretty(&v).unwrap_or_default() + "\n",
                 Output::Yaml => yaml(&v),
             };
-            print!("{text}");
-            ExitCode::SUCCESS
+            let mut out = std::io::stdout().lock();
+            match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+                Ok(()) => ExitCode::SUCCESS,
+                // The reader has gone (`| head -1`): it took what it wanted.
+                Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => ExitCode::SUCCESS,
+                Err(e) => {
+                    complain(&format!("csi-driver client: cannot write the answer: {e}"));
+                    ExitCode::FAILURE
+                }
+            }
         }
-        Err(Failure::Connect(e)) => {
-            eprintln!("csi-driver client: cannot connect to {endpoint}: {e}");
+        Err(Failure::Connect(cause)) => {
+            complain(&format!(
+                "csi-driver client: cannot connect to {endpoint}: {cause}"
+            ));
             ExitCode::FAILURE
         }
         Err(Failure::Rpc(s)) => {
-            eprintln!("error: code = {:?} message = {}", s.code(), s.message());
+            complain(&format!(
+                "error: code = {:?} message = {}",
+                s.code(),
+                s.message()
+            ));
             ExitCode::FAILURE
         }
+    }
+}
+
+/// One line on standard error; a closed stderr is no reason to panic.
+fn complain(line: &str) {
+    let _ = writeln!(std::io::stderr(), "{line}");
+}
+
+/// The innermost cause of a connection failure, as a phrase: "no such file or
+/// directory", not the layers of transport wrappers around it.
+fn root_cause(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut inner = e;
+    while let Some(s) = inner.source() {
+        inner = s;
+    }
+    let text = match inner.downcast_ref::<std::io::Error>() {
+        // "No such file or directory (os error 2)" -> "no such file or directory"
+        Some(io) if io.raw_os_error().is_some() => {
+            let t = io.to_string();
+            t.rfind(" (os error ")
+                .map_or(t.clone(), |i| t[..i].to_string())
+        }
+        _ => inner.to_string(),
+    };
+    let mut chars = text.chars();
+    match chars.next() {
+        Some(first) => first.to_lowercase().chain(chars).collect(),
+        None => e.to_string(),
     }
 }
 
@@ -292,7 +341,7 @@ impl From<tonic::Status> for Failure {
 async fn run(endpoint: &str, call: &Call) -> Result<Value, Failure> {
     let channel = csi_glue::connect(endpoint)
         .await
-        .map_err(|e| Failure::Connect(format!("{e} ({:?})", std::error::Error::source(&e))))?;
+        .map_err(|e| Failure::Connect(root_cause(&e)))?;
     let mut id = IdentityClient::new(channel.clone());
     let mut ctl = ControllerClient::new(channel.clone());
     let mut node = NodeClient::new(channel.clone());

@@ -190,13 +190,66 @@ fn root_client_errors_print_the_grpc_code_and_fail() {
     assert!(!o.ok, "a bad size is refused before any call");
     // Nothing was made by the failed calls.
     assert!(ok(&d, &["list-volumes"]).contains("volumes: []"));
-    // No socket: a connection error, not a panic.
+}
+
+#[test]
+fn client_connection_error_is_one_sentence_with_endpoint_and_cause() {
+    // No socket there: no driver (nor root) is needed to see the error.
     let o = Command::new(env!("CARGO_BIN_EXE_csi-driver"))
         .args(["client", "--endpoint=unix:///nonexistent/csi.sock", "info"])
         .output()
         .unwrap();
-    assert!(!o.status.success());
-    assert!(String::from_utf8_lossy(&o.stderr).contains("cannot connect"));
+    assert_eq!(o.status.code(), Some(1));
+    assert!(o.stdout.is_empty());
+    assert_eq!(
+        String::from_utf8_lossy(&o.stderr),
+        "csi-driver client: cannot connect to unix:///nonexistent/csi.sock: \
+         no such file or directory\n"
+    );
+}
+
+#[test]
+fn root_client_output_flag_after_the_call_and_a_closed_pipe() {
+    if !require_root() {
+        return;
+    }
+    let pool = Pool::new("xfs");
+    let d = Driver::start(&pool, &[]);
+    ok(&d, &["create-volume", "pvc-1", "--size", "64Mi"]);
+    // -o before the call's name and after it (the kubectl habit) alike.
+    for args in [
+        &["-o", "json", "list-volumes"][..],
+        &["list-volumes", "-o", "json"],
+        &["list-volumes", "--output=json"],
+    ] {
+        let out = ok(&d, args);
+        let v: serde_json::Value = serde_json::from_str(&out)
+            .unwrap_or_else(|e| panic!("{args:?} printed no JSON ({e}):\n{out}"));
+        assert_eq!(
+            v["volumes"].as_array().map(Vec::len),
+            Some(1),
+            "{args:?}: {out}"
+        );
+    }
+    assert!(ok(&d, &["list-volumes", "-o", "yaml"]).starts_with("volumes:"));
+    let bad = client(&d, &["list-volumes", "-o", "xml"]);
+    assert!(!bad.ok && bad.stderr.contains("xml"), "{}", bad.stderr);
+
+    // A reader that has gone before the answer is written (`| head -1` that has
+    // read its line): the write fails with EPIPE, and the client ends quietly.
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let o = Command::new(env!("CARGO_BIN_EXE_csi-driver"))
+        .arg("client")
+        .arg(format!("--endpoint=unix://{}", d.socket.display()))
+        .args(["list-volumes", "-o", "json"])
+        .stdout(writer)
+        .stderr(std::process::Stdio::piped())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(stderr.is_empty(), "nothing on stderr: {stderr}");
+    assert_eq!(o.status.code(), Some(0), "{stderr}");
 }
 
 /// The quick start block of README.md (or of docs/benchmark.md, its source before

@@ -1745,3 +1745,139 @@ async fn root_btrfs_dir_volume_expansion_raises_the_qgroup_limit() {
     assert!(names_in(&pool).is_empty());
     assert!(subvolumes(&pool).is_empty());
 }
+
+/// A loop device's settings as the kernel reports them: (direct I/O, read-ahead KiB).
+fn loop_settings(dev: &str) -> (String, String) {
+    let name = dev.trim_start_matches("/dev/");
+    let read = |f: &str| {
+        std::fs::read_to_string(format!("/sys/block/{name}/{f}"))
+            .unwrap()
+            .trim()
+            .to_string()
+    };
+    (read("loop/dio"), read("queue/read_ahead_kb"))
+}
+
+/// ControllerModifyVolume on a staged image whose read-ahead cannot be set (a
+/// failpoint fails it once, after direct I/O was turned on): the call fails and the
+/// volume keeps its old settings, on the device, on the image and in the record. The
+/// retry applies them; a stage that cannot apply the recorded settings fails and
+/// leaves nothing, and its retry applies them.
+#[tokio::test]
+async fn root_modify_volume_that_cannot_be_applied_changes_nothing() {
+    if !require_root() {
+        return;
+    }
+    const FAIL: (&str, &str) = ("EXAMPLE_CSI_FAILPOINTS", "loop.set-read-ahead=fail");
+    let pool = Pool::new("xfs");
+    let mut d = Driver::start_with_env(&pool, &[], &[FAIL]);
+    let mut c = d.clients().await;
+    let cap = mount_cap("ext4", writer());
+    let id = c
+        .controller
+        .create_volume(create_req("pvc-modify", 64 * MIB, cap.clone(), &[]))
+        .await
+        .unwrap()
+        .into_inner()
+        .volume
+        .unwrap()
+        .volume_id;
+    let image = pool.path.join("volumes").join(format!("{id}.img"));
+    let staging = pool.scratch("staging");
+    c.node
+        .node_stage_volume(stage_req(&id, &staging, cap.clone()))
+        .await
+        .unwrap();
+    let dev = loops_below(&pool.path).pop().expect("a loop device");
+    let before = loop_settings(&dev);
+    assert_eq!(before.0, "0");
+    assert_ne!(before.1, "1024");
+    let asked = [("directIO", "true"), ("readAheadKiB", "1024")];
+    let recorded = |c: &mut Clients| {
+        let mut ctl = c.controller.clone();
+        let id = id.clone();
+        async move {
+            ctl.validate_volume_capabilities(csi::ValidateVolumeCapabilitiesRequest {
+                volume_id: id,
+                volume_capabilities: vec![mount_cap("ext4", writer())],
+                mutable_parameters: map(&asked),
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .confirmed
+            .is_some()
+        }
+    };
+
+    let err = c
+        .controller
+        .controller_modify_volume(modify_req(&id, &asked))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::Internal, "{err:?}");
+    assert!(err.message().contains("read-ahead"), "{}", err.message());
+    assert_eq!(loop_settings(&dev), before, "the device keeps its settings");
+    assert_eq!(xattr(&image, "user.example-csi.directIO"), None);
+    assert_eq!(xattr(&image, "user.example-csi.readAheadKiB"), None);
+    assert!(!recorded(&mut c).await, "the record keeps its parameters");
+
+    // The retry applies all of it, at once.
+    c.controller
+        .controller_modify_volume(modify_req(&id, &asked))
+        .await
+        .unwrap();
+    assert_eq!(loop_settings(&dev), ("1".into(), "1024".into()));
+    assert_eq!(
+        xattr(&image, "user.example-csi.readAheadKiB").as_deref(),
+        Some("1024")
+    );
+    assert!(recorded(&mut c).await);
+    c.node
+        .node_unstage_volume(csi::NodeUnstageVolumeRequest {
+            volume_id: id.clone(),
+            staging_target_path: staging.display().to_string(),
+        })
+        .await
+        .unwrap();
+
+    // A fresh process, armed again: the stage cannot set the recorded read-ahead.
+    d.restart();
+    c = d.clients().await;
+    let err = c
+        .node
+        .node_stage_volume(stage_req(&id, &staging, cap.clone()))
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::Internal, "{err:?}");
+    assert!(
+        loops_below(&pool.path).is_empty(),
+        "the stage left a device"
+    );
+    assert!(mounts_below(&staging).is_empty(), "the stage left a mount");
+    c.node
+        .node_stage_volume(stage_req(&id, &staging, cap.clone()))
+        .await
+        .unwrap();
+    let dev = loops_below(&pool.path).pop().expect("a loop device");
+    assert_eq!(
+        loop_settings(&dev),
+        ("1".into(), "1024".into()),
+        "the next stage applies what was recorded"
+    );
+    c.node
+        .node_unstage_volume(csi::NodeUnstageVolumeRequest {
+            volume_id: id.clone(),
+            staging_target_path: staging.display().to_string(),
+        })
+        .await
+        .unwrap();
+    c.controller.delete_volume(delete_req(&id)).await.unwrap();
+    let log = d.log_text();
+    assert!(
+        log.contains("failpoint loop.set-read-ahead reached"),
+        "{log}"
+    );
+    assert!(!log.contains("panicked"), "{log}");
+}

@@ -702,6 +702,82 @@ async fn root_stats_match_df_and_report_vanished_mounts() {
     assert!(fx.volume_loops().is_empty());
 }
 
+/// `btrfs qgroup show` of a subvolume: (referenced, limit) in bytes.
+fn qgroup_show(subvolume: &Path) -> (u64, Option<u64>) {
+    let out = sh(
+        "btrfs",
+        &[
+            "qgroup",
+            "show",
+            "--raw",
+            "-r",
+            "-f",
+            "--sync",
+            subvolume.to_str().unwrap(),
+        ],
+    );
+    let row: Vec<&str> = out
+        .lines()
+        .find(|l| l.starts_with("0/"))
+        .unwrap_or_else(|| panic!("no qgroup row in:\n{out}"))
+        .split_whitespace()
+        .collect();
+    (row[1].parse().unwrap(), row[3].parse().ok())
+}
+
+/// A btrfs `dir` volume (a subvolume with a qgroup limit) reports its qgroup's
+/// figures, not the pool's; btrfs counts no inodes, so none are reported.
+#[tokio::test]
+async fn root_stats_of_a_btrfs_dir_volume_are_its_qgroup() {
+    if !require_root() {
+        return;
+    }
+    let mut fx = fixture("btrfs", &[]).await;
+    let cap = mount_cap("", writer());
+    let id = fx
+        .create("pvc-qgroup", 64 * MIB, cap.clone(), &[("kind", "dir")])
+        .await;
+    let subvolume = fx.pool.path.join("volumes").join(&id);
+    let staging = fx.pool.scratch("staging");
+    let target = fx.pool.scratch("pods").join("t");
+    fx.stage(&id, &staging, &cap).await.unwrap();
+    fx.publish(&id, &staging, &target, &cap, false)
+        .await
+        .unwrap();
+    for (i, mib) in [0usize, 5, 20].into_iter().enumerate() {
+        if mib > 0 {
+            write_synced(&target.join(format!("f{i}")), &pattern(mib << 20, i as u8));
+        }
+        let s = fx.stats(&id, &target).await.unwrap();
+        let bytes = usage(&s, csi::volume_usage::Unit::Bytes);
+        let (referenced, limit) = qgroup_show(&subvolume);
+        assert_eq!(limit, Some(64 * MIB as u64), "the qgroup limit is the size");
+        assert_eq!(bytes.total, 64 * MIB, "{mib} MiB written: {s:?}");
+        assert_eq!(bytes.used as u64, referenced, "{mib} MiB written: {s:?}");
+        assert_eq!(bytes.available, bytes.total - bytes.used, "{s:?}");
+        assert!(
+            bytes.used >= (mib as i64) * MIB,
+            "{mib} MiB written, {} used",
+            bytes.used
+        );
+        assert!(
+            s.usage
+                .iter()
+                .all(|u| u.unit != csi::volume_usage::Unit::Inodes as i32),
+            "btrfs tells no inode counts: {s:?}"
+        );
+        // statvfs would have told the pool's 8 GiB.
+        assert!(fs_bytes(&target) > 1024 * 1024 * 1024);
+        assert!(!s.volume_condition.unwrap().abnormal);
+    }
+    // The staging path answers the same.
+    let s = fx.stats(&id, &staging).await.unwrap();
+    assert_eq!(usage(&s, csi::volume_usage::Unit::Bytes).total, 64 * MIB);
+    fx.unpublish(&id, &target).await.unwrap();
+    fx.unstage(&id, &staging).await.unwrap();
+    fx.delete(&id).await;
+}
+
 // ---------------------------------------------------------------- expansion
 
 async fn controller_expand(
@@ -850,6 +926,124 @@ async fn root_node_expand_ext4_grows_online_or_at_next_stage() {
         .unwrap();
     assert_eq!(std::fs::read(target.join("keep")).unwrap(), data);
     fx.unpublish(&id, &target).await.unwrap();
+    fx.unstage(&id, &staging).await.unwrap();
+    fx.delete(&id).await;
+    assert!(fx.volume_loops().is_empty());
+}
+
+/// NodeExpandVolume to the size a volume has, or less, succeeds and changes nothing,
+/// as csi-sanity's "node-expand after node-publish" asks with a volume made at its
+/// filesystem's minimum. A no-op that tried to grow would fail here: the kernel
+/// resizes no btrfs below 256 MiB, and this machine refuses online ext4 growth.
+async fn expand_to_present_size(pool_fs: &str, kinds: &[(&str, i64)]) {
+    let mut fx = fixture(pool_fs, &[]).await;
+    for &(kind, size) in kinds {
+        let label = format!("{kind} on a {pool_fs} pool");
+        let (cap, params) = match kind {
+            "block" => (block_cap(writer()), vec![]),
+            "dir" => (mount_cap("", writer()), vec![("kind", "dir")]),
+            fs => (mount_cap(fs, writer()), vec![]),
+        };
+        // Asked small, made at the filesystem's minimum: the expansion asks for
+        // what the volume has already.
+        let id = fx
+            .create(&format!("pvc-same-{kind}"), 64 * MIB, cap.clone(), &params)
+            .await;
+        let staging = fx.pool.scratch(&format!("staging-{kind}"));
+        let target = fx.pool.scratch("pods").join(kind);
+        fx.stage(&id, &staging, &cap).await.unwrap();
+        fx.publish(&id, &staging, &target, &cap, false)
+            .await
+            .unwrap();
+        let data = pattern(1024 * 1024, 3);
+        let before = if kind == "block" {
+            0
+        } else {
+            write_synced(&target.join("keep"), &data);
+            fs_bytes(&target)
+        };
+        let r = controller_expand(&mut fx, &id, size).await;
+        assert_eq!(
+            r.capacity_bytes, size,
+            "{label}: the volume has {size} bytes"
+        );
+        for asked in [size, size / 2] {
+            let got = node_expand(&mut fx, &id, &target, asked, &cap)
+                .await
+                .unwrap_or_else(|e| panic!("{label}: NodeExpandVolume to {asked}: {e:?}"));
+            assert_eq!(got, size, "{label}: asked {asked}");
+        }
+        if kind != "block" {
+            assert_eq!(
+                fs_bytes(&target),
+                before,
+                "{label}: the filesystem is unchanged"
+            );
+            assert_eq!(std::fs::read(target.join("keep")).unwrap(), data, "{label}");
+        }
+        fx.unpublish(&id, &target).await.unwrap();
+        fx.unstage(&id, &staging).await.unwrap();
+        fx.delete(&id).await;
+    }
+    assert!(fx.volume_loops().is_empty());
+}
+
+#[tokio::test]
+async fn root_node_expand_to_the_present_size_is_a_no_op_btrfs_pool() {
+    if !require_root() {
+        return;
+    }
+    let kinds = [
+        ("ext4", 64 * MIB),
+        ("xfs", 300 * MIB),
+        ("btrfs", 128 * MIB),
+        ("block", 64 * MIB),
+        ("dir", 64 * MIB),
+    ];
+    expand_to_present_size("btrfs", &kinds).await;
+}
+
+#[tokio::test]
+async fn root_node_expand_to_the_present_size_is_a_no_op_xfs_pool_dir() {
+    if !require_root() {
+        return;
+    }
+    expand_to_present_size("xfs", &[("dir", 64 * MIB)]).await;
+}
+
+/// The kernel resizes no btrfs to less than 256 MiB: an expansion of a 128 MiB
+/// btrfs to 200 MiB says so (OUT_OF_RANGE), and the volume still stages at its
+/// present size; at 256 MiB it grows.
+#[tokio::test]
+async fn root_btrfs_below_256_mib_says_it_cannot_grow_and_still_stages() {
+    if !require_root() {
+        return;
+    }
+    let mut fx = fixture("xfs", &[]).await;
+    let cap = mount_cap("btrfs", writer());
+    let id = fx
+        .create("pvc-small-btrfs", 128 * MIB, cap.clone(), &[])
+        .await;
+    let staging = fx.pool.scratch("staging");
+    fx.stage(&id, &staging, &cap).await.unwrap();
+    let before = fs_bytes(&staging);
+    controller_expand(&mut fx, &id, 200 * MIB).await;
+    let err = node_expand(&mut fx, &id, &staging, 200 * MIB, &cap)
+        .await
+        .unwrap_err();
+    assert_eq!(err.code(), Code::OutOfRange, "{err:?}");
+    assert!(err.message().contains("256 MiB"), "{}", err.message());
+    fx.unstage(&id, &staging).await.unwrap();
+    fx.stage(&id, &staging, &cap).await.unwrap();
+    assert_eq!(fs_bytes(&staging), before);
+    controller_expand(&mut fx, &id, 256 * MIB).await;
+    assert_eq!(
+        node_expand(&mut fx, &id, &staging, 256 * MIB, &cap)
+            .await
+            .unwrap(),
+        256 * MIB
+    );
+    assert!(fs_bytes(&staging) > before + 100 * 1024 * 1024);
     fx.unstage(&id, &staging).await.unwrap();
     fx.delete(&id).await;
     assert!(fx.volume_loops().is_empty());
@@ -1544,8 +1738,7 @@ async fn root_node_info_and_capabilities() {
     assert_eq!(info.max_volumes_per_node, 7);
     let topo = info.accessible_topology.unwrap().segments;
     assert_eq!(
-        topo.get("topology.example.csi/node")
-            .map(String::as_str),
+        topo.get("topology.example.csi/node").map(String::as_str),
         Some("test-node")
     );
     use csi::node_service_capability::rpc::Type as T;

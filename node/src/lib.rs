@@ -112,7 +112,8 @@ impl Node for NodeService {
             used: bytes(s.used_bytes),
             unit: volume_usage::Unit::Bytes as i32,
         }];
-        if !s.block && s.abnormal.is_none() {
+        // A filesystem that counts no inodes (btrfs) gets no inode figures.
+        if !s.block && s.abnormal.is_none() && s.total_inodes > 0 {
             usage.push(csi::VolumeUsage {
                 available: bytes(s.available_inodes),
                 total: bytes(s.total_inodes),

@@ -570,6 +570,213 @@ fn paths_inside_the_driver_or_the_system_are_refused() {
     assert_eq!(w.fake.counters().bind, 0);
 }
 
+// ---- mutable attributes on live loop devices ----
+
+fn attr(path: &Path, key: &str) -> Option<String> {
+    csi_sys::xattr::get(path, &format!("example-csi.{key}"))
+        .unwrap()
+        .map(|v| String::from_utf8(v).unwrap())
+}
+
+#[test]
+fn modify_volume_that_cannot_be_applied_changes_nothing() {
+    let w = World::new();
+    let id = w.create("pvc-a", ext4());
+    let image = w.image(&id);
+    w.stage(&id, &ext4()).unwrap();
+    let dev = w.fake.loops()[0].device.clone();
+    let read_ahead = || w.sys.loops.read_ahead_kib(&dev).unwrap();
+    let asked = params(&[("directIO", "true"), ("readAheadKiB", "1024")]);
+    let unchanged = |what: &str| {
+        assert!(!w.fake.loops()[0].direct_io, "{what}: direct I/O put back");
+        assert_eq!(
+            read_ahead(),
+            csi_sys::fake::DEFAULT_READ_AHEAD_KIB,
+            "{what}"
+        );
+        assert_eq!(attr(&image, "directIO"), None, "{what}: attribute put back");
+        assert_eq!(attr(&image, "readAheadKiB"), None, "{what}");
+        let rec = w.d().get_volume(&id).unwrap().record;
+        assert!(rec.mutable_parameters.is_empty(), "{what}: {rec:?}");
+    };
+
+    // The kernel refuses direct I/O for good (EINVAL): the parameter cannot be had.
+    w.fake.fail_next("set_direct_io", || {
+        SysError::syscall("turn direct I/O on".into(), "/dev/loop0", libc::EINVAL)
+    });
+    assert_eq!(
+        code(w.d().modify_volume(&id, &asked)),
+        Code::InvalidArgument
+    );
+    unchanged("direct I/O refused");
+
+    // Direct I/O is set, then the read-ahead fails: the direct I/O is undone.
+    w.fake
+        .fail_next("set_read_ahead_kib", eio("write read_ahead_kb"));
+    assert_eq!(code(w.d().modify_volume(&id, &asked)), Code::Internal);
+    unchanged("read-ahead failed");
+
+    // The settings of the device cannot even be read: nothing is tried.
+    w.fake
+        .fail_next("read_ahead_kib", eio("read read_ahead_kb"));
+    assert_eq!(code(w.d().modify_volume(&id, &asked)), Code::Internal);
+    unchanged("settings unreadable");
+
+    // The retry applies everything.
+    w.d().modify_volume(&id, &asked).unwrap();
+    assert!(w.fake.loops()[0].direct_io);
+    assert_eq!(read_ahead(), 1024);
+    assert_eq!(attr(&image, "directIO").as_deref(), Some("true"));
+    assert_eq!(
+        w.d().get_volume(&id).unwrap().record.mutable_parameters,
+        asked
+    );
+
+    // A change that fails on a volume with values already set puts those back.
+    w.fake
+        .fail_next("set_read_ahead_kib", eio("write read_ahead_kb"));
+    let r = w.d().modify_volume(
+        &id,
+        &params(&[("directIO", "false"), ("readAheadKiB", "64")]),
+    );
+    assert_eq!(code(r), Code::Internal);
+    assert!(w.fake.loops()[0].direct_io);
+    assert_eq!(read_ahead(), 1024);
+    assert_eq!(attr(&image, "readAheadKiB").as_deref(), Some("1024"));
+    assert_eq!(
+        w.d().get_volume(&id).unwrap().record.mutable_parameters,
+        asked
+    );
+}
+
+#[test]
+fn modify_volume_not_staged_here_is_recorded_for_the_next_stage() {
+    let w = World::new();
+    let id = w.create("pvc-a", ext4());
+    let asked = params(&[("directIO", "true"), ("readAheadKiB", "512")]);
+    w.d().modify_volume(&id, &asked).unwrap();
+    assert_eq!(w.fake.counters().set_direct_io, 0, "no device to change");
+    w.stage(&id, &ext4()).unwrap();
+    let dev = &w.fake.loops()[0];
+    assert!(dev.direct_io);
+    assert_eq!(w.sys.loops.read_ahead_kib(&dev.device).unwrap(), 512);
+}
+
+#[test]
+fn stage_that_cannot_apply_the_recorded_settings_fails_and_leaves_nothing() {
+    let w = World::new();
+    let mut req = request("pvc-a", 64 * MIB as i64, 0, vec![ext4()]);
+    req.mutable_parameters = params(&[("readAheadKiB", "1024")]);
+    let id = w.d().create_volume(req).unwrap().record.id.to_string();
+    let nothing_left = |what: &str| {
+        assert!(w.fake.loops().is_empty(), "{what}: loop device detached");
+        assert!(w.fake.mounts().is_empty(), "{what}: nothing mounted");
+        assert!(w.node_record(&id).is_none(), "{what}: no node record");
+    };
+
+    w.fake
+        .fail_next("set_read_ahead_kib", eio("write read_ahead_kb"));
+    assert_eq!(code(w.stage(&id, &ext4())), Code::Internal);
+    nothing_left("read-ahead failed");
+
+    // An attribute that cannot be understood is an error, not "not set".
+    let image = w.image(&id);
+    csi_sys::xattr::set(&image, "example-csi.readAheadKiB", b"lots").unwrap();
+    let err = w.stage(&id, &ext4()).unwrap_err();
+    assert_eq!(err.code(), Code::Internal);
+    assert!(err.to_string().contains("readAheadKiB"), "{err}");
+    nothing_left("damaged attribute");
+
+    csi_sys::xattr::set(&image, "example-csi.readAheadKiB", b"1024").unwrap();
+    w.stage(&id, &ext4()).unwrap();
+    let dev = &w.fake.loops()[0];
+    assert_eq!(w.sys.loops.read_ahead_kib(&dev.device).unwrap(), 1024);
+}
+
+// ---- NodeExpandVolume ----
+
+fn node_expand(w: &World, id: &str, required: u64) -> Result<u64> {
+    w.d().node_expand(
+        id,
+        &w.staging().display().to_string(),
+        CapacityRange {
+            required: required as i64,
+            limit: 0,
+        },
+        None,
+    )
+}
+
+#[test]
+fn node_expand_to_the_size_a_volume_has_grows_nothing() {
+    let w = World::new();
+    for (fs, size) in [("ext4", 64 * MIB), ("xfs", 300 * MIB), ("btrfs", 128 * MIB)] {
+        let cap = mount_cap(fs, AccessMode::SingleNodeWriter);
+        let id = w
+            .d()
+            .create_volume(request(
+                &format!("pvc-{fs}"),
+                size as i64,
+                0,
+                vec![cap.clone()],
+            ))
+            .unwrap()
+            .record
+            .id
+            .to_string();
+        w.stage(&id, &cap).unwrap();
+        let grown = w.fake.counters().grow;
+        assert_eq!(node_expand(&w, &id, size).unwrap(), size, "{fs}: same size");
+        assert_eq!(
+            node_expand(&w, &id, size / 2).unwrap(),
+            size,
+            "{fs}: smaller"
+        );
+        assert_eq!(node_expand(&w, &id, 0).unwrap(), size, "{fs}: no size");
+        assert_eq!(w.fake.counters().grow, grown, "{fs}: no grow was tried");
+        w.d()
+            .node_unstage(&id, &w.staging().display().to_string())
+            .unwrap();
+    }
+}
+
+#[test]
+fn node_expand_grows_what_is_smaller_and_refuses_a_btrfs_below_256_mib() {
+    let w = World::new();
+    let id = w.create("pvc-a", ext4());
+    w.stage(&id, &ext4()).unwrap();
+    assert_eq!(node_expand(&w, &id, 96 * MIB).unwrap(), 96 * MIB);
+    assert_eq!(w.fake.counters().grow, 1);
+    assert_eq!(node_expand(&w, &id, 96 * MIB).unwrap(), 96 * MIB);
+    assert_eq!(w.fake.counters().grow, 1, "the retry grows nothing");
+    w.d()
+        .node_unstage(&id, &w.staging().display().to_string())
+        .unwrap();
+
+    // The kernel resizes no btrfs to less than 256 MiB: said, not tried.
+    let cap = mount_cap("btrfs", AccessMode::SingleNodeWriter);
+    let id = w
+        .d()
+        .create_volume(request("pvc-b", 128 * MIB as i64, 0, vec![cap.clone()]))
+        .unwrap()
+        .record
+        .id
+        .to_string();
+    w.stage(&id, &cap).unwrap();
+    let err = node_expand(&w, &id, 200 * MIB).unwrap_err();
+    assert_eq!(err.code(), Code::OutOfRange, "{err}");
+    assert!(err.to_string().contains("256 MiB"), "{err}");
+    assert_eq!(w.fake.counters().grow, 1);
+    // Staged again at that size, it is mounted as it is.
+    w.d()
+        .node_unstage(&id, &w.staging().display().to_string())
+        .unwrap();
+    w.stage(&id, &cap).unwrap();
+    assert_eq!(w.fake.counters().grow, 1);
+    assert_eq!(node_expand(&w, &id, 256 * MIB).unwrap(), 256 * MIB);
+    assert_eq!(w.fake.counters().grow, 2);
+}
+
 // ---- freezing around snapshots ----
 
 #[test]

@@ -8,7 +8,7 @@ use std::path::{Component, Path, PathBuf};
 
 use serde::{Deserialize, Serialize};
 
-use csi_sys::{file, xattr, LoopDevice, LoopOptions, MountEntry, MountOptions, SysError};
+use csi_sys::{btrfs, file, xattr, LoopDevice, LoopOptions, MountEntry, MountOptions, SysError};
 
 use crate::error::{Context, Error, Result};
 use crate::failpoint;
@@ -74,6 +74,9 @@ pub struct VolumeStats {
 pub const EPHEMERAL_KEY: &str = "csi.storage.k8s.io/ephemeral";
 /// Size of an ephemeral inline volume whose volumeAttributes name none.
 pub const EPHEMERAL_DEFAULT_SIZE: u64 = GIB;
+
+/// The kernel refuses to resize a btrfs filesystem to less than this.
+const BTRFS_LEAST_RESIZE: u64 = 256 * MIB;
 
 /// Directories no volume may ever be published onto.
 const FORBIDDEN: [&str; 12] = [
@@ -264,46 +267,138 @@ impl Driver {
         Ok(cap)
     }
 
-    /// The loop device serving an image read-write, attached if there is none.
+    /// The loop device serving an image read-write, attached if there is none, with
+    /// the settings recorded on the image. A setting that cannot be read or applied
+    /// fails the stage: a volume is never served without what was asked for it.
     fn attach(&self, image: &Path) -> Result<LoopDevice> {
-        if let Some(d) = self.loops_of(image)?.into_iter().find(|d| !d.read_only) {
-            return Ok(d);
-        }
-        let direct_io = read_attr(image, "directIO").as_deref() == Some("true");
-        let dev = self
-            .sys
-            .loops
-            .attach(
-                image,
-                LoopOptions {
-                    read_only: false,
-                    direct_io,
-                },
-            )
-            .context(|| format!("attaching {}", image.display()))?;
-        self.apply_attributes(image, &dev.device);
+        let settings = recorded_settings(image)?;
+        let dev = match self.loops_of(image)?.into_iter().find(|d| !d.read_only) {
+            Some(d) => d,
+            None => self
+                .sys
+                .loops
+                .attach(
+                    image,
+                    LoopOptions {
+                        read_only: false,
+                        direct_io: settings.direct_io == Some(true),
+                    },
+                )
+                .context(|| format!("attaching {}", image.display()))?,
+        };
+        // Also on a device found attached: a stage cut short may have left it
+        // without them.
+        self.apply_settings(&dev.device, settings)?;
         Ok(dev)
     }
 
-    fn apply_attributes(&self, image: &Path, device: &Path) {
-        if let Some(v) = read_attr(image, "directIO") {
-            if let Err(e) = self.sys.loops.set_direct_io(device, v == "true") {
-                tracing::warn!(device = %device.display(), error = %e, "could not set direct I/O");
+    /// Gives a loop device the settings that are set; the others stay as they are.
+    fn apply_settings(&self, device: &Path, s: LoopSettings) -> Result<()> {
+        if let Some(on) = s.direct_io {
+            if let Err(e) = self.sys.loops.set_direct_io(device, on) {
+                let context = format!(
+                    "turning direct I/O {} on {}",
+                    if on { "on" } else { "off" },
+                    device.display()
+                );
+                return Err(if on && e.raw_os_error() == Some(libc::EINVAL) {
+                    // Permanent: the backing file's filesystem or block size
+                    // does not allow it.
+                    Error::invalid(format!(
+                        "{context}: the kernel refused it ({e}); directIO=true is not \
+                         possible on this pool"
+                    ))
+                } else {
+                    Error::System { context, source: e }
+                });
             }
         }
-        if let Some(kib) = read_attr(image, "readAheadKiB").and_then(|v| v.parse::<u32>().ok()) {
-            if let Err(e) = self.sys.loops.set_read_ahead_kib(device, kib) {
-                tracing::warn!(device = %device.display(), error = %e, "could not set read-ahead");
-            }
+        if let Some(kib) = s.read_ahead_kib {
+            failpoint::fail("loop.set-read-ahead")
+                .and_then(|()| self.sys.loops.set_read_ahead_kib(device, kib))
+                .context(|| {
+                    format!(
+                        "setting the read-ahead of {} to {kib} KiB",
+                        device.display()
+                    )
+                })?;
+        }
+        Ok(())
+    }
+
+    /// The settings a loop device has now.
+    fn current_settings(&self, device: &LoopDevice) -> Result<LoopSettings> {
+        let kib = self
+            .sys
+            .loops
+            .read_ahead_kib(&device.device)
+            .context(|| format!("reading the read-ahead of {}", device.device.display()))?;
+        Ok(LoopSettings {
+            direct_io: Some(device.direct_io),
+            read_ahead_kib: Some(kib),
+        })
+    }
+
+    /// Records new values of an image volume's mutable attributes on its file and
+    /// applies them to the loop devices serving it now (elsewhere the next stage
+    /// applies them). All or nothing: when a step fails, what the steps before it
+    /// changed is put back, and the error tells what failed.
+    pub(crate) fn change_image_settings(
+        &self,
+        image: &Path,
+        values: &BTreeMap<String, String>,
+    ) -> Result<SettingsBefore> {
+        let wanted = parse_settings(values)?;
+        let mut attributes = Vec::new();
+        for key in values.keys() {
+            let old = xattr::get(image, &attr_name(key))
+                .context(|| format!("reading the {key} attribute of {}", image.display()))?;
+            attributes.push((key.clone(), old));
+        }
+        let mut devices = Vec::new();
+        for d in self.loops_of(image)? {
+            devices.push((d.device.clone(), self.current_settings(&d)?));
+        }
+        let before = SettingsBefore {
+            image: image.to_path_buf(),
+            attributes,
+            devices,
+        };
+        let changed = values
+            .iter()
+            .try_for_each(|(key, v)| {
+                xattr::set(image, &attr_name(key), v.as_bytes())
+                    .context(|| format!("recording {key}={v} on {}", image.display()))
+            })
+            .and_then(|()| {
+                before
+                    .devices
+                    .iter()
+                    .try_for_each(|(dev, _)| self.apply_settings(dev, wanted))
+            });
+        match changed {
+            Ok(()) => Ok(before),
+            Err(e) => Err(e.with_cleanup(self.restore_image_settings(&before))),
         }
     }
 
-    /// Applies a volume's attributes to the loop devices serving it now.
-    pub(crate) fn apply_attributes_live(&self, image: &Path) -> Result<()> {
-        for d in self.loops_of(image)? {
-            self.apply_attributes(image, &d.device);
+    /// Puts an image's attributes and its loop devices' settings back as they were.
+    /// Every step is tried; the first failure is returned.
+    pub(crate) fn restore_image_settings(&self, before: &SettingsBefore) -> Result<()> {
+        let mut result = Ok(());
+        for (dev, settings) in &before.devices {
+            result = result.and(self.apply_settings(dev, *settings));
         }
-        Ok(())
+        for (key, old) in &before.attributes {
+            let name = attr_name(key);
+            let put = match old {
+                Some(v) => xattr::set(&before.image, &name, v),
+                None => xattr::remove(&before.image, &name),
+            };
+            result = result
+                .and(put.context(|| format!("putting {key} back on {}", before.image.display())));
+        }
+        result
     }
 
     pub fn node_stage(&self, req: Stage) -> Result<()> {
@@ -526,7 +621,7 @@ impl Driver {
         if !fresh {
             self.heavy(|| self.sys.fs.check(&dev.device, &fs_type))
                 .context(|| format!("checking the {fs_type} filesystem of volume {id}"))?;
-            if fs_type == "ext4" && self.fs_smaller_than_device(&dev.device, &fs_type) {
+            if fs_type == "ext4" && self.grows_at_stage(&dev.device, &fs_type) {
                 // ext4 is grown before it is mounted: online growth needs a
                 // privilege some nodes withhold, offline growth does not.
                 self.heavy(|| self.sys.fs.grow(&dev.device, None, &fs_type))
@@ -549,11 +644,7 @@ impl Driver {
             .mount(&dev.device, staging, &fs_type, &opts)
             .context(|| format!("mounting volume {id} at {}", staging.display()))?;
         failpoint::hit("stage.after-mount");
-        if !fresh
-            && fs_type != "ext4"
-            && !read_only
-            && self.fs_smaller_than_device(&dev.device, &fs_type)
-        {
+        if !fresh && fs_type != "ext4" && !read_only && self.grows_at_stage(&dev.device, &fs_type) {
             self.sys
                 .fs
                 .grow(&dev.device, Some(staging), &fs_type)
@@ -563,15 +654,36 @@ impl Driver {
         self.finish_stage(rec, staging, &group)
     }
 
-    fn fs_smaller_than_device(&self, dev: &Path, fs_type: &str) -> bool {
-        match (
-            self.sys.fs.device_size(dev),
-            self.sys.fs.fs_size(dev, fs_type),
-        ) {
-            // Filesystems end on a block boundary: ignore less than a MiB.
-            (Ok(d), Ok(f)) => f + MIB <= d,
-            _ => false,
+    fn fs_smaller_than_device(&self, dev: &Path, fs_type: &str) -> Result<bool> {
+        let device = self
+            .sys
+            .fs
+            .device_size(dev)
+            .context(|| format!("sizing {}", dev.display()))?;
+        let fs = self
+            .sys
+            .fs
+            .fs_size(dev, fs_type)
+            .context(|| format!("sizing the {fs_type} filesystem on {}", dev.display()))?;
+        // Filesystems end on a block boundary: ignore less than a MiB.
+        Ok(fs + MIB <= device)
+    }
+
+    /// Whether the stage should grow the filesystem (now or, for ext4, before it is
+    /// mounted). A size that cannot be read is no reason to refuse the stage.
+    fn grows_at_stage(&self, dev: &Path, fs_type: &str) -> bool {
+        let smaller = self.fs_smaller_than_device(dev, fs_type).unwrap_or(false);
+        if smaller && fs_type == "btrfs" {
+            match self.sys.fs.device_size(dev) {
+                Ok(size) if size >= BTRFS_LEAST_RESIZE => {}
+                _ => {
+                    tracing::warn!(device = %dev.display(),
+                        "btrfs below 256 MiB cannot be resized; staged at its present size");
+                    return false;
+                }
+            }
         }
+        smaller
     }
 
     fn finish_stage(&self, rec: NodeRecord, staging: &Path, group: &str) -> Result<()> {
@@ -1024,9 +1136,22 @@ impl Driver {
                 stats.total_bytes = s.total_bytes;
                 stats.available_bytes = s.available_bytes;
                 stats.used_bytes = s.total_bytes.saturating_sub(s.free_bytes);
+                // btrfs counts no inodes (statvfs says 0): the figures stay unknown.
                 stats.total_inodes = s.total_inodes;
                 stats.available_inodes = s.free_inodes;
                 stats.used_inodes = s.total_inodes.saturating_sub(s.free_inodes);
+                if loc.backing == Backing::Subvolume {
+                    // statvfs shows the whole pool; the volume's size is its qgroup's.
+                    let q = btrfs::qgroup_info(&loc.path)
+                        .context(|| format!("reading the qgroup of volume {volume_id}"))?;
+                    stats.used_bytes = q.referenced;
+                    if let Some(limit) = q.max_referenced {
+                        stats.total_bytes = limit;
+                        // The pool may run out before the limit is reached.
+                        stats.available_bytes =
+                            limit.saturating_sub(q.referenced).min(s.available_bytes);
+                    }
+                }
                 let meant_ro = rec
                     .as_ref()
                     .and_then(|r| r.targets.get(&path).map(|t| t.read_only))
@@ -1118,6 +1243,18 @@ impl Driver {
         let Some(m) = mounts_of(&mounts, &dev.device).into_iter().next().cloned() else {
             return Ok(size); // block volume, or not mounted: nothing more to grow
         };
+        // A filesystem that fills its device already is left alone: growing it
+        // again is refused by some (btrfs below 256 MiB, ext4 online without
+        // CAP_SYS_RESOURCE) and needless for all.
+        if !self.fs_smaller_than_device(&dev.device, &m.fs_type)? {
+            return Ok(size);
+        }
+        if m.fs_type == "btrfs" && size < BTRFS_LEAST_RESIZE {
+            return Err(Error::OutOfRange(format!(
+                "volume {id} has {size} bytes; btrfs filesystems can only be resized to \
+                 {BTRFS_LEAST_RESIZE} bytes (256 MiB) or more: expand it to at least that"
+            )));
+        }
         if m.read_only() {
             return Err(Error::precondition(format!(
                 "volume {id} is staged read-only; its filesystem grows at its next read-write \
@@ -1421,11 +1558,76 @@ impl Driver {
     }
 }
 
-fn read_attr(image: &Path, key: &str) -> Option<String> {
-    xattr::get(image, &format!("example-csi.{key}"))
-        .ok()
-        .flatten()
-        .and_then(|v| String::from_utf8(v).ok())
+/// The mutable attributes of an image volume that its loop devices carry.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+struct LoopSettings {
+    direct_io: Option<bool>,
+    read_ahead_kib: Option<u32>,
+}
+
+/// An image's attributes and its loop devices' settings before a change.
+pub(crate) struct SettingsBefore {
+    image: PathBuf,
+    attributes: Vec<(String, Option<Vec<u8>>)>,
+    devices: Vec<(PathBuf, LoopSettings)>,
+}
+
+const DIRECT_IO: &str = "directIO";
+const READ_AHEAD: &str = "readAheadKiB";
+
+/// The xattr (in the user namespace) that keeps a mutable attribute on an image.
+pub(crate) fn attr_name(key: &str) -> String {
+    format!("example-csi.{key}")
+}
+
+fn parse_settings(values: &BTreeMap<String, String>) -> Result<LoopSettings> {
+    let direct_io = match values.get(DIRECT_IO).map(String::as_str) {
+        None => None,
+        Some("true") => Some(true),
+        Some("false") => Some(false),
+        Some(v) => {
+            return Err(Error::invalid(format!(
+                "directIO={v:?} is not true or false"
+            )))
+        }
+    };
+    let read_ahead_kib = match values.get(READ_AHEAD) {
+        None => None,
+        Some(v) => Some(
+            v.parse::<u32>()
+                .map_err(|_| Error::invalid(format!("readAheadKiB={v:?} is not a number")))?,
+        ),
+    };
+    Ok(LoopSettings {
+        direct_io,
+        read_ahead_kib,
+    })
+}
+
+/// The settings recorded on an image. An attribute that cannot be read, or holds
+/// nonsense, is an error: taken for "not set", the volume would be served without
+/// what was asked for it.
+fn recorded_settings(image: &Path) -> Result<LoopSettings> {
+    let mut values = BTreeMap::new();
+    for key in [DIRECT_IO, READ_AHEAD] {
+        let raw = xattr::get(image, &attr_name(key))
+            .context(|| format!("reading the {key} attribute of {}", image.display()))?;
+        if let Some(raw) = raw {
+            let text = String::from_utf8(raw).map_err(|_| {
+                Error::internal(format!(
+                    "the {key} attribute of {} is not text",
+                    image.display()
+                ))
+            })?;
+            values.insert(key.to_string(), text);
+        }
+    }
+    parse_settings(&values).map_err(|e| {
+        Error::internal(format!(
+            "the attributes of {} are damaged: {e}",
+            image.display()
+        ))
+    })
 }
 
 fn make_dir(path: &Path) -> Result<()> {

@@ -517,7 +517,7 @@ impl Driver {
             match backing {
                 Backing::Subvolume => btrfs::set_compression(path, v)
                     .context(|| format!("setting compression={v} on {}", path.display()))?,
-                _ => xattr::set(path, &format!("example-csi.{k}"), v.as_bytes())
+                _ => xattr::set(path, &crate::node::attr_name(k), v.as_bytes())
                     .context(|| format!("recording {k} on {}", path.display()))?,
             }
         }
@@ -924,26 +924,40 @@ impl Driver {
         Ok(())
     }
 
-    /// ControllerModifyVolume: validates every parameter before changing anything.
+    /// ControllerModifyVolume: validates every parameter before changing anything,
+    /// then changes all or nothing. An image volume staged here gets the new values
+    /// on its loop devices at once (elsewhere at its next stage); when they cannot
+    /// be applied, the call fails and the volume keeps its old ones.
     pub fn modify_volume(&self, volume_id: &str, m: &BTreeMap<String, String>) -> Result<()> {
         let id = VolumeId::parse_existing(volume_id)?;
         self.check_mutable(m)?;
-        let _guard = self.locks.try_lock([format!("volume:{id}")])?;
+        // The node's lock too: a stage running now could attach with the values it
+        // read before this change.
+        let _guard = self
+            .locks
+            .try_lock([format!("volume:{id}"), format!("node:{id}")])?;
         let mut rec = self.existing_volume(volume_id)?;
         Self::check_mutable_applies(rec.backing, m)?;
         let pool = self.pool(&rec.pool)?.clone();
         let path = pool.volume_path(id, rec.backing, false);
-        self.write_attributes(&path, rec.backing, m)?;
+        let before = match rec.backing {
+            Backing::Image => Some(self.change_image_settings(&path, m)?),
+            _ => {
+                self.write_attributes(&path, rec.backing, m)?;
+                None
+            }
+        };
         failpoint::hit("modify-volume.after-attributes");
         for (k, v) in m {
             rec.mutable_parameters.insert(k.clone(), v.clone());
         }
-        self.volumes.put(&rec)?;
-        failpoint::hit("modify-volume.after-commit");
-        // A volume staged here now gets the new values; elsewhere at its next stage.
-        if rec.backing == Backing::Image {
-            self.apply_attributes_live(&path)?;
+        if let Err(e) = self.volumes.put(&rec) {
+            return Err(match before {
+                Some(b) => e.with_cleanup(self.restore_image_settings(&b)),
+                None => e,
+            });
         }
+        failpoint::hit("modify-volume.after-commit");
         Ok(())
     }
 

@@ -139,7 +139,8 @@ impl FakeState {
         self.lock().frozen.iter().any(|p| p == mountpoint)
     }
 
-    /// The read-ahead last set on `device` with `set_read_ahead_kib`.
+    /// The read-ahead last set on `device` with `set_read_ahead_kib` since it was
+    /// attached.
     pub fn read_ahead_kib(&self, device: &Path) -> Option<u32> {
         self.lock().read_ahead_kib.get(device).copied()
     }
@@ -151,7 +152,7 @@ impl FakeState {
     /// Make the next call of `op` fail with the error `make` returns. `op` is the
     /// trait method's name: "mount", "bind", "unmount", "mounts", "list", "attach",
     /// "detach", "refresh_capacity", "set_direct_io", "set_read_only",
-    /// "set_read_ahead_kib", "probe",
+    /// "set_read_ahead_kib", "read_ahead_kib", "probe",
     /// "mkfs", "check", "fs_size", "grow", "new_uuid", "freeze", "thaw", "stats",
     /// "device_size".
     pub fn fail_next(&self, op: &str, make: impl FnOnce() -> SysError + Send + 'static) {
@@ -456,6 +457,8 @@ impl Loops for FakeLoops {
             });
         }
         inner.loops.remove(&n);
+        // A device attached again starts from the kernel's default.
+        inner.read_ahead_kib.remove(device);
         Ok(())
     }
 
@@ -504,7 +507,21 @@ impl Loops for FakeLoops {
         inner.read_ahead_kib.insert(device.to_path_buf(), kib);
         Ok(())
     }
+
+    fn read_ahead_kib(&self, device: &Path) -> Result<u32> {
+        let mut inner = self.0.lock();
+        inner.take_failure("read_ahead_kib")?;
+        attached(&inner, device)?;
+        Ok(inner
+            .read_ahead_kib
+            .get(device)
+            .copied()
+            .unwrap_or(DEFAULT_READ_AHEAD_KIB))
+    }
 }
+
+/// The read-ahead Linux gives a new loop device.
+pub const DEFAULT_READ_AHEAD_KIB: u32 = 128;
 
 fn attached(inner: &Inner, device: &Path) -> Result<u32> {
     inner

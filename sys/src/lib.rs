@@ -89,18 +89,35 @@ pub trait Loops: Send + Sync {
     fn set_read_only(&self, device: &Path, read_only: bool) -> Result<()>;
     /// Set the device's read-ahead in KiB (`/sys/block/loopN/queue/read_ahead_kb`).
     fn set_read_ahead_kib(&self, device: &Path, kib: u32) -> Result<()> {
-        let name = device.file_name().ok_or_else(|| SysError::NotFound {
-            what: format!("device {}", device.display()),
-        })?;
-        let attr = Path::new("/sys/block")
-            .join(name)
-            .join("queue/read_ahead_kb");
+        let attr = read_ahead_attr(device)?;
         std::fs::write(&attr, kib.to_string()).map_err(|source| SysError::Io {
             op: "write",
             path: attr,
             source,
         })
     }
+    /// The device's read-ahead in KiB.
+    fn read_ahead_kib(&self, device: &Path) -> Result<u32> {
+        let attr = read_ahead_attr(device)?;
+        let text = std::fs::read_to_string(&attr).map_err(|source| SysError::Io {
+            op: "read",
+            path: attr.clone(),
+            source,
+        })?;
+        text.trim().parse().map_err(|_| SysError::InvalidArgument {
+            what: format!("{} holds {:?}, not a number", attr.display(), text.trim()),
+        })
+    }
+}
+
+/// The sysfs file holding a block device's read-ahead.
+fn read_ahead_attr(device: &Path) -> Result<PathBuf> {
+    let name = device.file_name().ok_or_else(|| SysError::NotFound {
+        what: format!("device {}", device.display()),
+    })?;
+    Ok(Path::new("/sys/block")
+        .join(name)
+        .join("queue/read_ahead_kb"))
 }
 
 /// statvfs figures, in bytes and inodes.
