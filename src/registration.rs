@@ -31,6 +31,8 @@ use crate::{authority, endpoint};
 const SUPPORTED_VERSIONS: [&str; 1] = ["1.0.0"];
 const FIRST_RETRY: Duration = Duration::from_secs(1);
 const LAST_RETRY: Duration = Duration::from_secs(60);
+/// How long open connections may finish once the socket is to be made anew or removed.
+const CLOSE_GRACE: Duration = Duration::from_secs(1);
 
 /// What the registration serves, and where.
 #[derive(Debug, Clone)]
@@ -130,21 +132,31 @@ pub async fn serve(cfg: Config, first: tokio::net::UnixListener, mut stop: watch
         let incoming = UnixListenerStream::new(l).map(|s| s.map(authority::Conn::new));
         let mut stop_serving = stop.clone();
         let refused = failed.clone();
+        let closing = Arc::new(Notify::new());
+        let closed = closing.clone();
         let ends = async move {
             tokio::select! {
                 _ = refused.notified() => {}
                 _ = stop_serving.wait_for(|s| *s) => {}
             }
+            closed.notify_one();
         };
         let server = tonic::transport::Server::builder()
             .add_service(service)
             .serve_with_incoming_shutdown(incoming, ends);
         tokio::pin!(server);
         // The server ends on a refusal or on stop; a success resets the pause.
+        // Open connections get a moment to take their answer, then are cut: a
+        // client that keeps its connection must not hold the new socket back.
         let result = loop {
             tokio::select! {
                 r = &mut server => break r,
                 _ = registered.notified() => pause = FIRST_RETRY,
+                _ = closing.notified() => {
+                    break tokio::time::timeout(CLOSE_GRACE, &mut server)
+                        .await
+                        .unwrap_or(Ok(()));
+                }
             }
         };
         if let Err(e) = result {

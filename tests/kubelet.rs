@@ -66,7 +66,9 @@ fn wait_new_socket(p: &Path, old: Identity, secs: u64) -> Option<Identity> {
     None
 }
 
-#[tokio::test]
+// Multi-threaded: the clients' connection tasks must run while the test blocks
+// on the driver's exit, or the driver waits for them to close.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn root_the_kubelet_registers_the_driver_and_a_refusal_is_retried() {
     if !require_root() {
         return;
@@ -131,7 +133,14 @@ async fn root_the_kubelet_registers_the_driver_and_a_refusal_is_retried() {
     drop(k);
 
     // A clean stop removes the socket (the kubelet then drops the plugin).
+    drop(c);
+    let started = Instant::now();
     let status = driver.stop().unwrap();
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "the stop took {:?}",
+        started.elapsed()
+    );
     assert!(status.success(), "{status}");
     assert!(!reg.exists(), "the registration socket is removed at stop");
 }
