@@ -1,35 +1,135 @@
 //! Named failpoints between the steps of every multi-step operation, for the crash
-//! tests: when `EXAMPLE_CSI_FAILPOINTS` names a point (comma-separated), reaching it
-//! ends the process at once, as a SIGKILL would: no destructor, no cleanup, no
-//! flush. Only debug builds and builds with the `failpoints` feature read the
-//! variable; a release binary ignores it.
+//! and timing tests. `EXAMPLE_CSI_FAILPOINTS` is a comma-separated list of entries:
+//!
+//! - `NAME`: reaching the point ends the process at once, as a SIGKILL would: no
+//!   destructor, no cleanup, no flush;
+//! - `NAME=sleep(MS)`: the thread pauses MS milliseconds there each time, so a test
+//!   can hold an operation in a window (a copy under a freeze, say);
+//! - `NAME=N*sleep(MS)`: the same, the first N times only, so that a retry runs
+//!   through.
+//!
+//! Only debug builds and builds with the `failpoints` feature read the variable; a
+//! release binary ignores it.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::OnceLock;
+use std::time::Duration;
 
 pub const ENV: &str = "EXAMPLE_CSI_FAILPOINTS";
 
-fn armed() -> &'static [String] {
-    static ARMED: OnceLock<Vec<String>> = OnceLock::new();
+enum Action {
+    Abort,
+    Sleep {
+        ms: u64,
+        /// Pauses left; None for every time.
+        left: Option<AtomicU64>,
+    },
+}
+
+struct Point {
+    name: String,
+    action: Action,
+}
+
+/// `NAME`, `NAME=sleep(MS)` or `NAME=N*sleep(MS)`; None for anything else.
+fn parse(entry: &str) -> Option<Point> {
+    let (name, action) = match entry.split_once('=') {
+        None => (entry, Action::Abort),
+        Some((name, spec)) => {
+            let (count, call) = match spec.split_once('*') {
+                Some((n, call)) => (Some(n.trim().parse().ok()?), call),
+                None => (None, spec),
+            };
+            let ms = call
+                .trim()
+                .strip_prefix("sleep(")?
+                .strip_suffix(')')?
+                .parse()
+                .ok()?;
+            let left = count.map(AtomicU64::new);
+            (name, Action::Sleep { ms, left })
+        }
+    };
+    let name = name.trim();
+    (!name.is_empty()).then(|| Point {
+        name: name.to_string(),
+        action,
+    })
+}
+
+fn armed() -> &'static [Point] {
+    static ARMED: OnceLock<Vec<Point>> = OnceLock::new();
     ARMED.get_or_init(|| {
         if !(cfg!(debug_assertions) || cfg!(feature = "failpoints")) {
             return Vec::new();
         }
-        std::env::var(ENV)
-            .map(|v| {
-                v.split(',')
-                    .map(str::trim)
-                    .filter(|s| !s.is_empty())
-                    .map(String::from)
-                    .collect()
+        let value = std::env::var(ENV).unwrap_or_default();
+        value
+            .split(',')
+            .map(str::trim)
+            .filter(|s| !s.is_empty())
+            .filter_map(|entry| {
+                let point = parse(entry);
+                if point.is_none() {
+                    eprintln!(
+                        "{ENV}: ignoring {entry:?}: not NAME, NAME=sleep(MS) or NAME=N*sleep(MS)"
+                    );
+                }
+                point
             })
-            .unwrap_or_default()
+            .collect()
     })
 }
 
-/// Crashes the process here if `name` is armed.
+/// Crashes the process here if `name` is armed to, or pauses if armed so.
 pub fn hit(name: &str) {
-    if armed().iter().any(|a| a == name) {
-        eprintln!("failpoint {name} reached: aborting");
-        std::process::abort();
+    for point in armed().iter().filter(|p| p.name == name) {
+        match &point.action {
+            Action::Abort => {
+                eprintln!("failpoint {name} reached: aborting");
+                std::process::abort();
+            }
+            Action::Sleep { ms, left } => {
+                let take = |n: u64| n.checked_sub(1);
+                if left.as_ref().is_some_and(|l| {
+                    l.fetch_update(Ordering::SeqCst, Ordering::SeqCst, take)
+                        .is_err()
+                }) {
+                    continue;
+                }
+                eprintln!("failpoint {name} reached: sleeping {ms} ms");
+                std::thread::sleep(Duration::from_millis(*ms));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn entries_parse_into_actions() {
+        assert!(matches!(parse("a.b").unwrap().action, Action::Abort));
+        match parse("a.b=sleep(250)").unwrap().action {
+            Action::Sleep { ms, left } => assert_eq!((ms, left.is_none()), (250, true)),
+            Action::Abort => panic!("not a sleep"),
+        }
+        match parse(" a.b = 2*sleep(7) ").unwrap() {
+            Point {
+                name,
+                action: Action::Sleep { ms, left: Some(l) },
+            } => assert_eq!((name.as_str(), ms, l.into_inner()), ("a.b", 7, 2)),
+            _ => panic!("not a counted sleep"),
+        }
+        for bad in [
+            "a=sleep",
+            "a=sleep(x)",
+            "a=x*sleep(1)",
+            "a=crash",
+            "=sleep(1)",
+        ] {
+            assert!(parse(bad).is_none(), "{bad}");
+        }
     }
 }
