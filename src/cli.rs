@@ -129,6 +129,13 @@ pub struct Cli {
           value_parser = clap::value_parser!(u64).range(1..=86400))]
     pub command_timeout: u64,
 
+    /// Seconds a filesystem may stay frozen for a snapshot or clone beyond the
+    /// copy's expected time (none for a reflink); then it is thawed and the call
+    /// fails with ABORTED, undone, to be retried.
+    #[arg(long, env = "CSI_FREEZE_TIMEOUT", default_value_t = 10,
+          value_parser = clap::value_parser!(u64).range(1..=3600))]
+    pub freeze_timeout: u64,
+
     /// Seconds to let running RPCs finish after SIGTERM/SIGINT.
     #[arg(long, env = "CSI_SHUTDOWN_TIMEOUT", default_value_t = 30)]
     pub shutdown_timeout: u64,

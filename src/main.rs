@@ -110,6 +110,7 @@ fn main() -> ExitCode {
     cfg.node = cli.mode != Mode::Controller;
     cfg.heavy_operations = cli.heavy_operations as usize;
     cfg.cleanup_orphans = cli.cleanup_orphans;
+    cfg.freeze_timeout = Duration::from_secs(cli.freeze_timeout);
 
     let (_, blocking_threads) = limits(cfg.heavy_operations);
     let runtime = match tokio::runtime::Builder::new_multi_thread()

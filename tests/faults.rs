@@ -921,6 +921,7 @@ fault_tests! {
     root_fault_create_snapshot_after_intent: "create-snapshot.after-intent", LIVE, Snapshot("s1", "v1");
     root_fault_create_snapshot_after_data: "create-snapshot.after-data", LIVE, Snapshot("s1", "v1");
     root_fault_create_snapshot_after_commit: "create-snapshot.after-commit", LIVE, Snapshot("s1", "v1");
+    root_fault_snapshot_after_copy: "snapshot.after-copy", LIVE, Snapshot("s1", "v1");
     root_fault_delete_snapshot_after_intent: "delete-snapshot.after-intent",
         [Create("v1"), Stage("v1"), Publish("v1"), Write("v1"), Snapshot("s1", "v1"), Snapshot("s2", "v1")],
         DeleteSnapshot("s1");

@@ -1462,3 +1462,254 @@ async fn root_unstage_waits_for_the_thaw() {
     delete_snapshot(&mut c, &s.snapshot_id).await.unwrap();
     delete_volume(&mut c, &v.volume_id).await;
 }
+
+// ---------------------------------------------------------------- freeze deadlines
+
+/// A write and fsync of a small file below `dir`, on its own thread: Some(time it
+/// took) when it finishes within `limit`, None otherwise (a frozen filesystem).
+fn write_takes(dir: &Path, limit: Duration) -> Option<Duration> {
+    let file = dir.join(".probe-deadline");
+    let (tx, rx) = std::sync::mpsc::channel();
+    let t = Instant::now();
+    std::thread::spawn(move || {
+        let ok = std::fs::write(&file, b"probe")
+            .and_then(|()| std::fs::File::open(&file).and_then(|f| f.sync_all()))
+            .is_ok();
+        let _ = tx.send(ok);
+    });
+    match rx.recv_timeout(limit) {
+        Ok(true) => Some(t.elapsed()),
+        _ => None,
+    }
+}
+
+/// What a snapshot left in the pool and the state dir: its image, its record, any
+/// freeze marker.
+fn snapshot_leftovers(pool: &Pool, driver: &Driver, sid: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let img = pool.path.join("snapshots").join(format!("{sid}.img"));
+    if img.exists() {
+        out.push(format!("image {}", img.display()));
+    }
+    let rec = driver.state.join("snapshots").join(format!("{sid}.json"));
+    if rec.exists() {
+        out.push(format!("record {}", rec.display()));
+    }
+    for m in dir_names(&driver.state.join("frozen")) {
+        out.push(format!("freeze marker {m}"));
+    }
+    out
+}
+
+/// Waits up to `secs` for `needle` in the driver's log.
+async fn wait_for_log(driver: &Driver, needle: &str, secs: u64) -> bool {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    while Instant::now() < deadline {
+        if driver.log_text().contains(needle) {
+            return true;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    false
+}
+
+/// A staged, published volume holding checksummed data, on a driver whose
+/// snapshot copies pause 8 s under their freeze the first time.
+struct HeldCopy {
+    // Dropped in this order: the driver before its pool.
+    driver: Driver,
+    pool: Pool,
+    kind: Kind,
+    volume: csi::Volume,
+    mounted: Mounted,
+    data: String,
+}
+
+impl HeldCopy {
+    async fn new(name: &str, freeze_timeout_secs: u64) -> HeldCopy {
+        let pool = Pool::new("xfs");
+        let driver = Driver::start_with_env(
+            &pool,
+            &[&format!("--freeze-timeout={freeze_timeout_secs}")],
+            &[(
+                "EXAMPLE_CSI_FAILPOINTS",
+                "snapshot.after-copy=1*sleep(8000)",
+            )],
+        );
+        let mut c = driver.clients().await;
+        let kind = Kind::image("ext4");
+        let volume = create_volume(&mut c, name, 64 * MIB, &kind, None)
+            .await
+            .unwrap();
+        let mounted = stage_publish(&mut c, &pool, &volume.volume_id, &kind).await;
+        write_random(&mounted.target.join("data"), 4 * MIB as usize);
+        let data = sha256(&mounted.target.join("data"));
+        HeldCopy {
+            driver,
+            pool,
+            kind,
+            volume,
+            mounted,
+            data,
+        }
+    }
+
+    /// Retries the snapshot (the failpoint has paused once), restores it and
+    /// compares the data, then removes everything.
+    async fn retry_and_restore(&self, snap: &str) {
+        let mut c = self.driver.clients().await;
+        let s = create_snapshot(&mut c, snap, &self.volume.volume_id)
+            .await
+            .unwrap();
+        assert_eq!(s.snapshot_id, SnapshotId::for_name(snap).to_string());
+        let r = create_volume(
+            &mut c,
+            &format!("{snap}-restored"),
+            64 * MIB,
+            &self.kind,
+            Some(snap_source(&s.snapshot_id)),
+        )
+        .await
+        .unwrap();
+        let rm = stage_publish(&mut c, &self.pool, &r.volume_id, &self.kind).await;
+        assert_eq!(sha256(&rm.target.join("data")), self.data);
+        unstage(&mut c, &rm).await;
+        unstage(&mut c, &self.mounted).await;
+        delete_volume(&mut c, &r.volume_id).await;
+        delete_snapshot(&mut c, &s.snapshot_id).await.unwrap();
+        delete_volume(&mut c, &self.volume.volume_id).await;
+    }
+}
+
+/// A copy held past the freeze deadline (a failpoint sleeps 8 s after the copy,
+/// under the freeze; `--freeze-timeout=2`): the filesystem is thawed while the copy
+/// is still held — a write to the staged volume completes before the call
+/// answers —, the call fails with ABORTED, nothing of the snapshot remains, and
+/// the retry succeeds with the data of the volume.
+#[tokio::test]
+async fn root_freeze_deadline_thaws_and_undoes_the_snapshot() {
+    if !require_root() {
+        return;
+    }
+    let h = HeldCopy::new("pvc-held", 2).await;
+    let (pool, driver) = (&h.pool, &h.driver);
+    let (v, m) = (&h.volume, &h.mounted);
+    let mut c = driver.clients().await;
+
+    let mut c2 = driver.clients().await;
+    let id = v.volume_id.clone();
+    let started = Instant::now();
+    let snap = tokio::spawn(async move { create_snapshot(&mut c2, "snap-held", &id).await });
+    assert!(
+        wait_for_log(driver, "failpoint snapshot.after-copy reached", 30).await,
+        "the copy never reached its failpoint:\n{}",
+        driver.log_text()
+    );
+    // Frozen, the write waits; thawed by the deadline (2 s), it finishes while the
+    // copy is still held by the failpoint (8 s).
+    let took = tokio::task::spawn_blocking({
+        let t = m.target.clone();
+        move || write_takes(&t, Duration::from_secs(5))
+    })
+    .await
+    .unwrap();
+    let held = !snap.is_finished();
+    assert!(
+        took.is_some(),
+        "the staged volume was not writable 5 s after its copy began: still frozen"
+    );
+    assert!(
+        held,
+        "the call ended before the write: the thaw was not shown to precede the copy's end"
+    );
+    eprintln!(
+        "a write to the staged volume finished {:?} after the call began (the copy held)",
+        started.elapsed()
+    );
+    let r = snap.await.unwrap();
+    let e = r.expect_err("a snapshot whose copy outlived its freeze must fail");
+    assert_eq!(e.code(), Code::Aborted, "{e:?}");
+    assert!(e.message().contains("--freeze-timeout"), "{e:?}");
+    let sid = SnapshotId::for_name("snap-held").to_string();
+    let left = snapshot_leftovers(pool, driver, &sid);
+    assert!(left.is_empty(), "left by the failed snapshot: {left:?}");
+    assert!(all_snapshot_ids(&mut c).await.is_empty());
+
+    // The retry runs through (the failpoint paused once) and holds the data.
+    assert!(writable_within_5s(&m.target));
+    h.retry_and_restore("snap-held").await;
+}
+
+/// The client's deadline (`grpc-timeout`, 1.5 s) passes while the copy is held
+/// under the freeze (a failpoint sleeps 8 s; the freeze deadline is far): the
+/// filesystem is thawed at once, the abandoned work keeps the volume's lock until
+/// it has undone itself (a retry meanwhile is ABORTED, never run beside it), then
+/// nothing of it remains and a retry succeeds.
+#[tokio::test]
+async fn root_client_deadline_undoes_the_snapshot() {
+    if !require_root() {
+        return;
+    }
+    let h = HeldCopy::new("pvc-deadline", 60).await;
+    let (pool, driver) = (&h.pool, &h.driver);
+    let (v, m) = (&h.volume, &h.mounted);
+    let mut c = driver.clients().await;
+
+    let req = || csi::CreateSnapshotRequest {
+        source_volume_id: v.volume_id.clone(),
+        name: "snap-deadline".into(),
+        ..Default::default()
+    };
+    let mut call = tonic::Request::new(req());
+    call.set_timeout(Duration::from_millis(1500));
+    let started = Instant::now();
+    let e = c
+        .controller
+        .create_snapshot(call)
+        .await
+        .expect_err("the call cannot finish within its deadline");
+    assert!(
+        matches!(e.code(), Code::DeadlineExceeded | Code::Cancelled),
+        "{e:?}"
+    );
+    assert!(
+        driver
+            .log_text()
+            .contains("failpoint snapshot.after-copy reached"),
+        "the deadline passed before the copy: this test proves nothing"
+    );
+    // The work is still held by the failpoint, yet the volume takes writes.
+    let took = tokio::task::spawn_blocking({
+        let t = m.target.clone();
+        move || write_takes(&t, Duration::from_secs(4))
+    })
+    .await
+    .unwrap();
+    assert!(
+        took.is_some(),
+        "the staged volume stayed frozen after the caller left"
+    );
+    let retry = c.controller.create_snapshot(req()).await;
+    let abandoned_done = driver.log_text().contains("abandoned call ended");
+    assert!(
+        !abandoned_done,
+        "the abandoned work ended before the checks, {:?} after the call began",
+        started.elapsed()
+    );
+    assert_eq!(
+        retry.as_ref().map(|_| ()).unwrap_err().code(),
+        Code::Aborted,
+        "a retry while the abandoned work runs: {retry:?}"
+    );
+    assert!(
+        wait_for_log(driver, "abandoned call ended: stopped and undone", 30).await,
+        "the abandoned work never reported its end:\n{}",
+        driver.log_text()
+    );
+    let sid = SnapshotId::for_name("snap-deadline").to_string();
+    let left = snapshot_leftovers(pool, driver, &sid);
+    assert!(left.is_empty(), "left by the abandoned snapshot: {left:?}");
+    assert!(all_snapshot_ids(&mut c).await.is_empty());
+
+    h.retry_and_restore("snap-deadline").await;
+}

@@ -350,25 +350,36 @@ impl Client {
         self.vols.get_mut(n).unwrap().size = r.capacity_bytes;
     }
 
-    fn write(&mut self, n: &str) {
+    /// Writes a new payload into a published volume. The file I/O runs on a
+    /// blocking thread: on the async workers, a slow fsync (or a frozen
+    /// filesystem) would stall every client's calls and the chaos task with it.
+    async fn write(&mut self, n: &str) {
         let bytes = payload(&mut self.rng);
+        let digest = sha(&bytes);
         let t = self.target(n);
-        let f = t.join("data");
-        let tmp = t.join("data.new");
-        std::fs::write(&tmp, &bytes)
-            .and_then(|_| fsync_path(&tmp))
-            .and_then(|_| std::fs::rename(&tmp, &f))
-            .and_then(|_| fsync_path(&t))
-            .unwrap_or_else(|e| panic!("soak client {}: writing {n}: {e}", self.k));
-        self.vols.get_mut(n).unwrap().data = Some(sha(&bytes));
+        let k = self.k;
+        let what = n.to_string();
+        tokio::task::spawn_blocking(move || {
+            let f = t.join("data");
+            let tmp = t.join("data.new");
+            std::fs::write(&tmp, &bytes)
+                .and_then(|_| fsync_path(&tmp))
+                .and_then(|_| std::fs::rename(&tmp, &f))
+                .and_then(|_| fsync_path(&t))
+                .unwrap_or_else(|e| panic!("soak client {k}: writing {what}: {e}"));
+        })
+        .await
+        .expect("a soak write panicked");
+        self.vols.get_mut(n).unwrap().data = Some(digest);
         self.sh.stats.writes.fetch_add(1, Ordering::Relaxed);
     }
 
-    fn verify(&mut self, n: &str) {
+    async fn verify(&mut self, n: &str) {
+        let path = self.target(n).join("data");
+        let got = tokio::task::spawn_blocking(move || std::fs::read(path).ok().map(|b| sha(&b)))
+            .await
+            .expect("a soak read panicked");
         let v = &self.vols[n];
-        let got = std::fs::read(self.target(n).join("data"))
-            .ok()
-            .map(|b| sha(&b));
         self.sh.stats.reads.fetch_add(1, Ordering::Relaxed);
         if got != v.data {
             self.sh.stats.mismatches.fetch_add(1, Ordering::Relaxed);
@@ -423,15 +434,15 @@ impl Client {
                     self.stage(&n).await;
                     self.publish(&n).await;
                     if self.vols[&n].data.is_some() {
-                        self.verify(&n);
+                        self.verify(&n).await;
                     }
-                    self.write(&n);
+                    self.write(&n).await;
                 }
             }
             35..=44 => {
                 if let Some(n) = self.pick(published.clone()) {
-                    self.verify(&n);
-                    self.write(&n);
+                    self.verify(&n).await;
+                    self.write(&n).await;
                 }
             }
             45..=54 if self.snaps.len() < 3 => {
@@ -472,7 +483,7 @@ impl Client {
             }
             74..=85 => {
                 if let Some(n) = self.pick(published) {
-                    self.verify(&n);
+                    self.verify(&n).await;
                     self.unpublish(&n).await;
                     self.unstage(&n).await;
                 }
@@ -857,7 +868,7 @@ async fn root_soak_mixed_operations_with_kills_and_reboots() {
                 if !c.vols[&n].published {
                     c.publish(&n).await;
                 }
-                c.verify(&n);
+                c.verify(&n).await;
             }
             let snaps: Vec<String> = c.snaps.keys().cloned().collect();
             for s in snaps {
@@ -874,7 +885,7 @@ async fn root_soak_mixed_operations_with_kills_and_reboots() {
                 let n = format!("soak-c{}-v{}", c.k, c.seq);
                 c.stage(&n).await;
                 c.publish(&n).await;
-                c.verify(&n);
+                c.verify(&n).await;
             }
             c
         }));
@@ -955,6 +966,11 @@ async fn root_soak_mixed_operations_with_kills_and_reboots() {
     }
     let log = driver.log_text();
     assert!(!log.contains("panicked"), "the driver panicked");
+    assert_eq!(
+        st.unexpected.load(Ordering::Relaxed),
+        0,
+        "unexpected (non-retryable) errors, each distinct one with its count: {errors:#?}"
+    );
     assert_eq!(st.mismatches.load(Ordering::Relaxed), 0, "data mismatches");
     assert!(leaked.is_empty(), "leaks after the run: {leaked:#?}");
     assert!(after.is_empty(), "leaks after teardown: {after:#?}");

@@ -1,7 +1,8 @@
 //! What the gRPC services share: conversion of CSI messages into the domain's
 //! types, redaction of secrets before anything is logged, and the edge of every
 //! RPC: one span with the method and volume id, the domain call on a blocking
-//! thread, the response or the error logged once.
+//! thread with a cancellation token that trips when the caller goes away, the
+//! response or the error logged once.
 
 use std::collections::BTreeMap;
 use std::fmt::Debug;
@@ -9,7 +10,7 @@ use std::sync::Arc;
 
 use csi_proto::csi::{self, volume_capability};
 use csi_storage::model::{Access, AccessMode, Capability, CapacityRange};
-use csi_storage::{Driver, Error};
+use csi_storage::{cancel, Driver, Error};
 use tonic::Status;
 use tracing::Instrument;
 
@@ -36,9 +37,25 @@ where
             tracing::debug!(request = ?Redacted(req), "request");
         }
         let started = std::time::Instant::now();
-        let out = tokio::task::spawn_blocking(f)
+        let token = cancel::Token::new();
+        let mut trip = TripOnDrop(Some(token.clone()));
+        let work_span = tracing::Span::current();
+        let work = move || {
+            let _span = work_span.enter();
+            let out = token.run(|| cancel::check().and_then(|()| f()));
+            if token.is_cancelled() {
+                // Nobody reads this answer: the log is the only place it shows.
+                match &out {
+                    Ok(_) => tracing::info!("abandoned call ended: it completed, so a retry finds it done"),
+                    Err(e) => tracing::warn!(code = ?e.code(), error = %e, "abandoned call ended: stopped and undone"),
+                }
+            }
+            out
+        };
+        let out = tokio::task::spawn_blocking(work)
             .await
             .map_err(|e| Status::internal(format!("the {method} handler failed: {e}")))?;
+        trip.0 = None;
         let elapsed_ms = started.elapsed().as_secs_f64() * 1000.0;
         match out {
             Ok(v) => {
@@ -61,6 +78,21 @@ where
     }
     .instrument(span)
     .await
+}
+
+/// Trips the call's cancellation token when the RPC's future is dropped before
+/// the blocking work has answered: tonic drops it when the client's deadline
+/// (`grpc-timeout`) passes or the client cancels or disconnects. The work then
+/// stops at its next safe point and undoes itself (see `csi_storage::cancel`).
+struct TripOnDrop(Option<cancel::Token>);
+
+impl Drop for TripOnDrop {
+    fn drop(&mut self) {
+        if let Some(t) = self.0.take() {
+            tracing::info!("the caller went away (cancelled, deadline passed or disconnected); stopping its work");
+            t.cancel();
+        }
+    }
 }
 
 /// Longest error message sent or logged, in bytes.

@@ -861,7 +861,10 @@ fn a_failed_thaw_keeps_the_marker_and_the_next_start_thaws() {
     let mut w = World::new();
     let id = w.create("pvc-a", ext4());
     w.stage(&id, &ext4()).unwrap();
-    w.fake.fail_next("thaw", eio("thaw"));
+    // Every try fails (the thaw is tried four times).
+    for _ in 0..4 {
+        w.fake.fail_next("thaw", eio("thaw"));
+    }
     // The snapshot itself is made; the thaw failure is logged.
     w.d()
         .create_snapshot("snap-1", &id, &BTreeMap::new())
@@ -877,6 +880,43 @@ fn a_failed_thaw_keeps_the_marker_and_the_next_start_thaws() {
         .unwrap()
         .count();
     assert_eq!(markers, 0);
+}
+
+#[test]
+fn a_call_whose_caller_left_undoes_its_intent_and_freezes_nothing() {
+    let w = World::new();
+    let id = w.create("pvc-a", ext4());
+    w.stage(&id, &ext4()).unwrap();
+    let token = crate::cancel::Token::new();
+    token.cancel();
+    let err = token.run(|| w.d().create_snapshot("snap-1", &id, &BTreeMap::new()));
+    assert_eq!(code(err), Code::Cancelled);
+    assert!(!w.fake.is_frozen(&w.staging()));
+    assert!(w.pool_files("snapshots").is_empty());
+    assert_eq!(w.d().snapshot_count(), 0);
+    // The retry of a live caller goes through.
+    w.d()
+        .create_snapshot("snap-1", &id, &BTreeMap::new())
+        .unwrap();
+}
+
+#[test]
+fn a_thaw_that_fails_once_is_tried_again() {
+    let w = World::new();
+    let id = w.create("pvc-a", ext4());
+    w.stage(&id, &ext4()).unwrap();
+    w.fake.fail_next("thaw", eio("thaw"));
+    w.d()
+        .create_snapshot("snap-1", &id, &BTreeMap::new())
+        .unwrap();
+    assert!(!w.fake.is_frozen(&w.staging()));
+    assert!(w
+        .state_dir()
+        .join("frozen")
+        .read_dir()
+        .unwrap()
+        .next()
+        .is_none());
 }
 
 #[test]

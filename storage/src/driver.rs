@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Condvar, Mutex};
+use std::time::Duration;
 
 use csi_sys::System;
 
@@ -47,7 +48,14 @@ pub struct Config {
     /// At start, unmount and detach what no volume on this node accounts for (only
     /// reported otherwise).
     pub cleanup_orphans: bool,
+    /// How long a filesystem may stay frozen for a copy beyond the copy's expected
+    /// time (none for a reflink); then it is thawed and the copy undone.
+    pub freeze_timeout: Duration,
 }
+
+/// Default of [`Config::freeze_timeout`]: a reflink takes milliseconds, and the
+/// freeze's own sync a few seconds on a busy disk.
+pub const DEFAULT_FREEZE_TIMEOUT: Duration = Duration::from_secs(10);
 
 impl Config {
     pub fn new(node_id: &str, state_dir: &Path, pools: Vec<(String, PathBuf)>) -> Self {
@@ -65,6 +73,7 @@ impl Config {
             node: true,
             heavy_operations: 4,
             cleanup_orphans: false,
+            freeze_timeout: DEFAULT_FREEZE_TIMEOUT,
         }
     }
 }
@@ -198,10 +207,11 @@ impl Driver {
             || self.cfg.pools.iter().any(|(_, p)| path.starts_with(p))
     }
 
-    /// Runs a heavy operation (mkfs, copy, fsck) when a slot is free.
-    pub(crate) fn heavy<T>(&self, f: impl FnOnce() -> T) -> T {
-        let _slot = self.heavy.acquire();
-        f()
+    /// Runs a heavy operation (mkfs, copy, fsck) when a slot is free; Cancelled,
+    /// without running it, when the caller goes away while it waits.
+    pub(crate) fn heavy<T>(&self, f: impl FnOnce() -> T) -> Result<T> {
+        let _slot = self.heavy.acquire()?;
+        Ok(f())
     }
 
     pub fn volume_count(&self) -> usize {
@@ -241,13 +251,20 @@ impl Semaphore {
             cv: Condvar::new(),
         }
     }
-    fn acquire(&self) -> Permit<'_> {
+    /// Waits for a permit, looking at the call's cancellation every tick.
+    fn acquire(&self) -> Result<Permit<'_>> {
+        crate::cancel::check()?;
         let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
         while *free == 0 {
-            free = self.cv.wait(free).unwrap_or_else(|p| p.into_inner());
+            crate::cancel::check()?;
+            free = self
+                .cv
+                .wait_timeout(free, crate::cancel::TICK)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
         }
         *free -= 1;
-        Permit(self)
+        Ok(Permit(self))
     }
 }
 

@@ -29,6 +29,10 @@ pub enum Error {
     /// was not issued by this driver.
     #[error("{0}")]
     Aborted(String),
+    /// The caller cancelled the call, or its deadline passed, and the work stopped
+    /// at a safe point (see `cancel`). The caller is gone: only the log sees it.
+    #[error("{0}")]
+    Cancelled(String),
     /// A failure of the system layer, with what the domain was doing.
     #[error("{context}: {source}")]
     System {
@@ -83,6 +87,7 @@ impl Error {
             Error::ResourceExhausted(_) => Code::ResourceExhausted,
             Error::FailedPrecondition(_) => Code::FailedPrecondition,
             Error::Aborted(_) => Code::Aborted,
+            Error::Cancelled(_) => Code::Cancelled,
             Error::System { source, .. } => match source {
                 SysError::NoSpace { .. } => Code::ResourceExhausted,
                 SysError::Timeout { .. } => Code::DeadlineExceeded,

@@ -2,13 +2,31 @@
 //! are frozen (FIFREEZE) for the copy and always thawed afterwards, on error too.
 //! Before a freeze the driver writes a marker under the state dir, so that a freeze
 //! left by a crash is thawed at the next start.
+//!
+//! A freeze never lasts without bound. Frozen, a filesystem stalls every writer
+//! of the volume (the application, and anything waiting on it), so each freeze
+//! has a deadline: `--freeze-timeout` past the copy's expected time (nothing for a
+//! reflink, the data at [`COPY_BYTES_PER_SEC`] for a plain copy). A watchdog
+//! thread thaws the filesystems when the deadline passes, or as soon as the
+//! caller cancels or its own deadline passes (see `cancel`), even while the copy
+//! is still inside a system call that nothing can interrupt. The copy, once it
+//! returns, is then thrown away: it was made partly unfrozen and may be torn. The
+//! operation fails with ABORTED, and its usual error path removes the snapshot's
+//! file and record (or the new volume), so nothing half-made remains and a retry
+//! starts clean. ABORTED rather than DEADLINE_EXCEEDED: nothing of the call
+//! remains, the state is as before it, and ABORTED is what CSI callers retry with
+//! backoff; DEADLINE_EXCEEDED speaks of the caller's own deadline, after which the
+//! outcome is unknown.
 
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
-use csi_sys::{file, MountEntry};
+use csi_sys::{file, Filesystems, MountEntry};
 
-use crate::error::{Context, Result};
+use crate::cancel::{self, Token};
+use crate::error::{Context, Error, Result};
 use crate::ids::VolumeId;
 use crate::Driver;
 
@@ -31,25 +49,141 @@ pub(crate) fn mounts_of<'a>(mounts: &'a [MountEntry], dev: &Path) -> Vec<&'a Mou
     mounts.iter().filter(|m| is_mount_of(m, dev)).collect()
 }
 
-struct Frozen<'a> {
-    driver: &'a Driver,
-    marker: PathBuf,
-    mountpoints: Vec<PathBuf>,
+/// Bytes per second a plain (not reflinked) copy is expected to make at least,
+/// for the deadline of its freeze.
+pub const COPY_BYTES_PER_SEC: u64 = 32 << 20;
+
+/// What ended a freeze before its copy did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Cut {
+    Deadline,
+    Cancelled,
 }
 
-impl Drop for Frozen<'_> {
-    fn drop(&mut self) {
-        let mut thawed = true;
-        for mp in self.mountpoints.iter().rev() {
-            if let Err(e) = self.driver.sys.fs.thaw(mp) {
-                tracing::error!(path = %mp.display(), error = %e, "thaw failed");
-                thawed = false;
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// Frozen (or freezing) for the copy.
+    Open,
+    /// Thawed after the copy.
+    Closed,
+    /// Thawed by the watchdog before the copy ended.
+    Cut(Cut),
+}
+
+struct WindowState {
+    phase: Phase,
+    /// The mount points frozen and not yet thawed, in freezing order.
+    frozen: Vec<PathBuf>,
+    /// A thaw failed: the marker stays, so that the next start thaws again.
+    thaw_failed: bool,
+}
+
+/// The state of one freeze, shared by the copying thread and its watchdog. Every
+/// freeze and thaw happens under its lock, so the two never disagree on what is
+/// frozen.
+struct Window {
+    state: Mutex<WindowState>,
+    cv: Condvar,
+}
+
+impl Window {
+    fn lock(&self) -> MutexGuard<'_, WindowState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// Thaws every mount point still frozen, the last frozen first. A thaw is tried
+/// a few times: a filesystem left frozen stalls its writers until someone thaws it.
+fn thaw_all(fs: &dyn Filesystems, st: &mut WindowState) {
+    while let Some(mp) = st.frozen.pop() {
+        let mut attempt = 0;
+        loop {
+            match fs.thaw(&mp) {
+                Ok(()) => break,
+                Err(e) if attempt < 3 => {
+                    tracing::warn!(path = %mp.display(), error = %e, attempt, "thaw failed; trying again");
+                    attempt += 1;
+                    std::thread::sleep(Duration::from_millis(50));
+                }
+                Err(e) => {
+                    tracing::error!(path = %mp.display(), error = %e,
+                        "thaw failed; the marker stays for the next start");
+                    st.thaw_failed = true;
+                    break;
+                }
             }
         }
-        // A marker whose thaw failed stays, so that the next start tries again.
-        if thawed {
-            let _ = std::fs::remove_file(&self.marker);
+    }
+}
+
+/// Ends a freeze, also on an early return or a panic: thaws what is still frozen,
+/// stops the watchdog and removes the marker.
+struct Freeze {
+    window: Arc<Window>,
+    fs: Arc<dyn Filesystems>,
+    marker: PathBuf,
+    watchdog: Option<std::thread::JoinHandle<()>>,
+    started: Instant,
+}
+
+impl Freeze {
+    /// Closes the window; what cut it short, if anything did.
+    fn close(&mut self) -> Option<Cut> {
+        let cut = {
+            let mut st = self.window.lock();
+            let cut = match st.phase {
+                Phase::Cut(c) => Some(c),
+                Phase::Open | Phase::Closed => None,
+            };
+            thaw_all(&*self.fs, &mut st);
+            if st.phase == Phase::Open {
+                st.phase = Phase::Closed;
+            }
+            if !st.thaw_failed {
+                let _ = std::fs::remove_file(&self.marker);
+            }
+            cut
+        };
+        self.window.cv.notify_all();
+        if let Some(w) = self.watchdog.take() {
+            let _ = w.join();
         }
+        tracing::debug!(
+            frozen_ms = self.started.elapsed().as_millis() as u64,
+            ?cut,
+            "thawed"
+        );
+        cut
+    }
+}
+
+impl Drop for Freeze {
+    fn drop(&mut self) {
+        self.close();
+    }
+}
+
+/// Watches one freeze: thaws it when `deadline` passes or the call is cancelled.
+fn watch(window: Arc<Window>, fs: Arc<dyn Filesystems>, token: Token, deadline: Instant) {
+    let mut st = window.lock();
+    while st.phase == Phase::Open {
+        let now = Instant::now();
+        let cut = if token.is_cancelled() {
+            Cut::Cancelled
+        } else if now >= deadline {
+            Cut::Deadline
+        } else {
+            let wait = (deadline - now).min(cancel::TICK);
+            st = window
+                .cv
+                .wait_timeout(st, wait)
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+            continue;
+        };
+        tracing::warn!(?cut, mountpoints = ?st.frozen, "freeze cut short: thawing before the copy ends");
+        thaw_all(&*fs, &mut st);
+        st.phase = Phase::Cut(cut);
     }
 }
 
@@ -58,7 +192,20 @@ impl Driver {
         self.cfg.state_dir.join("frozen")
     }
 
-    /// Runs `f` with the filesystem of every staged image among `images` frozen.
+    /// How long the filesystems of `images` may stay frozen for their copy.
+    fn freeze_budget(&self, images: &[(VolumeId, PathBuf)]) -> Duration {
+        let copied: u64 = images
+            .iter()
+            .filter(|(_, path)| !self.pools.values().any(|p| p.contains(path) && p.reflink))
+            .map(|(_, path)| file::allocated_bytes(path).unwrap_or(0))
+            .sum();
+        self.cfg.freeze_timeout + Duration::from_secs(copied / COPY_BYTES_PER_SEC)
+    }
+
+    /// Runs `f` with the filesystem of every staged image among `images` frozen,
+    /// for at most the freeze's budget: past it, or when the call is cancelled, the
+    /// filesystems are thawed and the result of `f` is an error (ABORTED or
+    /// Cancelled), whatever `f` itself returned.
     pub(crate) fn with_frozen<T>(
         &self,
         images: &[(VolumeId, PathBuf)],
@@ -70,6 +217,7 @@ impl Driver {
         let _node = self
             .locks
             .try_lock(images.iter().map(|(id, _)| format!("node:{id}")))?;
+        cancel::check()?;
         let mounts = self
             .sys
             .mounter
@@ -96,6 +244,7 @@ impl Driver {
         if mountpoints.is_empty() {
             return f();
         }
+        let budget = self.freeze_budget(images);
         let dir = self.frozen_dir();
         file::mkdir_p_mode(&dir, 0o700).context(|| "making the freeze marker dir".into())?;
         let key = images
@@ -105,20 +254,68 @@ impl Driver {
         let marker = dir.join(format!("{key}.json"));
         let body = serde_json::to_vec(&mountpoints).unwrap_or_default();
         file::write_atomic(&marker, &body).context(|| "writing the freeze marker".into())?;
-        let mut guard = Frozen {
-            driver: self,
+
+        let window = Arc::new(Window {
+            state: Mutex::new(WindowState {
+                phase: Phase::Open,
+                frozen: Vec::new(),
+                thaw_failed: false,
+            }),
+            cv: Condvar::new(),
+        });
+        // The clock starts before the first FIFREEZE: the freeze's own sync already
+        // stalls the volume's writers.
+        let started = Instant::now();
+        let mut guard = Freeze {
+            window: window.clone(),
+            fs: self.sys.fs.clone(),
             marker,
-            mountpoints: Vec::new(),
+            watchdog: None,
+            started,
         };
+        let watchdog = {
+            let (window, fs, token) = (window.clone(), self.sys.fs.clone(), cancel::current());
+            std::thread::Builder::new()
+                .name("freeze-watchdog".into())
+                .spawn(move || watch(window, fs, token, started + budget))
+                .map_err(|e| Error::internal(format!("starting the freeze watchdog: {e}")))?
+        };
+        guard.watchdog = Some(watchdog);
         for mp in &mountpoints {
-            self.sys
-                .fs
-                .freeze(mp)
-                .context(|| format!("freezing {}", mp.display()))?;
-            guard.mountpoints.push(mp.clone());
+            if window.lock().phase != Phase::Open {
+                break;
+            }
+            let frozen = self.sys.fs.freeze(mp);
+            let mut st = window.lock();
+            match frozen {
+                // Cut while FIFREEZE ran: the watchdog has thawed what it knew of.
+                Ok(()) if st.phase != Phase::Open => {
+                    st.frozen.push(mp.clone());
+                    thaw_all(&*self.sys.fs, &mut st);
+                }
+                Ok(()) => st.frozen.push(mp.clone()),
+                Err(e) => {
+                    drop(st);
+                    return Err(e).context(|| format!("freezing {}", mp.display()));
+                }
+            }
         }
         crate::failpoint::hit("freeze.after-freeze");
-        f()
+        let out = if window.lock().phase == Phase::Open {
+            Some(f())
+        } else {
+            None
+        };
+        match guard.close() {
+            None => out.unwrap_or_else(|| Err(Error::internal("freeze closed without a copy"))),
+            Some(Cut::Cancelled) => Err(cancel::cancelled()),
+            Some(Cut::Deadline) => Err(Error::Aborted(format!(
+                "the copy of volume {key} kept its filesystem frozen longer than {} s \
+                 (--freeze-timeout plus the copy's expected time); the filesystem was thawed \
+                 and the copy undone; retry",
+                budget.as_secs()
+            ))),
+        }
     }
 
     /// Thaws what a crash left frozen.

@@ -3,6 +3,7 @@
 //! error type with its mapping to gRPC codes. It touches the kernel only through
 //! `csi-sys`, and knows nothing of gRPC beyond that mapping.
 
+pub mod cancel;
 mod driver;
 pub mod error;
 pub mod failpoint;
@@ -18,7 +19,7 @@ mod store;
 pub mod volumes;
 
 pub use csi_sys::System;
-pub use driver::{Config, Driver, MUTABLE_PARAMETERS};
+pub use driver::{Config, Driver, DEFAULT_FREEZE_TIMEOUT, MUTABLE_PARAMETERS};
 pub use error::{Error, Result};
 #[cfg(test)]
 mod decisions;

@@ -603,7 +603,7 @@ impl Driver {
                         "volume {id} has {size} bytes; {wanted} needs at least {least}"
                     )));
                 }
-                self.heavy(|| self.sys.fs.mkfs(&dev.device, &wanted))
+                self.heavy(|| self.sys.fs.mkfs(&dev.device, &wanted))?
                     .context(|| format!("making {wanted} on {}", dev.device.display()))?;
                 (wanted, true)
             }
@@ -619,12 +619,12 @@ impl Driver {
         };
         failpoint::hit("stage.after-mkfs");
         if !fresh {
-            self.heavy(|| self.sys.fs.check(&dev.device, &fs_type))
+            self.heavy(|| self.sys.fs.check(&dev.device, &fs_type))?
                 .context(|| format!("checking the {fs_type} filesystem of volume {id}"))?;
             if fs_type == "ext4" && self.grows_at_stage(&dev.device, &fs_type) {
                 // ext4 is grown before it is mounted: online growth needs a
                 // privilege some nodes withhold, offline growth does not.
-                self.heavy(|| self.sys.fs.grow(&dev.device, None, &fs_type))
+                self.heavy(|| self.sys.fs.grow(&dev.device, None, &fs_type))?
                     .context(|| format!("growing the ext4 filesystem of volume {id}"))?;
             }
         }

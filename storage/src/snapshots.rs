@@ -78,7 +78,7 @@ impl Driver {
         // while frozen would stall the volume's writers for as long as other
         // copies take.
         let made = made.and_then(|src| {
-            self.heavy(|| self.with_frozen(&[(vid, src)], || self.copy_to_snapshot(&vol, &rec)))
+            self.heavy(|| self.with_frozen(&[(vid, src)], || self.copy_to_snapshot(&vol, &rec)))?
         });
         if let Err(e) = made {
             return Err(e.with_cleanup(self.roll_back_snapshot(&rec)));
@@ -127,6 +127,7 @@ impl Driver {
             Backing::Subvolume => btrfs::subvolume_snapshot(&src, &dst, true).context(at)?,
             Backing::Directory => file::copy_tree(&src, &dst).context(at)?,
         }
+        failpoint::hit("snapshot.after-copy");
         Ok(())
     }
 
@@ -315,7 +316,7 @@ impl Driver {
                     }
                     Ok(())
                 })
-            })
+            })?
         })();
         if let Err(e) = made {
             return Err(e.with_cleanup(self.roll_back_group(&group)));

@@ -478,7 +478,7 @@ impl Driver {
                     self.with_frozen(&[(key, src.to_path_buf())], || {
                         file::copy_file(src, &path).context(at)
                     })
-                })?;
+                })??;
                 failpoint::hit("create-volume.after-copy");
                 file::grow(&path, rec.size).context(at)?;
                 tracing::debug!(volume.id = %rec.id, reflinked, "image copied");
@@ -496,7 +496,7 @@ impl Driver {
                 file::mkdir_p_mode(&path, 0o755).context(at)?;
             }
             (Backing::Directory, Some((src, _))) => {
-                self.heavy(|| file::copy_tree(src, &path)).context(at)?;
+                self.heavy(|| file::copy_tree(src, &path))?.context(at)?;
                 failpoint::hit("create-volume.after-copy");
             }
         }
