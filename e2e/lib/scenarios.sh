@@ -5,8 +5,8 @@
 #
 # Needs: kc, NS, NODES, POOL_DIRS, BUSYBOX_IMAGE, FLAVOR.
 
-WRITE_DATA='dd if=/dev/urandom of=/data/file bs=1M count=16 2>/dev/null && sha256sum /data/file | cut -d\" \" -f1 > /data/file.sum && sync && exec sleep 100000'
-READ_DATA='sha256sum /data/file | cut -d\" \" -f1 > /tmp/now.sum; exec sleep 100000'
+WRITE_DATA='dd if=/dev/urandom of=/data/file bs=1M count=16 2>/dev/null && sha256sum /data/file | cut -c1-64 > /data/file.sum && sync && exec sleep 100000'
+READ_DATA='sha256sum /data/file | cut -c1-64 > /tmp/now.sum; exec sleep 100000'
 
 storage_classes() {
     kc apply -f "$E2E_ROOT/deploy/examples/storageclass.yaml" \
@@ -139,22 +139,22 @@ scenario_expand() {
     fi
     eventually 60 "the pod sees about 20 GiB on ext4" \
         df_over writer /data $((19 << 20))
-    check_eq "data intact after growth" "$SUM" "$(in_pod writer sha256sum /data/file | cut -d' ' -f1)"
+    check_eq "data intact after growth" "$SUM" "$(in_pod writer sha256sum /data/file | cut -c1-64)"
     delete_pod grower-xfs
 }
 
 scenario_block() {
     scenario "raw block claim"
     pvc raw 1Gi example-csi-block Block
-    block_pod blocky raw "dd if=/dev/urandom of=/tmp/x bs=1M count=4 2>/dev/null && dd if=/tmp/x of=/dev/xvda bs=1M count=4 conv=fsync 2>/dev/null && sha256sum /tmp/x | cut -d\" \" -f1 > /tmp/x.sum && exec sleep 100000"
+    block_pod blocky raw "dd if=/dev/urandom of=/tmp/x bs=1M count=4 2>/dev/null && dd if=/tmp/x of=/dev/xvda bs=1M count=4 conv=fsync 2>/dev/null && sha256sum /tmp/x | cut -c1-64 > /tmp/x.sum && exec sleep 100000"
     eventually 120 "block pod running" pod_running blocky || return
     eventually 30 "pod wrote to the device" in_pod blocky test -s /tmp/x.sum
     check "the pod sees a block device" in_pod blocky test -b /dev/xvda
     check_eq "the device's data reads back" "$(in_pod blocky cat /tmp/x.sum)" \
-        "$(in_pod blocky sh -c 'dd if=/dev/xvda bs=1M count=4 2>/dev/null | sha256sum | cut -d" " -f1')"
+        "$(in_pod blocky sh -c 'dd if=/dev/xvda bs=1M count=4 2>/dev/null | sha256sum | cut -c1-64')"
     local vol; vol=$(volume_of raw)
     check_eq "the image's first 4 MiB are what the pod wrote" "$(in_pod blocky cat /tmp/x.sum)" \
-        "$(dd if="$(pool_file_of "$vol")" bs=1M count=4 2>/dev/null | sha256sum | cut -d' ' -f1)"
+        "$(dd if="$(pool_file_of "$vol")" bs=1M count=4 2>/dev/null | sha256sum | cut -c1-64)"
     delete_pod blocky
 }
 
@@ -256,18 +256,38 @@ scenario_fsgroup() {
 
 scenario_churn() {
     scenario "20 claims at once while the controller pod is deleted"
-    local i
-    for i in $(seq 1 20); do PVC_LABELS='churn: "yes"' pvc "churn-$i" 64Mi e2e-immediate; done
-    sleep 2
+    local before i
+    before=$(find "$POOL_DEFAULT/volumes" -mindepth 1 -maxdepth 1 | sort)
+    churn_claims 1 10
     kc -n "$DRIVER_NS" delete pod -l app.kubernetes.io/component="$CONTROLLER_COMPONENT" --wait=false >/dev/null
+    churn_claims 11 20
     eventually 300 "all 20 claims bound" bound_count_is churn=yes 20
-    local vols
-    vols=$(kc get pv -o jsonpath='{range .items[?(@.spec.claimRef.name)]}{.spec.claimRef.name} {.spec.csi.volumeHandle}{"\n"}{end}' | grep -c '^churn-')
-    check_eq "one PV per claim" 20 "$vols"
-    local files; files=$(find "$POOL_DEFAULT/volumes" -mindepth 1 -maxdepth 1 | wc -l)
-    check_eq "one image per claim in the pool, none leaked" 20 "$files"
+    local pvs
+    pvs=$(kc get pv -o jsonpath='{range .items[*]}{.spec.claimRef.name}{"\n"}{end}' | grep -c '^churn-')
+    check_eq "one PV per claim" 20 "$pvs"
+    local made
+    made=$(comm -13 <(echo "$before") <(find "$POOL_DEFAULT/volumes" -mindepth 1 -maxdepth 1 | sort) | grep -c .)
+    check_eq "one new image per claim in the pool, none leaked" 20 "$made"
     kc -n "$NS" delete pvc -l churn=yes --wait=true --timeout=180s >/dev/null
-    eventually 120 "all 20 volumes deleted from the pool" empty_dirs "$POOL_DEFAULT/volumes"
+    eventually 120 "the 20 volumes deleted from the pool, nothing else" \
+        same_list "$before" find "$POOL_DEFAULT/volumes" -mindepth 1 -maxdepth 1
+}
+
+# churn_claims FIRST LAST: claims churn-FIRST..churn-LAST in one request.
+churn_claims() {
+    local i
+    for i in $(seq "$1" "$2"); do
+        cat <<EOF
+---
+apiVersion: v1
+kind: PersistentVolumeClaim
+metadata: {name: churn-$i, labels: {e2e: "true", churn: "yes"}}
+spec:
+  accessModes: [ReadWriteOnce]
+  storageClassName: e2e-immediate
+  resources: {requests: {storage: 64Mi}}
+EOF
+    done | apply
 }
 
 # Everything deleted: no PV, no volume file, no mount or loop device of the
