@@ -300,8 +300,10 @@ scenario_cleanup() {
     eventually 180 "no PersistentVolume left" count_is 0 kc get pv -o name
     eventually 60 "no VolumeSnapshotContent left" count_is 0 kc get volumesnapshotcontent -o name
     eventually 60 "the pools hold no volume or snapshot" count_is 0 pool_files
-    check "no loop device backed by a pool file" count_is 0 pool_loops
-    check "no mount of a volume under the kubelet's directory" count_is 0 volume_mounts
-    check "no staging directory left" count_is 0 find /var/lib/kubelet/plugins/kubernetes.io/csi \
+    # the kubelet unstages after the pod is gone, on its own schedule
+    eventually 60 "no loop device backed by a pool file" count_is 0 pool_loops \
+        || losetup -n -O NAME,BACK-MAJ:MIN,BACK-FILE | sed 's/^/        /'
+    eventually 60 "no mount of a volume under the kubelet's directory" count_is 0 volume_mounts
+    eventually 60 "no staging directory left" count_is 0 find /var/lib/kubelet/plugins/kubernetes.io/csi \
         -mindepth 2 -maxdepth 4 -type d -name globalmount
 }
