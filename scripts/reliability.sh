@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The long reliability run of issue 8 (README: "Reliability"): the fault-injection
+# The long reliability run (docs/reliability.md): the fault-injection
 # matrix, the full soak and a long fuzz run, each printing its figures. Needs root
 # (loop devices, mkfs, mounts). The short versions of the same tests run in CI
 # through scripts/test-all.sh (cargo test --workspace).
@@ -8,7 +8,7 @@
 #   FUZZ_SECONDS=600 scripts/reliability.sh fuzz
 #   scripts/reliability.sh soak faults hostile
 #
-# Sizes (environment, defaults are the full run of issue 8):
+# Sizes (environment; the defaults are the full run):
 #   SOAK_OPS=20000 SOAK_CLIENTS=32 SOAK_KILLS=20 SOAK_REBOOTS=3 [SOAK_SEED=n]
 #   FUZZ_SECONDS=600 [FUZZ_SEED=n] [FUZZ_SAVE=1: add inputs with new answers to fuzz/corpus/]
 set -euo pipefail

@@ -1,4 +1,4 @@
-//! The controller side through the real binary (issue 3): crash safety at every
+//! The controller side through the real binary: crash safety at every
 //! failpoint of CreateVolume, DeleteVolume, ControllerExpandVolume and
 //! ControllerModifyVolume on an xfs image pool and a btrfs subvolume pool; orphan
 //! removal at start; 32 concurrent clients on 100 names; a table of bad inputs with

@@ -1,4 +1,4 @@
-//! The fault-injection matrix (issue 8 §1): for every failpoint of the domain,
+//! The fault-injection matrix: for every failpoint of the domain,
 //! drive the operation sequence that reaches it, let the driver die there (the
 //! failpoint aborts the process as a SIGKILL would), restart it, retry the call as
 //! the sidecars and kubelet do, and check the invariants:
@@ -586,7 +586,8 @@ impl Ctx {
         }
     }
 
-    /// The invariants of issue 8 §1 against the model.
+    /// The invariants listed at the top of this file, checked against the model
+    /// of what was acknowledged.
     async fn check_invariants(&mut self, when: &str) {
         let fp = format!("{} / {when}", self.fp);
         // ListVolumes and ListSnapshots equal what was acknowledged.

@@ -1,4 +1,4 @@
-//! Fuzzing the request validation of every RPC (issue 8 §3), on stable Rust: a
+//! Fuzzing the request validation of every RPC, on stable Rust: a
 //! seeded generator of arbitrary requests drives the REAL service implementations
 //! (csi_identity::IdentityService, csi_controller::{ControllerService,
 //! GroupControllerService}, csi_node::NodeService) in process, over a real

@@ -1,4 +1,4 @@
-//! Hostile inputs (issue 8 §4), table-driven, against the real binary: each row
+//! Hostile inputs, table-driven, against the real binary: each row
 //! is one request with the gRPC code(s) the CSI spec calls for, and a check that
 //! nothing changed: the pool, the state dir and the scratch (kubelet) dirs
 //! (names, kinds, sizes, and the contents of every small file), the mount table,

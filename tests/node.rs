@@ -1,4 +1,4 @@
-//! The node side through the real binary (issue 4): stage, publish, block
+//! The node side through the real binary: stage, publish, block
 //! volumes, read-only publishes, idempotency, volume_mount_group, stats,
 //! expansion, ephemeral inline volumes, access modes, validation, concurrency,
 //! and recovery after driver crashes (failpoints) and a simulated node reboot.
