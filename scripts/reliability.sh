@@ -2,7 +2,7 @@
 # The long reliability run (docs/reliability.md): the fault-injection
 # matrix, the full soak and a long fuzz run, each printing its figures. Needs root
 # (loop devices, mkfs, mounts). The short versions of the same tests run in CI
-# through scripts/test-all.sh (cargo test --workspace).
+# through scripts/test-all.sh (cargo test --workspace -- --include-ignored).
 #
 #   scripts/reliability.sh                 # everything, full size (about 30 minutes here)
 #   FUZZ_SECONDS=600 scripts/reliability.sh fuzz
@@ -30,10 +30,10 @@ for p in "${parts[@]}"; do
     start=$(date +%s)
     set +e
     case "$p" in
-        faults)  cargo test --quiet --test faults -- --test-threads=2 ;;
-        hostile) cargo test --quiet --test hostile -- --nocapture ;;
-        soak)    cargo test --quiet --test soak -- --nocapture ;;
-        fuzz)    cargo test --quiet --test fuzz -- --nocapture ;;
+        faults)  cargo test --quiet --test faults -- --include-ignored --test-threads=2 ;;
+        hostile) cargo test --quiet --test hostile -- --include-ignored --nocapture ;;
+        soak)    cargo test --quiet --test soak -- --include-ignored --nocapture ;;
+        fuzz)    cargo test --quiet --test fuzz -- --include-ignored --nocapture ;;
         *) echo "unknown part $p (faults, hostile, soak, fuzz)"; false ;;
     esac > "$out/$p.log" 2>&1
     rc=$?

@@ -815,9 +815,7 @@ fn tail(s: &str) -> String {
 }
 
 async fn run_case(fp: &str, setup: &[Step], die: Step) {
-    if !require_root() {
-        return;
-    }
+    require_root();
     let pool = Pool::new("xfs");
     pool.scratch("staging");
     pool.scratch("pods");
@@ -898,6 +896,7 @@ macro_rules! fault_tests {
     ($($test:ident: $fp:literal, $setup:expr, $die:expr;)*) => {
         $(
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            #[ignore = "needs root: loop devices and mounts"]
             async fn $test() {
                 let setup: &[Step] = &$setup;
                 run_case($fp, setup, $die).await;

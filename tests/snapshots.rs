@@ -463,34 +463,30 @@ async fn integrity(pool_fs: &str, kind: Kind, size: i64) {
 }
 
 #[tokio::test]
+#[ignore = "needs root: loop devices and mounts"]
 async fn root_integrity_xfs_pool_xfs_volume() {
-    if !require_root() {
-        return;
-    }
+    require_root();
     integrity("xfs", Kind::image("xfs"), 320 * MIB).await;
 }
 
 #[tokio::test]
+#[ignore = "needs root: loop devices and mounts"]
 async fn root_integrity_btrfs_pool_btrfs_image_volume() {
-    if !require_root() {
-        return;
-    }
+    require_root();
     integrity("btrfs", Kind::image("btrfs"), 192 * MIB).await;
 }
 
 #[tokio::test]
+#[ignore = "needs root: loop devices and mounts"]
 async fn root_integrity_btrfs_pool_dir_volume() {
-    if !require_root() {
-        return;
-    }
+    require_root();
     integrity("btrfs", Kind::dir(), 128 * MIB).await;
 }
 
 #[tokio::test]
+#[ignore = "needs root: loop devices and mounts"]
 async fn root_integrity_ext4_pool_ext4_volume() {
-    if !require_root() {
-        return;
-    }
+    require_root();
     integrity("ext4", Kind::image("ext4"), 96 * MIB).await;
 }
 
@@ -542,10 +538,9 @@ fn read_counter(dir: &Path) -> u64 {
 }
 
 #[tokio::test]
+#[ignore = "needs root: loop devices and mounts"]
 async fn root_group_snapshot_is_consistent_under_a_writer() {
-    if !require_root() {
-        return;
-    }
+    require_root();
     let pool = Pool::new("xfs");
     let driver = Driver::start(&pool, &[]);
     let mut c = driver.clients().await;
@@ -748,10 +743,9 @@ async fn sparseness(pool_fs: &str) -> (u64, u64) {
 }
 
 #[tokio::test]
+#[ignore = "needs root: loop devices and mounts"]
 async fn root_sparse_snapshot_on_reflink_pool_adds_nothing() {
-    if !require_root() {
-        return;
-    }
+    require_root();
     let (delta, _) = sparseness("xfs").await;
     assert!(
         delta < 4 * MIB as u64,
@@ -760,10 +754,9 @@ async fn root_sparse_snapshot_on_reflink_pool_adds_nothing() {
 }
 
 #[tokio::test]
+#[ignore = "needs root: loop devices and mounts"]
 async fn root_sparse_snapshot_on_ext4_pool_copies_only_data() {
-    if !require_root() {
-        return;
-    }
+    require_root();
     let (delta, source_alloc) = sparseness("ext4").await;
     assert!(
         delta >= 10 * MIB as u64,
@@ -975,10 +968,9 @@ impl CrashRig {
 }
 
 #[tokio::test]
+#[ignore = "needs root: loop devices and mounts"]
 async fn root_crash_at_every_snapshot_failpoint_recovers() {
-    if !require_root() {
-        return;
-    }
+    require_root();
     let pool = Pool::new("xfs");
     let driver = Driver::start(&pool, &[]);
     let mut c = driver.clients().await;
@@ -1075,10 +1067,9 @@ async fn root_crash_at_every_snapshot_failpoint_recovers() {
 // ---------------------------------------------------------------- (5) listing
 
 #[tokio::test]
+#[ignore = "needs root: loop devices and mounts"]
 async fn root_list_snapshots_filters_and_pages() {
-    if !require_root() {
-        return;
-    }
+    require_root();
     let pool = Pool::new("xfs");
     let driver = Driver::start(&pool, &[]);
     let mut c = driver.clients().await;
@@ -1247,10 +1238,9 @@ fn write_pattern(path: &Path, mib: usize) {
 }
 
 #[tokio::test]
+#[ignore = "needs root: loop devices and mounts"]
 async fn root_snapshot_time_on_xfs_pool() {
-    if !require_root() {
-        return;
-    }
+    require_root();
     let pool = Pool::new("xfs");
     let driver = Driver::start(&pool, &[]);
     let mut c = driver.clients().await;
@@ -1320,10 +1310,9 @@ async fn root_snapshot_time_on_xfs_pool() {
 /// while frozen: with one slot taken by a long copy, the writers of a staged volume
 /// being snapshotted stall only for its own copy.
 #[tokio::test]
+#[ignore = "needs root: loop devices and mounts"]
 async fn root_freeze_does_not_wait_for_a_heavy_slot() {
-    if !require_root() {
-        return;
-    }
+    require_root();
     let pool = Pool::new("ext4");
     let driver = Driver::start(&pool, &["--heavy-operations=1"]);
     let mut c = driver.clients().await;
@@ -1421,10 +1410,9 @@ async fn root_freeze_does_not_wait_for_a_heavy_slot() {
 /// While a snapshot holds a staged filesystem frozen, the node does not unpublish
 /// or unstage it (ABORTED: retry), so the thaw always finds its mount.
 #[tokio::test]
+#[ignore = "needs root: loop devices and mounts"]
 async fn root_unstage_waits_for_the_thaw() {
-    if !require_root() {
-        return;
-    }
+    require_root();
     let pool = Pool::new("ext4");
     let driver = Driver::start(&pool, &[]);
     let mut c = driver.clients().await;
@@ -1587,10 +1575,9 @@ impl HeldCopy {
 /// answers —, the call fails with ABORTED, nothing of the snapshot remains, and
 /// the retry succeeds with the data of the volume.
 #[tokio::test]
+#[ignore = "needs root: loop devices and mounts"]
 async fn root_freeze_deadline_thaws_and_undoes_the_snapshot() {
-    if !require_root() {
-        return;
-    }
+    require_root();
     let h = HeldCopy::new("pvc-held", 2).await;
     let (pool, driver) = (&h.pool, &h.driver);
     let (v, m) = (&h.volume, &h.mounted);
@@ -1646,10 +1633,9 @@ async fn root_freeze_deadline_thaws_and_undoes_the_snapshot() {
 /// it has undone itself (a retry meanwhile is ABORTED, never run beside it), then
 /// nothing of it remains and a retry succeeds.
 #[tokio::test]
+#[ignore = "needs root: loop devices and mounts"]
 async fn root_client_deadline_undoes_the_snapshot() {
-    if !require_root() {
-        return;
-    }
+    require_root();
     let h = HeldCopy::new("pvc-deadline", 60).await;
     let (pool, driver) = (&h.pool, &h.driver);
     let (v, m) = (&h.volume, &h.mounted);
