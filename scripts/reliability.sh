@@ -11,6 +11,7 @@
 # Sizes (environment; the defaults are the full run):
 #   SOAK_OPS=20000 SOAK_CLIENTS=32 SOAK_KILLS=20 SOAK_REBOOTS=3 [SOAK_SEED=n]
 #   FUZZ_SECONDS=600 [FUZZ_SEED=n] [FUZZ_SAVE=1: add inputs with new answers to fuzz/corpus/]
+#   HOSTILE_RUNS=20 (the hostile table, run that many times in a row)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH="$PATH:/usr/sbin:/sbin:$HOME/.cargo/bin"
@@ -31,14 +32,14 @@ for p in "${parts[@]}"; do
     set +e
     case "$p" in
         faults)  cargo test --quiet --test faults -- --include-ignored --test-threads=2 ;;
-        hostile) cargo test --quiet --test hostile -- --include-ignored --nocapture ;;
+        hostile) HOSTILE_RUNS="${HOSTILE_RUNS:-20}" cargo test --quiet --test hostile -- --include-ignored --nocapture ;;
         soak)    cargo test --quiet --test soak -- --include-ignored --nocapture ;;
         fuzz)    cargo test --quiet --test fuzz -- --include-ignored --nocapture ;;
         *) echo "unknown part $p (faults, hostile, soak, fuzz)"; false ;;
     esac > "$out/$p.log" 2>&1
     rc=$?
     set -e
-    grep -E "^(soak figures|fuzz figures|soak: (LEAK|LEFT|unexpected)|hostile:|test result:)" "$out/$p.log" || true
+    grep -E "^(soak figures|fuzz figures|soak: (LEAK|LEFT|unexpected)|hostile run|test result:)" "$out/$p.log" || true
     echo "$p: $([ $rc = 0 ] && echo PASSED || echo FAILED) in $(( $(date +%s) - start )) s (log: $out/$p.log)"
     [ $rc = 0 ] || failed=1
 done

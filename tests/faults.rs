@@ -138,19 +138,11 @@ fn write_probe(dir: &Path, secs: u64) -> bool {
 
 /// Backing files of the loop devices whose backing file lies below `dir`.
 fn loop_backings_below(dir: &Path) -> Vec<PathBuf> {
-    let mut out = Vec::new();
-    for e in std::fs::read_dir("/sys/block")
+    let mut out: Vec<PathBuf> = loop_devices()
         .into_iter()
-        .flatten()
-        .flatten()
-    {
-        if let Ok(b) = std::fs::read_to_string(e.path().join("loop/backing_file")) {
-            let p = PathBuf::from(b.trim().trim_end_matches(" (deleted)"));
-            if p.starts_with(dir) {
-                out.push(p);
-            }
-        }
-    }
+        .map(|(_, b)| b)
+        .filter(|b| b.starts_with(dir))
+        .collect();
     out.sort();
     out
 }

@@ -45,22 +45,35 @@ pub fn sh(cmd: &str, args: &[&str]) -> String {
     String::from_utf8_lossy(&out.stdout).into_owned()
 }
 
-/// Loop devices whose backing file lies below `dir`.
-pub fn loops_below(dir: &Path) -> Vec<String> {
+/// The loop devices of the system with their backing files ("/dev/loop3",
+/// "/x/vol.img"). A device without a backing file (being set up or torn down by
+/// another process) is left out.
+pub fn loop_devices() -> Vec<(String, PathBuf)> {
     let mut out = Vec::new();
     for e in std::fs::read_dir("/sys/block")
         .into_iter()
         .flatten()
         .flatten()
     {
-        let f = e.path().join("loop/backing_file");
-        if let Ok(b) = std::fs::read_to_string(&f) {
-            if Path::new(b.trim().trim_end_matches(" (deleted)")).starts_with(dir) {
-                out.push(format!("/dev/{}", e.file_name().to_string_lossy()));
+        if let Ok(b) = std::fs::read_to_string(e.path().join("loop/backing_file")) {
+            let b = b.trim().trim_end_matches(" (deleted)");
+            if !b.is_empty() {
+                let dev = format!("/dev/{}", e.file_name().to_string_lossy());
+                out.push((dev, PathBuf::from(b)));
             }
         }
     }
+    out.sort();
     out
+}
+
+/// Loop devices whose backing file lies below `dir`.
+pub fn loops_below(dir: &Path) -> Vec<String> {
+    loop_devices()
+        .into_iter()
+        .filter(|(_, b)| b.starts_with(dir))
+        .map(|(d, _)| d)
+        .collect()
 }
 
 /// Mount points at or below `dir`.
