@@ -273,6 +273,7 @@ undeploy_flavor() {
 
 run_flavor() {
     local flavor=$1
+    FLAVOR=$flavor
     CONTROLLER_COMPONENT=controller
     [ "$flavor" = distributed ] && CONTROLLER_COMPONENT=node
     # a failed check is counted, never the end of the run

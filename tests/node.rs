@@ -84,15 +84,32 @@ impl Fx {
             .volume_id
     }
 
+    /// DeleteVolume, retried as a CO retries while it answers FAILED_PRECONDITION:
+    /// an unstage whose loop device was still open elsewhere for a moment succeeds
+    /// and leaves the kernel to finish the detach, and until it has, the volume is
+    /// in use.
     async fn delete(&mut self, id: &str) {
-        self.c
-            .controller
-            .delete_volume(csi::DeleteVolumeRequest {
-                volume_id: id.to_string(),
-                secrets: Default::default(),
-            })
-            .await
-            .unwrap_or_else(|e| panic!("DeleteVolume {id}: {e:?}"));
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(15);
+        loop {
+            let answer = self
+                .c
+                .controller
+                .delete_volume(csi::DeleteVolumeRequest {
+                    volume_id: id.to_string(),
+                    secrets: Default::default(),
+                })
+                .await;
+            match answer {
+                Ok(_) => return,
+                Err(e)
+                    if e.code() == tonic::Code::FailedPrecondition
+                        && std::time::Instant::now() < deadline =>
+                {
+                    tokio::time::sleep(std::time::Duration::from_millis(200)).await
+                }
+                Err(e) => panic!("DeleteVolume {id}: {e:?}"),
+            }
+        }
     }
 
     async fn stage(
