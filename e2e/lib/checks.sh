@@ -163,8 +163,7 @@ bound_count_is() {
 # pools' own loop devices.
 pool_loops() {
     local devs
-    devs=$(for d in "${POOL_DIRS[@]}"; do findmnt -n -o SOURCE --mountpoint "$d"; done \
-        | xargs -r losetup -n -O MAJ:MIN 2>/dev/null | tr -d ' ')
+    devs=$(for d in "${POOL_DIRS[@]}"; do findmnt -n -o MAJ:MIN --mountpoint "$d" | head -1; done | tr -d ' ')
     [ -n "$devs" ] || { echo "no pool loop device found"; return; }
     losetup -n -O NAME,BACK-MAJ:MIN 2>/dev/null | awk -v devs=" $(echo $devs) " 'index(devs, " " $2 " ") {print $1}'
 }
