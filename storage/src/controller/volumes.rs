@@ -18,7 +18,7 @@ use crate::failpoint;
 use crate::ids::{validate_name, VolumeId};
 use crate::model::*;
 use crate::pool::{Pool, DEFAULT_POOL};
-use crate::settings::{attr_name, parse_settings};
+use crate::settings::{attr_name, parse_settings, record_size};
 use crate::Controller;
 
 pub use crate::model::{minimum_size, DEFAULT_SIZE, GIB, K8S_PREFIX, KIB, MIB};
@@ -484,10 +484,12 @@ impl Controller {
             }
             (Backing::Directory, None) => {
                 file::mkdir_p_mode(&path, 0o755).context(at)?;
+                record_size(&path, rec.size)?;
             }
             (Backing::Directory, Some((src, _))) => {
                 self.heavy(|| file::copy_tree(src, &path))?.context(at)?;
                 failpoint::hit("create-volume.after-copy");
+                record_size(&path, rec.size)?;
             }
         }
         self.write_attributes(&path, rec.backing, &rec.mutable_parameters)?;
@@ -649,7 +651,7 @@ impl Controller {
         match rec.backing {
             Backing::Image => file::grow(&path, size).context(at),
             Backing::Subvolume => btrfs::qgroup_limit(&path, size).context(at),
-            Backing::Directory => Ok(()),
+            Backing::Directory => record_size(&path, size),
         }
     }
 

@@ -74,6 +74,23 @@ pub fn recorded_settings(image: &Path) -> Result<LoopSettings> {
     })
 }
 
+/// The attribute that tells the node a plain directory volume's size, which
+/// nothing else on the node knows (an image has its length, a subvolume its
+/// qgroup limit).
+const SIZE: &str = "size";
+
+/// Records a plain directory volume's size on it.
+pub fn record_size(dir: &Path, size: u64) -> Result<()> {
+    xattr::set(dir, &attr_name(SIZE), size.to_string().as_bytes())
+        .context(|| format!("recording the size of {}", dir.display()))
+}
+
+/// The size recorded on a plain directory volume, if any.
+pub fn recorded_size(dir: &Path) -> Option<u64> {
+    let raw = xattr::get(dir, &attr_name(SIZE)).ok()??;
+    String::from_utf8(raw).ok()?.parse().ok()
+}
+
 /// The loop devices serving an image and their settings before a change.
 pub type DevicesBefore = Vec<(std::path::PathBuf, LoopSettings)>;
 

@@ -26,7 +26,7 @@ use crate::ids::{validate_name, VolumeId};
 use crate::locks::Locks;
 use crate::model::*;
 use crate::pool::Located;
-use crate::settings::{recorded_settings, DevicesBefore, LiveDevices, LoopSettings};
+use crate::settings::{recorded_settings, recorded_size, DevicesBefore, LiveDevices, LoopSettings};
 use crate::state::{Domain, OwnerLock, VolumeLock};
 use crate::store::Store;
 
@@ -1259,14 +1259,14 @@ impl Node {
         let (_volume, loc) = self.lock_located(id)?;
         if loc.backing != Backing::Image {
             // The controller raised the quota (a subvolume's limit is its size) or
-            // recorded the size (a plain directory has no size of its own).
+            // recorded the size on the directory.
             let required = range.required.max(0) as u64;
             if loc.backing == Backing::Subvolume {
                 let q = btrfs::qgroup_info(&loc.path)
                     .context(|| format!("reading the qgroup of volume {id}"))?;
                 return Ok(q.max_referenced.unwrap_or(required));
             }
-            return Ok(required);
+            return Ok(recorded_size(&loc.path).unwrap_or(required));
         }
         // The controller grew the image already; the node only makes up for a
         // missed growth, never beyond what was required.
