@@ -854,7 +854,12 @@ async fn root_soak_controller_and_node_processes_with_kills_of_either() {
     soak(true).await;
 }
 
+/// The soaks of this file run one after the other: each is timed, and each
+/// checks every loop device and mount below its own directories.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 async fn soak(split: bool) {
+    let _one = ONE_AT_A_TIME.lock().await;
     let ops = env_or("SOAK_OPS", 2000);
     let nclients = env_or("SOAK_CLIENTS", 8) as usize;
     let kills = env_or("SOAK_KILLS", 5);
