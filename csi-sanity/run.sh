@@ -7,6 +7,10 @@
 # runs that driver binary instead of building one.
 # Needs root (loop devices, mounts). Everything it makes is torn down on exit,
 # also when specs fail or the run is interrupted.
+#
+# The specs in skip.txt are skipped always or only where a probe of this machine
+# fails (see probes below); the summary names every skipped spec with its reason,
+# also those csi-sanity skips by itself.
 set -euo pipefail
 
 CSI_SANITY_VERSION=v5.6.0
@@ -18,11 +22,16 @@ export PATH="$PATH:/usr/local/go/bin:$(go env GOPATH 2>/dev/null || echo /root/g
 # | processes: 1 (--mode all) or 2 (--mode controller and --mode node on one pool
 # and state dir, as in the central deployment; csi-sanity gets both sockets)
 # (xfs cannot be made smaller than 300 MiB, btrfs than 128 MiB)
+# ext4-node-expansion runs the driver as the distributed deployment does: without
+# ControllerExpandVolume, csi-sanity's NodeExpandVolume spec must grow the image
+# and the mounted filesystem online (elsewhere the controller grows the image
+# before the volume is staged, and the spec finds the filesystem at full size).
 CONFIGS=(
   "xfs-image|xfs|--default-fstype=xfs --enable-attach --max-volumes-per-node=16|kind=image|512|1"
   "btrfs-dir|btrfs|--default-fstype=ext4 --enable-attach --max-volumes-per-node=16|kind=dir|64|1"
   "ext4-image|ext4|--default-fstype=ext4 --enable-attach --max-volumes-per-node=16|kind=image|64|1"
   "btrfs-image|btrfs|--default-fstype=btrfs --enable-attach --max-volumes-per-node=16|kind=image|256|1"
+  "ext4-node-expansion|ext4|--default-fstype=ext4 --disable-controller-expansion --enable-attach --max-volumes-per-node=16|kind=image|64|1"
   "xfs-image-two-processes|xfs|--default-fstype=xfs --enable-attach --max-volumes-per-node=16|kind=image|512|2"
 )
 
@@ -70,18 +79,62 @@ cleanup_all() { teardown; rm -rf "$work"; }
 trap cleanup_all EXIT
 trap 'exit 130' INT TERM
 
-skips_for() { # config name -> ginkgo skip regex from skip.txt
-  local name=$1 re=""
-  while IFS='|' read -r cfg spec _reason; do
-    cfg=$(echo "$cfg" | xargs); spec=$(echo "$spec" | xargs)
+# Probes: what this machine can do that some specs need. Each failed probe is a
+# "when" of skip.txt.
+failed_probes=()
+# Online growth of a mounted ext4: resize2fs needs CAP_SYS_RESOURCE, which some
+# machines withhold. A 32 MiB ext4 on a loop device is mounted, its image doubled,
+# and grown while mounted; only resize2fs may fail (anything else stops the run:
+# a broken probe must not turn into a skip).
+probe_online_ext4_grow() {
+  local p="$work/probe-ext4" dev rc=1
+  broken() { echo "csi-sanity/run.sh: the online ext4 probe failed to $1" >&2; exit 1; }
+  mkdir -p "$p/mnt"
+  truncate -s 32M "$p/img" && mkfs.ext4 -q -F "$p/img" >/dev/null || broken "make its image"
+  dev=$(losetup -f --show "$p/img") || broken "attach its image"
+  mount "$dev" "$p/mnt" || broken "mount $dev"
+  truncate -s 64M "$p/img" && losetup -c "$dev" || broken "grow $dev"
+  resize2fs "$dev" > "$p/resize.log" 2>&1 && rc=0
+  [ $rc = 0 ] || sed 's/^/   resize2fs: /' "$p/resize.log"
+  umount "$p/mnt"; losetup -d "$dev"; rm -rf "$p"
+  return $rc
+}
+if probe_online_ext4_grow; then
+  echo "== probe: a mounted ext4 grows online here"
+else
+  echo "== probe: a mounted ext4 cannot be grown here (no-online-ext4-grow)"
+  failed_probes+=(no-online-ext4-grow)
+fi
+
+trim() { local v=$1; v=${v#"${v%%[![:space:]]*}"}; printf '%s' "${v%"${v##*[![:space:]]}"}"; }
+
+skip_entries() { # config name -> "spec regex|reason" lines of skip.txt that apply here
+  local name=$1
+  while IFS='|' read -r cfg spec when reason; do
+    cfg=$(trim "$cfg"); spec=$(trim "$spec"); when=$(trim "$when")
     [ -z "$cfg" ] || [[ "$cfg" == \#* ]] && continue
     # shellcheck disable=SC2053
-    if [[ "$name" == $cfg ]]; then re="${re:+$re|}$spec"; fi
+    [[ "$name" == $cfg ]] || continue
+    if [ "$when" = always ] || [[ " ${failed_probes[*]} " == *" $when "* ]]; then
+      echo "$spec|$(trim "$reason") (skip.txt, when: $when)"
+    fi
   done < "$here/skip.txt"
-  echo "$re"
+}
+
+# The specs the junit report of a run marks skipped, one "spec|message" a line.
+skipped_specs() {
+  python3 - "$1" <<'PY'
+import sys, xml.etree.ElementTree as ET
+for case in ET.parse(sys.argv[1]).iter("testcase"):
+    sk = case.find("skipped")
+    if sk is not None:
+        msg = " ".join((sk.get("message") or "").split())
+        print(f"{case.get('name', '')}|{msg}")
+PY
 }
 
 configs_run=0 total_ran=0 total_passed=0 total_failed=0 total_skipped=0 failed_configs=()
+skipped_lines=()
 selected=("$@")
 for entry in "${CONFIGS[@]}"; do
   IFS='|' read -r name fs flags params mib procs <<<"$entry"
@@ -126,8 +179,10 @@ for entry in "${CONFIGS[@]}"; do
     wait_socket "$d/csi.sock" "$d/driver.log"
   fi
   [[ "$flags" == *max-volumes-per-node* ]] && extra+=(-csi.testnodevolumeattachlimit)
-  skip=$(skips_for "$name")
+  entries=$(skip_entries "$name")
+  skip=$(echo "$entries" | cut -d'|' -f1 | grep -v '^$' | paste -sd'|' || true)
   [ -n "$skip" ] && extra+=(-ginkgo.skip "$skip")
+  mkdir -p "$here/.work"; rm -f "$here/.work/$name.junit.xml"
   set +e
   # shellcheck disable=SC2086 # CSI_SANITY_FLAGS is split into words on purpose
   csi-sanity -csi.endpoint "$d/csi.sock" \
@@ -154,6 +209,18 @@ for entry in "${CONFIGS[@]}"; do
     [ -f "$d/node.log" ] && { echo "   --- last node plugin log lines:"; tail -20 "$d/node.log" | sed 's/^/   /'; }
     [ "$f" = 0 ] && f=1
   fi
+  # Every skipped spec with its reason: ours from skip.txt, the others csi-sanity's.
+  if [ -f "$here/.work/$name.junit.xml" ]; then
+    while IFS='|' read -r spec msg; do
+      [ -z "$spec" ] && continue
+      why="csi-sanity: $msg"
+      [ "$msg" = pending ] && why="csi-sanity: pending (csi-test itself marks the spec as not ready)"
+      while IFS='|' read -r re reason; do
+        [ -n "$re" ] && echo "$spec" | grep -qE "$re" && why=$reason
+      done <<<"$entries"
+      skipped_lines+=("$name: $spec -- $why")
+    done < <(skipped_specs "$here/.work/$name.junit.xml")
+  fi
   total_ran=$((total_ran + ran)); total_passed=$((total_passed + p))
   total_failed=$((total_failed + f)); total_skipped=$((total_skipped + s))
   teardown
@@ -163,6 +230,11 @@ done
 
 echo "== csi-sanity total: ran $total_ran specs in $configs_run configurations"
 echo "csi-sanity: $total_passed passed, $total_failed failed, $total_skipped skipped"
+echo "probes failed on this machine: ${failed_probes[*]:-none}"
+if [ ${#skipped_lines[@]} -gt 0 ]; then
+  echo "skipped specs:"
+  printf '  %s\n' "${skipped_lines[@]}"
+fi
 if [ ${#failed_configs[@]} -gt 0 ]; then
   echo "csi-sanity FAILED in: ${failed_configs[*]} (logs in csi-sanity/.work/)"
   exit 1

@@ -101,6 +101,17 @@ class Report:
             print(f"   -> {self.in_section[0]} ok, {self.in_section[1]} failing")
         self.in_section = None
 
+    def summary(self, name):
+        """Prints the failures and the counts; the exit status."""
+        self.end_section()
+        print()
+        if self.failed:
+            print(f"{len(self.failed)} check(s) failed:")
+            for f in self.failed:
+                print(f"  - {f}")
+        print(f"{name}: {self.passed} passed, {len(self.failed)} failed")
+        return 1 if self.failed else 0
+
 
 # ---------------------------------------------------------------- loading
 
@@ -970,15 +981,7 @@ def main():
     else:
         print("   (not compared with a binary here: give --check-binary PATH; "
               "a Rust test compares `check_manifests.py --driver-flags` with --help)")
-    r.end_section()
-
-    print()
-    if r.failed:
-        print(f"{len(r.failed)} check(s) failed:")
-        for f in r.failed:
-            print(f"  - {f}")
-    print(f"check_manifests: {r.passed} passed, {len(r.failed)} failed")
-    return 1 if r.failed else 0
+    return r.summary("check_manifests")
 
 
 if __name__ == "__main__":

@@ -7,16 +7,22 @@
 #      examples: Kubernetes API schemas (kubernetes-validate, strict) for
 #      each version in K8S_VERSIONS, deploy/schemas/ for the CRD kinds,
 #      security posture, socket/port/flag wiring, RBAC, examples,
-#   4. checks that the Dockerfile pins its base images and installs the
+#   4. checks the Helm chart deploy/helm/example-csi with
+#      deploy/check_chart.py: helm lint --strict, the chart rendered for
+#      each overlay (and component) equal to the overlay, its version equal
+#      to the crate's, bad values rejected; its renderings then go through
+#      check_manifests.py like the overlays,
+#   5. checks that the Dockerfile pins its base images and installs the
 #      tools the driver calls.
-# It installs what it needs (pip packages, kustomize with `go install`)
-# the first time, and reuses them afterwards.
+# It installs what it needs (pip packages, kustomize and helm with
+# `go install`) the first time, and reuses them afterwards.
 #
 # Environment:
 #   K8S_VERSIONS     Kubernetes versions to validate against (default "1.35 1.37")
 #   CSI_DRIVER_BIN   a built csi-driver: also check that it accepts every flag
 #                    the manifests pass to it (its --help)
 #   KUSTOMIZE        a kustomize binary to use instead of the pinned one
+#   HELM             a helm binary to use instead of the pinned one
 #
 # Exits non-zero on any failure.
 set -euo pipefail
@@ -25,6 +31,7 @@ DEPLOY="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(dirname "$DEPLOY")"
 K8S_VERSIONS="${K8S_VERSIONS:-1.35 1.37}"
 KUSTOMIZE_VERSION="v5.8.2"         # the newest that builds with this machine's Go 1.26
+HELM_VERSION="v3.19.0"
 KUBERNETES_VALIDATE_VERSION="1.37.0"
 YAMLLINT_VERSION="1.38.0"
 OVERLAYS=(central central-attach distributed)
@@ -46,15 +53,15 @@ fi
 echo "python: $("$PYTHON" --version 2>&1); kubernetes-validate $("$PYTHON" -c \
   'import kubernetes_validate as k; print(k.version.__version__)'); $("$PYTHON" -m yamllint --version)"
 
+gobin=""
+if command -v go >/dev/null 2>&1; then
+  gobin="$(go env GOBIN)"
+  [[ -n "$gobin" ]] || gobin="$(go env GOPATH)/bin"
+fi
 kustomize_cmd=()
 if [[ -n "${KUSTOMIZE:-}" ]]; then
   kustomize_cmd=("$KUSTOMIZE" build)
 else
-  gobin=""
-  if command -v go >/dev/null 2>&1; then
-    gobin="$(go env GOBIN)"
-    [[ -n "$gobin" ]] || gobin="$(go env GOPATH)/bin"
-  fi
   if [[ -n "$gobin" && -x "$gobin/kustomize" && "$("$gobin/kustomize" version 2>/dev/null)" == "$KUSTOMIZE_VERSION" ]]; then
     kustomize_cmd=("$gobin/kustomize" build)
   elif [[ -n "$gobin" ]]; then
@@ -74,6 +81,21 @@ else
   fi
 fi
 echo "kustomize: ${kustomize_cmd[*]} ($("${kustomize_cmd[0]}" version 2>/dev/null | head -1 || true))"
+
+# helm: the chart's checks are part of the validation, so no helm is a failure.
+helm="${HELM:-}"
+if [[ -z "$helm" ]]; then
+  [[ -n "$gobin" ]] || die "no helm: install Go (for go install) or set HELM"
+  helm="$gobin/helm"
+  # The module version built in (helm's own version string lacks the patch
+  # number when it is built without release ldflags).
+  if [[ ! -x "$helm" || "$(go version -m "$helm" 2>/dev/null | awk '$1 == "mod" {print $3}')" != "$HELM_VERSION" ]]; then
+    echo "installing helm.sh/helm/v3/cmd/helm@$HELM_VERSION with go install (a few minutes the first time)"
+    (cd "${TMPDIR:-/tmp}" && GOTOOLCHAIN=local GOFLAGS=-mod=mod \
+        go install "helm.sh/helm/v3/cmd/helm@$HELM_VERSION") || die "go install of helm failed"
+  fi
+fi
+echo "helm: $helm ($("$helm" version --short 2>/dev/null || true))"
 
 # ------------------------------------------------------------ render
 step "render overlays"
@@ -104,10 +126,20 @@ done
 # ------------------------------------------------------------ yamllint
 step "yamllint (deploy/.yamllint, strict)"
 (cd "$DEPLOY" && "$PYTHON" -m yamllint -c .yamllint -s .) || die "yamllint found problems"
-echo "  $(cd "$DEPLOY" && find . -name '*.yaml' -not -path './schemas/*' | wc -l) YAML files clean"
+echo "  $(cd "$DEPLOY" && find . -name '*.yaml' -not -path './schemas/*' -not -path './helm/*/templates/*' | wc -l) YAML files clean"
+
+# ------------------------------------------------------------ chart
+step "check_chart.py (deploy/helm/example-csi against the overlays)"
+mkdir -p "$out/chart"
+"$PYTHON" "$DEPLOY/check_chart.py" --helm "$helm" --out "$out/chart" "${rendered[@]}" \
+  || die "chart checks failed"
+for f in "$out"/chart/chart-*.yaml; do
+  n="$(basename "$f" .yaml)"
+  rendered+=(--rendered "$n=$f")
+done
 
 # ------------------------------------------------------------ checks
-step "check_manifests.py"
+step "check_manifests.py (the overlays and the chart's renderings)"
 versions=()
 for v in $K8S_VERSIONS; do versions+=(--k8s-version "$v"); done
 binary=()
@@ -144,5 +176,5 @@ else
 fi
 [[ $fail -eq 0 ]] || die "Dockerfile checks failed"
 
-printf '\nvalidate.sh: deploy/ is valid (overlays: %s; each also with: %s; Kubernetes %s)\n' \
+printf '\nvalidate.sh: deploy/ is valid (overlays: %s; each also with: %s; the Helm chart; Kubernetes %s)\n' \
   "${OVERLAYS[*]}" "${COMPONENTS[*]}" "$K8S_VERSIONS"

@@ -3,7 +3,7 @@
 # upstream sources runs the driver from deploy/, and workloads use it as users
 # do. Run as root:
 #
-#   e2e/run.sh [--flavor central|central-attach|distributed]... [--suite]
+#   e2e/run.sh [--flavor central|central-attach|distributed]... [--helm] [--suite]
 #              [--registrar-bin PATH] [--livenessprobe-bin PATH] [--keep]
 #
 # It builds or reuses (e2e/build.sh, cache in ~/.cache/example-csi-e2e) the
@@ -18,6 +18,9 @@
 # proxy: unless their binaries are given, each flavor is applied with the
 # deploy/components/builtin-sidecars component (the driver's own kubelet
 # registration and liveness endpoint).
+#
+# --helm installs each flavor with the Helm chart (deploy/helm/example-csi)
+# instead of kustomize, and checks that `helm uninstall` leaves nothing behind.
 #
 # --suite also runs Kubernetes' own "External Storage" suite against the
 # central flavor (e2e/testdriver.yaml; see docs/e2e.md).
@@ -34,6 +37,7 @@ export PATH="$PATH:/usr/local/go/bin:$HOME/go/bin:/usr/sbin:/sbin:$HOME/.cargo/b
 
 FLAVORS=()
 SUITE=0
+INSTALLER=kustomize
 KEEP=0
 TEARDOWN_ONLY=0
 REGISTRAR_BIN=""
@@ -42,6 +46,7 @@ while [ $# -gt 0 ]; do
     case $1 in
         --flavor) FLAVORS+=("$2"); shift 2 ;;
         --suite) SUITE=1; shift ;;
+        --helm) INSTALLER=helm; shift ;;
         --keep) KEEP=1; shift ;;
         --teardown-only) TEARDOWN_ONLY=1; shift ;;
         --registrar-bin) REGISTRAR_BIN=$2; shift 2 ;;
@@ -93,19 +98,17 @@ teardown() {
     log "tearing down"
     stop_cluster
     # what the node plugin left attached or mounted (after a failure)
-    local l
-    for l in $(losetup -n -O NAME,BACK-FILE 2>/dev/null | awk -v r="$POOL_ROOT/" 'index($2, r) == 1 {print $1}'); do
-        losetup -d "$l" 2>/dev/null || true
-    done
+    detach_pool_loops
     umount_under /var/lib/kubelet
-    for l in $(losetup -n -O NAME,BACK-FILE 2>/dev/null | awk -v r="$POOL_ROOT/" 'index($2, r) == 1 {print $1}'); do
-        losetup -d "$l" 2>/dev/null || true
-    done
+    detach_pool_loops
     umount_under "$POOL_ROOT"
-    for l in $(losetup -n -O NAME,BACK-FILE 2>/dev/null | awk -v w="$W/" 'index($2, w) == 1 {print $1}'); do
-        losetup -d "$l" 2>/dev/null || true
-    done
     umount_under "$W"
+    # loop devices of `mount -o loop` go away on their own, a moment later
+    local end=$((SECONDS + 20))
+    while [ $SECONDS -lt $end ] && [ -n "$(pool_loops_left)" ]; do
+        detach_pool_loops
+        sleep 0.5
+    done
     hoststate_restore "$W/host-before"
     local left
     left=$(hoststate_diff "$W/host-before")
@@ -124,8 +127,29 @@ teardown() {
     exit "$rc"
 }
 
+# The loop devices of this run: those of the pools' images, and those backed
+# by a file in a pool (the node plugin's volumes, seen from the host by their
+# backing device, since their path is the one inside the plugin's container).
+pool_loops_left() {
+    local pools
+    pools=$(losetup -n -O MAJ:MIN,BACK-FILE 2>/dev/null | awk -v w="$W/pools/" 'index($2, w) == 1 {print $1}')
+    losetup -n -O NAME,BACK-MAJ:MIN,BACK-FILE 2>/dev/null | awk -v pools=" $(echo $pools) " \
+        -v w="$W/" -v r="$POOL_ROOT/" \
+        'index(pools, " " $2 " ") || index($3, w) == 1 || index($3, r) == 1 {print $1}'
+}
+
+# detach_pool_loops: volumes' loop devices first, then the pools'.
+detach_pool_loops() {
+    local l
+    for l in $(pool_loops_left | sort -r); do losetup -d "$l" 2>/dev/null || true; done
+}
+
 make_pools() {
-    mkdir -p "$W/pools"
+    mkdir -p "$W/pools" "$POOL_ROOT"
+    # The node plugin mounts the pools with Bidirectional propagation, which
+    # needs a shared mount on the host (systemd makes / shared; here it is not).
+    mount --bind "$POOL_ROOT" "$POOL_ROOT"
+    mount --make-rshared "$POOL_ROOT"
     local name
     for name in pool ssd; do
         truncate -s 64G "$W/pools/$name.img"
@@ -151,11 +175,48 @@ render() {
     {
         echo "apiVersion: kustomize.config.k8s.io/v1beta1"
         echo "kind: Kustomization"
-        echo "resources: [$E2E_ROOT/deploy/overlays/$flavor]"
-        [ -z "$REGISTRAR_BIN" ] && echo "components: [$E2E_ROOT/deploy/components/builtin-sidecars]"
+        # kustomize takes only relative paths
+        echo "resources: [$(realpath --relative-to="$dir" "$E2E_ROOT/deploy/overlays/$flavor")]"
+        [ -z "$REGISTRAR_BIN" ] && echo "components: [$(realpath --relative-to="$dir" "$E2E_ROOT/deploy/components/builtin-sidecars")]"
     } >"$dir/kustomization.yaml"
     # shellcheck disable=SC2086
     $KUSTOMIZE "$dir" >"$W/deploy-$flavor.yaml"
+}
+
+HELM_BIN=""
+find_helm() {
+    HELM_BIN=${HELM:-$(go env GOPATH)/bin/helm}
+    if [ ! -x "$HELM_BIN" ]; then
+        log "installing helm $HELM_VERSION"
+        (cd /tmp && GOFLAGS=-mod=mod go install "helm.sh/helm/v3/cmd/helm@$HELM_VERSION") || die "cannot install helm"
+    fi
+}
+
+helm_() { "$HELM_BIN" --kubeconfig "$W/admin.kubeconfig" "$@"; }
+
+# helm_install FLAVOR: the chart with the values that render what the flavor's
+# overlay renders (the classes are the scenarios' own).
+helm_install() {
+    kc apply -f "$E2E_ROOT/deploy/base/namespace.yaml" >/dev/null
+    local args=(--set "flavor=$1" --set-json 'storageClasses=[]' --set-json 'volumeSnapshotClasses=[]')
+    [ -z "$REGISTRAR_BIN" ] && args+=(--set builtinSidecars=true)
+    helm_ install example-csi "$E2E_ROOT/deploy/helm/example-csi" -n "$DRIVER_NS" "${args[@]}" \
+        >"$W/logs/helm-install.log" 2>&1 || fail "helm install (logs/helm-install.log)"
+}
+
+# Objects of the driver anywhere in the cluster (by name), one a line.
+driver_objects() {
+    kc get all,serviceaccounts,roles,rolebindings -n "$DRIVER_NS" -o name 2>/dev/null \
+        | grep -v -e '^serviceaccount/default$' -e 'configmap/kube-root-ca.crt'
+    kc get csidrivers,clusterroles,clusterrolebindings -o name 2>/dev/null | grep example-csi
+    kc get csidrivers -o name | grep example.csi
+}
+
+helm_uninstall() {
+    helm_ uninstall example-csi -n "$DRIVER_NS" --wait --timeout 180s >"$W/logs/helm-uninstall.log" 2>&1 \
+        || fail "helm uninstall (logs/helm-uninstall.log)"
+    eventually 120 "helm uninstall leaves no object of the driver" count_is 0 driver_objects
+    kc delete namespace "$DRIVER_NS" --wait=true --timeout=120s >/dev/null 2>&1 || true
 }
 
 snapshot_infrastructure() {
@@ -173,9 +234,13 @@ csinode_has_driver() {
 
 deploy_flavor() {
     local flavor=$1
-    scenario "deploy $flavor"
-    render "$flavor"
-    kc apply -f "$W/deploy-$flavor.yaml" >/dev/null
+    scenario "deploy $flavor ($INSTALLER)"
+    if [ "$INSTALLER" = helm ]; then
+        helm_install "$flavor"
+    else
+        render "$flavor"
+        kc apply -f "$W/deploy-$flavor.yaml" >/dev/null
+    fi
     local d
     for d in $(kc -n "$DRIVER_NS" get deployment -o name); do
         eventually 180 "$d available" kc -n "$DRIVER_NS" rollout status "$d" --timeout=5s
@@ -194,8 +259,12 @@ deploy_flavor() {
 
 undeploy_flavor() {
     local flavor=$1
-    scenario "remove $flavor"
-    kc delete -f "$W/deploy-$flavor.yaml" --wait=true --timeout=180s >/dev/null 2>&1 || true
+    scenario "remove $flavor ($INSTALLER)"
+    if [ "$INSTALLER" = helm ]; then
+        helm_uninstall
+    else
+        kc delete -f "$W/deploy-$flavor.yaml" --wait=true --timeout=180s >/dev/null 2>&1 || true
+    fi
     eventually 120 "driver pods gone" count_is 0 kc -n "$DRIVER_NS" get pods -o name
     eventually 60 "the kubelet unregistered the driver" not csinode_has_driver
     check "no registration socket left" count_is 0 find /var/lib/kubelet/plugins_registry -name 'example.csi.k8s.io*'
@@ -204,9 +273,12 @@ undeploy_flavor() {
 
 run_flavor() {
     local flavor=$1
+    FLAVOR=$flavor
     CONTROLLER_COMPONENT=controller
     [ "$flavor" = distributed ] && CONTROLLER_COMPONENT=node
-    deploy_flavor "$flavor" || { undeploy_flavor "$flavor"; return; }
+    # a failed check is counted, never the end of the run
+    set +e
+    deploy_flavor "$flavor" || { undeploy_flavor "$flavor"; set -e; return; }
     kc create namespace "$NS" >/dev/null
     storage_classes
     SUM=""
@@ -222,6 +294,7 @@ run_flavor() {
     scenario_cleanup
     kc delete namespace "$NS" --wait=true --timeout=120s >/dev/null 2>&1 || true
     undeploy_flavor "$flavor"
+    set -e
 }
 
 # ------------------------------------------------------------------ main
@@ -267,6 +340,7 @@ log "building the driver (release)"
 (cd "$E2E_ROOT" && cargo build --release --quiet --bin csi-driver)
 DRIVER_BIN=${CARGO_TARGET_DIR:-$E2E_ROOT/target}/release/csi-driver
 find_kustomize
+[ "$INSTALLER" = helm ] && find_helm
 
 hoststate_save "$W/host-before"
 trap teardown EXIT

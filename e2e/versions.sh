@@ -5,6 +5,7 @@ E2E_ROOT=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 
 KUBERNETES_VERSION=v1.36.1
 ETCD_VERSION=v3.6.5
+HELM_VERSION=$(sed -n 's/^HELM_VERSION="\(.*\)".*/\1/p' "$E2E_ROOT/deploy/validate.sh")
 
 # image tag pinned in deploy/ for a sidecar, e.g. pinned_tag csi-provisioner
 pinned_tag() {

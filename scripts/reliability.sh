@@ -1,16 +1,17 @@
 #!/usr/bin/env bash
-# The long reliability run of issue 8 (README: "Reliability"): the fault-injection
+# The long reliability run (docs/reliability.md): the fault-injection
 # matrix, the full soak and a long fuzz run, each printing its figures. Needs root
 # (loop devices, mkfs, mounts). The short versions of the same tests run in CI
-# through scripts/test-all.sh (cargo test --workspace).
+# through scripts/test-all.sh (cargo test --workspace -- --include-ignored).
 #
 #   scripts/reliability.sh                 # everything, full size (about 30 minutes here)
 #   FUZZ_SECONDS=600 scripts/reliability.sh fuzz
 #   scripts/reliability.sh soak faults hostile
 #
-# Sizes (environment, defaults are the full run of issue 8):
+# Sizes (environment; the defaults are the full run):
 #   SOAK_OPS=20000 SOAK_CLIENTS=32 SOAK_KILLS=20 SOAK_REBOOTS=3 [SOAK_SEED=n]
 #   FUZZ_SECONDS=600 [FUZZ_SEED=n] [FUZZ_SAVE=1: add inputs with new answers to fuzz/corpus/]
+#   HOSTILE_RUNS=20 (the hostile table, run that many times in a row)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH="$PATH:/usr/sbin:/sbin:$HOME/.cargo/bin"
@@ -30,15 +31,15 @@ for p in "${parts[@]}"; do
     start=$(date +%s)
     set +e
     case "$p" in
-        faults)  cargo test --quiet --test faults -- --test-threads=2 ;;
-        hostile) cargo test --quiet --test hostile -- --nocapture ;;
-        soak)    cargo test --quiet --test soak -- --nocapture ;;
-        fuzz)    cargo test --quiet --test fuzz -- --nocapture ;;
+        faults)  cargo test --quiet --test faults -- --include-ignored --test-threads=2 ;;
+        hostile) HOSTILE_RUNS="${HOSTILE_RUNS:-20}" cargo test --quiet --test hostile -- --include-ignored --nocapture ;;
+        soak)    cargo test --quiet --test soak -- --include-ignored --nocapture ;;
+        fuzz)    cargo test --quiet --test fuzz -- --include-ignored --nocapture ;;
         *) echo "unknown part $p (faults, hostile, soak, fuzz)"; false ;;
     esac > "$out/$p.log" 2>&1
     rc=$?
     set -e
-    grep -E "^(soak figures|fuzz figures|soak: (LEAK|LEFT|unexpected)|hostile:|test result:)" "$out/$p.log" || true
+    grep -E "^(soak figures|fuzz figures|soak: (LEAK|LEFT|unexpected)|hostile run|test result:)" "$out/$p.log" || true
     echo "$p: $([ $rc = 0 ] && echo PASSED || echo FAILED) in $(( $(date +%s) - start )) s (log: $out/$p.log)"
     [ $rc = 0 ] || failed=1
 done

@@ -205,10 +205,9 @@ fn unix_socket_mode(p: &Path) -> u32 {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root: loop devices and mounts"]
 async fn root_socket_is_0660_from_its_first_moment_and_lives_with_the_process() {
-    if !require_root() {
-        return;
-    }
+    require_root();
     let pool = Pool::new("xfs");
     let mut driver = Driver::start(&pool, &[]);
     driver.kill9();
@@ -284,10 +283,9 @@ async fn root_socket_is_0660_from_its_first_moment_and_lives_with_the_process() 
 }
 
 #[tokio::test]
+#[ignore = "needs root: loop devices and mounts"]
 async fn root_live_socket_of_another_process_is_refused() {
-    if !require_root() {
-        return;
-    }
+    require_root();
     let pool = Pool::new("xfs");
     let dir = pool.dir.path().join("other");
     std::fs::create_dir_all(&dir).unwrap();
@@ -370,10 +368,9 @@ fn clone_req(name: &str, source: &str, size: i64) -> csi::CreateVolumeRequest {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "needs root: loop devices and mounts"]
 async fn root_sigterm_lets_a_running_call_finish() {
-    if !require_root() {
-        return;
-    }
+    require_root();
     // ext4 has no reflink: a clone is a real copy of the source's data.
     let pool = Pool::new("ext4");
     let mut driver = Driver::start(&pool, &[]);
@@ -460,10 +457,9 @@ fn connect_as_nobody(sock: &Path) -> String {
 }
 
 #[tokio::test]
+#[ignore = "needs root: loop devices and mounts"]
 async fn root_an_unprivileged_user_cannot_connect() {
-    if !require_root() {
-        return;
-    }
+    require_root();
     let pool = Pool::new("xfs");
     // Let anyone reach the folder, so that only the socket's own mode decides.
     for d in [
@@ -492,10 +488,9 @@ fn secrets() -> HashMap<String, String> {
 }
 
 #[tokio::test]
+#[ignore = "needs root: loop devices and mounts"]
 async fn root_secrets_never_reach_the_logs() {
-    if !require_root() {
-        return;
-    }
+    require_root();
     let pool = Pool::new("xfs");
     for fmt in ["text", "json"] {
         let mut driver = Driver::start(
@@ -648,10 +643,9 @@ fn sample(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
 }
 
 #[tokio::test]
+#[ignore = "needs root: loop devices and mounts"]
 async fn root_identity_and_metrics() {
-    if !require_root() {
-        return;
-    }
+    require_root();
     let pool = Pool::new("xfs");
     let port = free_port();
     let driver = Driver::start(&pool, &[&format!("--metrics-address=127.0.0.1:{port}")]);
@@ -821,10 +815,9 @@ async fn root_identity_and_metrics() {
 }
 
 #[tokio::test]
+#[ignore = "needs root: loop devices and mounts"]
 async fn root_healthz_fails_when_a_pool_is_gone() {
-    if !require_root() {
-        return;
-    }
+    require_root();
     let pool = Pool::new("xfs");
     let port = free_port();
     let _driver = Driver::start(&pool, &[&format!("--metrics-address=127.0.0.1:{port}")]);
@@ -839,10 +832,9 @@ async fn root_healthz_fails_when_a_pool_is_gone() {
 }
 
 #[tokio::test]
+#[ignore = "needs root: loop devices and mounts"]
 async fn root_healthz_answers_what_probe_answers_on_the_socket() {
-    if !require_root() {
-        return;
-    }
+    require_root();
     let pool = Pool::new("xfs");
     let port = free_port();
     let driver = Driver::start(&pool, &[&format!("--metrics-address=127.0.0.1:{port}")]);
@@ -921,10 +913,9 @@ async fn raw_call(
 }
 
 #[tokio::test]
+#[ignore = "needs root: loop devices and mounts"]
 async fn root_oversized_and_garbage_requests_do_not_hurt_the_server() {
-    if !require_root() {
-        return;
-    }
+    require_root();
     let pool = Pool::new("xfs");
     let mut driver = Driver::start(&pool, &[]);
     let mut c = driver.clients().await;
@@ -1040,10 +1031,9 @@ fn threads_of(pid: u32) -> Option<usize> {
 /// locked while it is copied). The driver stays up, its threads stay bounded,
 /// Probe stays quick, and every volume is made in the end.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "needs root: loop devices and mounts"]
 async fn root_500_simultaneous_creates_keep_the_driver_bounded() {
-    if !require_root() {
-        return;
-    }
+    require_root();
     const CALLS: usize = 500;
     const SOURCES: usize = 25;
     const CHANNELS: usize = 10;
@@ -1221,10 +1211,9 @@ fn processes_mentioning(needle: &str) -> Vec<u32> {
 /// DEADLINE_EXCEEDED, the volume is not left locked (the retry is not ABORTED),
 /// and once mkfs works the same call succeeds.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root: loop devices and mounts"]
 async fn root_a_stuck_mkfs_is_killed_and_the_volume_released() {
-    if !require_root() {
-        return;
-    }
+    require_root();
     let pool = Pool::new("xfs");
     let fake = pool.dir.path().join("stuck-bin");
     std::fs::create_dir_all(&fake).unwrap();

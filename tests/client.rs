@@ -48,10 +48,9 @@ fn field(yaml: &str, key: &str) -> String {
 }
 
 #[test]
+#[ignore = "needs root: loop devices and mounts"]
 fn root_client_quick_start() {
-    if !require_root() {
-        return;
-    }
+    require_root();
     let pool = Pool::new("xfs");
     let d = Driver::start(&pool, &[]);
     let staging = pool.scratch("staging");
@@ -171,10 +170,9 @@ fn root_client_quick_start() {
 }
 
 #[test]
+#[ignore = "needs root: loop devices and mounts"]
 fn root_client_errors_print_the_grpc_code_and_fail() {
-    if !require_root() {
-        return;
-    }
+    require_root();
     let pool = Pool::new("xfs");
     let d = Driver::start(&pool, &[]);
     let o = client(
@@ -209,10 +207,9 @@ fn client_connection_error_is_one_sentence_with_endpoint_and_cause() {
 }
 
 #[test]
+#[ignore = "needs root: loop devices and mounts"]
 fn root_client_output_flag_after_the_call_and_a_closed_pipe() {
-    if !require_root() {
-        return;
-    }
+    require_root();
     let pool = Pool::new("xfs");
     let d = Driver::start(&pool, &[]);
     ok(&d, &["create-volume", "pvc-1", "--size", "64Mi"]);
@@ -256,10 +253,9 @@ fn root_client_output_flag_after_the_call_and_a_closed_pipe() {
 /// it is pasted), run by bash as written, against a driver on a test pool. Only the
 /// fixed /tmp/staging and /tmp/target paths are moved into the test's scratch.
 #[test]
+#[ignore = "needs root: loop devices and mounts"]
 fn root_readme_quick_start_runs_as_written() {
-    if !require_root() {
-        return;
-    }
+    require_root();
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let marker = "```sh\ncsi-driver client info\n";
     let text = ["README.md", "docs/benchmark.md"]

@@ -1,4 +1,4 @@
-//! The controller side through the real binary (issue 3): crash safety at every
+//! The controller side through the real binary: crash safety at every
 //! failpoint of CreateVolume, DeleteVolume, ControllerExpandVolume and
 //! ControllerModifyVolume on an xfs image pool and a btrfs subvolume pool; orphan
 //! removal at start; 32 concurrent clients on 100 names; a table of bad inputs with
@@ -509,18 +509,16 @@ async fn crash_safety(fs: &str, kind: &str) {
 }
 
 #[tokio::test]
+#[ignore = "needs root: loop devices and mounts"]
 async fn root_crash_at_every_failpoint_xfs_image() {
-    if !require_root() {
-        return;
-    }
+    require_root();
     crash_safety("xfs", "image").await;
 }
 
 #[tokio::test]
+#[ignore = "needs root: loop devices and mounts"]
 async fn root_crash_at_every_failpoint_btrfs_dir() {
-    if !require_root() {
-        return;
-    }
+    require_root();
     crash_safety("btrfs", "dir").await;
 }
 
@@ -597,19 +595,17 @@ async fn orphans_removed(fs: &str) {
 // Multi-threaded: the client's connection task must run while the test thread waits
 // for the driver to stop, or the driver's graceful stop waits for it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root: loop devices and mounts"]
 async fn root_orphans_and_temporaries_are_removed_at_start() {
-    if !require_root() {
-        return;
-    }
+    require_root();
     orphans_removed("xfs").await;
     orphans_removed("btrfs").await;
 }
 
 #[tokio::test]
+#[ignore = "needs root: loop devices and mounts"]
 async fn root_32_clients_on_100_names() {
-    if !require_root() {
-        return;
-    }
+    require_root();
     let pool = Pool::new("xfs");
     let d = Driver::start(&pool, &[]);
     let c = d.clients().await;
@@ -761,10 +757,9 @@ macro_rules! expect {
 }
 
 #[tokio::test]
+#[ignore = "needs root: loop devices and mounts"]
 async fn root_bad_inputs_get_spec_codes_and_change_nothing() {
-    if !require_root() {
-        return;
-    }
+    require_root();
     let pool = Pool::new("xfs");
     let d = Driver::start(&pool, &["--enable-attach"]);
     let mut c = d.clients().await;
@@ -1294,10 +1289,9 @@ fn fill(path: &Path, max_mib: usize) -> (usize, Option<std::io::Error>) {
 }
 
 #[tokio::test]
+#[ignore = "needs root: loop devices and mounts"]
 async fn root_64_mib_image_refuses_the_65th_mib() {
-    if !require_root() {
-        return;
-    }
+    require_root();
     let pool = Pool::new("xfs");
     let d = Driver::start(&pool, &[]);
     let mut c = d.clients().await;
@@ -1347,10 +1341,9 @@ async fn root_64_mib_image_refuses_the_65th_mib() {
 }
 
 #[tokio::test]
+#[ignore = "needs root: loop devices and mounts"]
 async fn root_names_capacity_condition_expand_list_modify() {
-    if !require_root() {
-        return;
-    }
+    require_root();
     let pool = Pool::new("xfs");
     let mut d = Driver::start(&pool, &[]);
     let mut c = d.clients().await;
@@ -1675,10 +1668,9 @@ fn dd(path: &Path, mib: u64) -> bool {
 }
 
 #[tokio::test]
+#[ignore = "needs root: loop devices and mounts"]
 async fn root_btrfs_dir_volume_expansion_raises_the_qgroup_limit() {
-    if !require_root() {
-        return;
-    }
+    require_root();
     let pool = Pool::new("btrfs");
     let d = Driver::start(&pool, &[]);
     let mut c = d.clients().await;
@@ -1764,10 +1756,9 @@ fn loop_settings(dev: &str) -> (String, String) {
 /// retry applies them; a stage that cannot apply the recorded settings fails and
 /// leaves nothing, and its retry applies them.
 #[tokio::test]
+#[ignore = "needs root: loop devices and mounts"]
 async fn root_modify_volume_that_cannot_be_applied_changes_nothing() {
-    if !require_root() {
-        return;
-    }
+    require_root();
     const FAIL: (&str, &str) = ("EXAMPLE_CSI_FAILPOINTS", "loop.set-read-ahead=fail");
     let pool = Pool::new("xfs");
     let mut d = Driver::start_with_env(&pool, &[], &[FAIL]);

@@ -1,8 +1,12 @@
-//! Hostile inputs (issue 8 §4), table-driven, against the real binary: each row
-//! is one request with the gRPC code(s) the CSI spec calls for, and a check that
-//! nothing changed: the pool, the state dir and the scratch (kubelet) dirs
-//! (names, kinds, sizes, and the contents of every small file), the mount table,
-//! the loop devices, the top of /etc, and /tmp/pwned never appears.
+//! Hostile inputs, table-driven, against the real binary: each row is one request
+//! with the gRPC code(s) the CSI spec calls for, and a check that nothing the
+//! driver could reach changed: the test's directory with the pool, the state dir
+//! and the kubelet dirs (names, kinds, sizes, and the contents of every small
+//! file), a canary tree outside it, the system paths the rows aim at, the mounts
+//! at or of any of those, and the loop devices backed by them; /tmp/pwned never
+//! appears. Other processes' mounts and files elsewhere are not compared: the
+//! machine runs other tests and containers at the same time, and a change of
+//! theirs is not the driver's doing.
 //!
 //! Rows that the spec says must succeed (a volume *name* with `..` or `/` is an
 //! opaque string: the id is a UUIDv5 of it, so it can never become a path) are
@@ -40,14 +44,38 @@ use Want::*;
 const INVALID: Want = Refused(&[Code::InvalidArgument]);
 const OUT_OF_RANGE: Want = Refused(&[Code::OutOfRange]);
 
-/// A fingerprint of everything a request could change.
+/// Paths outside the test's own directories that rows name or lead to (through
+/// `..` or a symlink in the kubelet dirs), watched by path. Other processes on the
+/// machine mount and write elsewhere at the same time (containers of other tests,
+/// network namespaces, builds), so nothing beyond these is compared. "/" itself
+/// is watched as a mount point only.
+const SYSTEM_PATHS: &[&str] = &[
+    "/",
+    "/etc",
+    "/etc/passwd",
+    "/etc/hostile",
+    "/etc/hostile-target",
+    "/etc/newdir",
+    "/proc/self",
+    "/dev/sda",
+    PWNED,
+    // Where "<kubelet pods dir>/../../../etc" leads.
+    "/tmp/etc",
+];
+
+/// A fingerprint of everything a request could change: the test's own directory
+/// (pool, state dir, kubelet dirs), the canary tree, the system paths the rows aim
+/// at, and the mounts and loop devices that involve any of those.
 #[derive(Debug, PartialEq, Eq, Clone)]
 struct Fingerprint {
     /// path -> (kind, size, hash of contents for small regular files)
     tree: BTreeMap<String, String>,
+    /// "mount point, options, source" of the watched mounts
     mounts: BTreeSet<String>,
+    /// "device backing-file" of the watched loop devices
     loops: BTreeSet<String>,
-    etc: BTreeSet<String>,
+    /// path -> what is there now, for each of `Env::system`
+    system: BTreeMap<String, String>,
     pwned: bool,
 }
 
@@ -64,20 +92,25 @@ fn walk(dir: &Path, skip: &[&Path], out: &mut BTreeMap<String, String>) {
             continue;
         };
         let ft = m.file_type();
-        let desc = if ft.is_symlink() {
-            format!("link->{:?}", std::fs::read_link(&p).ok())
-        } else if ft.is_dir() {
-            "dir".to_string()
-        } else if ft.is_file() && m.len() <= 1 << 20 {
-            let body = std::fs::read(&p).unwrap_or_default();
-            format!("file {} {:x}", m.len(), fnv(&body))
-        } else {
-            format!("other {:?} {}", ft, m.len())
-        };
-        out.insert(p.display().to_string(), desc);
+        out.insert(p.display().to_string(), describe(&p, &m));
         if ft.is_dir() && !ft.is_symlink() {
             walk(&p, skip, out);
         }
+    }
+}
+
+/// Kind, size and (for small files) a hash of the contents.
+fn describe(p: &Path, m: &std::fs::Metadata) -> String {
+    let ft = m.file_type();
+    if ft.is_symlink() {
+        format!("link->{:?}", std::fs::read_link(p).ok())
+    } else if ft.is_dir() {
+        "dir".to_string()
+    } else if ft.is_file() && m.len() <= 1 << 20 {
+        let body = std::fs::read(p).unwrap_or_default();
+        format!("file {} {:x}", m.len(), fnv(&body))
+    } else {
+        format!("other {:?} {}", ft, m.len())
     }
 }
 
@@ -97,58 +130,82 @@ struct Env {
     snap: String,
     staging: PathBuf,
     pods: PathBuf,
+    /// Files outside the test's directory that no request may reach; the kubelet
+    /// dirs hold a symlink to it.
+    canary: tempfile::TempDir,
+    /// `SYSTEM_PATHS`, the driver's own /proc entry, and where a relative path
+    /// would lead from the driver's working directory.
+    system: Vec<PathBuf>,
 }
 
 impl Env {
+    /// Whether `p` is something the driver could reach from a row: the test's
+    /// directory, the canary, or at or below a watched system path ("/" only as
+    /// itself).
+    fn watched(&self, p: &Path) -> bool {
+        p.starts_with(self.pool.dir.path())
+            || p.starts_with(self.canary.path())
+            || self
+                .system
+                .iter()
+                .any(|s| p == s || (s != Path::new("/") && p.starts_with(s)))
+    }
+
     fn fingerprint(&self) -> Fingerprint {
         let top = self.pool.dir.path();
         let mut tree = BTreeMap::new();
         let log = self.driver.log.clone();
         let sock = self.driver.socket.clone();
         walk(top, &[&log, &sock], &mut tree);
-        // The mount table and loop devices of the system, without other tests'
-        // scratch dirs (other test binaries run at the same time).
-        let other = |p: &str| p.starts_with("/tmp/") && !Path::new(p).starts_with(top);
+        walk(self.canary.path(), &[], &mut tree);
+        let all_loops = loop_devices();
+        let loops: BTreeSet<String> = all_loops
+            .iter()
+            .filter(|(_, b)| self.watched(b))
+            .map(|(d, b)| format!("{d} {}", b.display()))
+            .collect();
+        // A mount is watched where it is (a watched path) and by what it shows (a
+        // loop device of a watched file, or a watched path as its source), so that
+        // a volume mounted anywhere at all is seen.
+        let watched_devices: BTreeSet<&str> = all_loops
+            .iter()
+            .filter(|(_, b)| self.watched(b))
+            .map(|(d, _)| d.as_str())
+            .collect();
         let mounts = std::fs::read_to_string("/proc/self/mountinfo")
             .unwrap_or_default()
             .lines()
             .filter_map(|l| {
                 let f: Vec<&str> = l.split(' ').collect();
-                let mp = *f.get(4)?;
-                (!other(mp)).then(|| format!("{mp} {}", f.get(5).unwrap_or(&"")))
+                let mp = f.get(4)?.replace("\\040", " ");
+                let opts = f.get(5).unwrap_or(&"");
+                let dash = f.iter().position(|x| *x == "-")?;
+                let source = f.get(dash + 2).unwrap_or(&"");
+                let watched = self.watched(Path::new(&mp))
+                    || watched_devices.contains(source)
+                    || (source.starts_with('/') && self.watched(Path::new(source)));
+                watched.then(|| format!("{mp} {opts} {source}"))
             })
             .collect();
-        let mut loops = BTreeSet::new();
-        for e in std::fs::read_dir("/sys/block")
-            .into_iter()
-            .flatten()
-            .flatten()
-        {
-            if let Ok(b) = std::fs::read_to_string(e.path().join("loop/backing_file")) {
-                // An empty backing file is a device another process is setting up.
-                if !b.trim().is_empty() && !other(b.trim()) {
-                    loops.insert(format!("{} {}", e.file_name().to_string_lossy(), b.trim()));
-                }
-            }
-        }
-        let etc = std::fs::read_dir("/etc")
-            .into_iter()
-            .flatten()
-            .flatten()
-            .map(|e| {
-                let m = e.metadata().ok();
-                format!(
-                    "{} {:?}",
-                    e.file_name().to_string_lossy(),
-                    m.and_then(|m| m.modified().ok())
-                )
+        let system = self
+            .system
+            .iter()
+            .map(|p| {
+                let now = match std::fs::symlink_metadata(p) {
+                    // A folder of the system gains and loses entries of other
+                    // processes: only that it is still a folder counts.
+                    Ok(m) if m.is_dir() => "dir".to_string(),
+                    Ok(m) => format!("{} {:?}", describe(p, &m), m.modified().ok()),
+                    Err(e) => format!("absent ({e})"),
+                };
+                (p.display().to_string(), now)
             })
             .collect();
         Fingerprint {
             tree,
             mounts,
             loops,
-            etc,
+            system,
             pwned: Path::new(PWNED).exists(),
         }
     }
@@ -389,6 +446,27 @@ fn rows(env: &Env) -> Vec<Row> {
         (String::new(), INVALID),
     ];
     bad_targets.push((staging.clone(), INVALID));
+    bad_targets.push((pods.join("link-to-canary").display().to_string(), INVALID));
+    // The fingerprint watches by path: every place a target leads to must be in it.
+    for (t, _) in &bad_targets {
+        let mut p = PathBuf::new();
+        for c in Path::new(t).components() {
+            match c {
+                std::path::Component::ParentDir => {
+                    p.pop();
+                }
+                c => p.push(c),
+            }
+        }
+        // /proc/self leads to the driver's own entry, which is watched, not ours.
+        let real = match p.starts_with("/proc/self") {
+            true => p.clone(),
+            false => std::fs::canonicalize(&p).unwrap_or(p.clone()),
+        };
+        if p.is_absolute() {
+            assert!(env.watched(&p) && env.watched(&real), "{t} is not watched");
+        }
+    }
     for (t, want) in bad_targets.clone() {
         let (v, st, t2) = (vol.clone(), env.staging.clone(), t.clone());
         rows.push(Row {
@@ -894,30 +972,130 @@ fn rows(env: &Env) -> Vec<Row> {
     rows
 }
 
-/// Rows that fail because of a bug in the domain, reported to its owner; they
-/// run in their own test so that the rest of the table guards everything else.
-fn known_bug(_what: &str) -> Option<&'static str> {
-    // Every bug this table found is fixed; new ones are listed here while they are.
-    None
+/// How many times `root_hostile_inputs_get_the_right_code_and_change_nothing` runs
+/// the table (environment HOSTILE_RUNS, default 1): a table that only a crowded
+/// machine fails shows up over many runs.
+fn runs() -> usize {
+    std::env::var("HOSTILE_RUNS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root: loop devices and mounts"]
 async fn root_hostile_inputs_get_the_right_code_and_change_nothing() {
-    run_table(false).await;
+    require_root();
+    for run in 1..=runs() {
+        let (nrows, failures) = run_table(&mut |_, _| {}).await;
+        eprintln!(
+            "hostile run {run}: {nrows} rows, {} failures",
+            failures.len()
+        );
+        assert!(
+            failures.is_empty(),
+            "run {run}: {} failures in {nrows} hostile rows:\n{}",
+            failures.len(),
+            failures
+                .iter()
+                .map(|(_, f)| f.as_str())
+                .collect::<Vec<_>>()
+                .join("\n")
+        );
+    }
 }
 
-async fn run_table(bugs: bool) {
-    if !require_root() {
-        return;
+/// The table's own check, tested: a mount and a loop device that other processes
+/// make elsewhere in the middle of the table (as other tests' containers and
+/// network namespaces do) are blamed on no row, while a change in the test's
+/// directory, in the canary tree or at a system path a row aims at is blamed on
+/// the row during which it happened, and only on it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root: loop devices and mounts"]
+async fn root_hostile_table_blames_only_changes_it_watches() {
+    require_root();
+    let elsewhere = tempfile::Builder::new()
+        .prefix("example-csi-elsewhere")
+        .tempdir_in("/var/tmp")
+        .unwrap();
+    let unrelated_mount = elsewhere.path().join("mnt");
+    std::fs::create_dir(&unrelated_mount).unwrap();
+    let unrelated_image = elsewhere.path().join("img");
+    std::fs::write(&unrelated_image, vec![0u8; 1 << 20]).unwrap();
+    let mut unrelated_loop = None;
+    let mut watched_mount = None;
+    let (unrelated_at, mount_at, canary_at) = (5, 40, 80);
+    let (nrows, failures) = run_table(&mut |i, env| {
+        if i == unrelated_at {
+            sh(
+                "mount",
+                &["-t", "tmpfs", "tmpfs", unrelated_mount.to_str().unwrap()],
+            );
+            let dev = sh(
+                "losetup",
+                &["-f", "--show", unrelated_image.to_str().unwrap()],
+            );
+            unrelated_loop = Some(dev.trim().to_string());
+        }
+        if i == mount_at {
+            let m = env.pods.join("appeared");
+            std::fs::create_dir(&m).unwrap();
+            sh("mount", &["-t", "tmpfs", "tmpfs", m.to_str().unwrap()]);
+            watched_mount = Some(m);
+        }
+        if i == canary_at {
+            std::fs::write(env.canary.path().join("a/b/appeared"), b"x").unwrap();
+        }
+    })
+    .await;
+    let _ = nix::mount::umount2(&unrelated_mount, nix::mount::MntFlags::MNT_DETACH);
+    if let Some(m) = &watched_mount {
+        let _ = nix::mount::umount2(m, nix::mount::MntFlags::MNT_DETACH);
     }
+    if let Some(dev) = &unrelated_loop {
+        sh("losetup", &["-d", dev]);
+    }
+    assert!(nrows > canary_at, "the table has only {nrows} rows");
+    let mut blamed: Vec<usize> = failures.iter().map(|(i, _)| *i).collect();
+    blamed.dedup();
+    assert_eq!(blamed, vec![mount_at, canary_at], "failures: {failures:#?}");
+    let said = |row: usize| {
+        failures
+            .iter()
+            .filter(|(i, _)| *i == row)
+            .map(|(_, f)| f.as_str())
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    assert!(said(mount_at).contains("mount "), "{}", said(mount_at));
+    assert!(said(mount_at).contains("/appeared"), "{}", said(mount_at));
+    assert!(
+        said(canary_at).contains("/a/b/appeared"),
+        "{}",
+        said(canary_at)
+    );
+}
+
+/// Runs every row against a fresh pool and driver; `disturb(i, env)` runs after
+/// row `i`'s call and before the check of what it changed. Returns the number of
+/// rows and the failures, each with the index of its row.
+async fn run_table(disturb: &mut dyn FnMut(usize, &Env)) -> (usize, Vec<(usize, String)>) {
     if Path::new(PWNED).exists() {
         std::fs::remove_file(PWNED).unwrap();
     }
     let pool = Pool::new("xfs");
     let staging = pool.scratch("staging").join("vol");
     let pods = pool.scratch("pods");
+    let canary = tempfile::Builder::new()
+        .prefix("example-csi-canary")
+        .tempdir_in("/var/tmp")
+        .unwrap();
+    std::fs::create_dir_all(canary.path().join("a/b")).unwrap();
+    std::fs::write(canary.path().join("a/b/keep"), b"canary").unwrap();
+    std::fs::write(canary.path().join("top"), b"canary").unwrap();
     std::os::unix::fs::symlink("/etc", pods.join("link-to-etc")).unwrap();
     std::os::unix::fs::symlink("/etc", pods.join("parent-link")).unwrap();
+    std::os::unix::fs::symlink(canary.path(), pods.join("link-to-canary")).unwrap();
     let driver = Driver::start(&pool, &[]);
     let mut c = driver.clients().await;
     let cap = mount_cap("ext4", writer());
@@ -965,14 +1143,27 @@ async fn run_table(bugs: bool) {
         snap,
         staging,
         pods,
+        canary,
+        system: Vec::new(),
     };
-    let mut table = rows(&env);
-    table.retain(|r| known_bug(&r.what).is_some() == bugs);
+    let cwd = std::env::current_dir().unwrap();
+    env.system = SYSTEM_PATHS
+        .iter()
+        .map(PathBuf::from)
+        .chain([
+            PathBuf::from(format!("/proc/{}", env.driver.pid())),
+            // Where "relative/target" would lead: the driver runs in this
+            // process's working directory.
+            cwd.join("relative"),
+        ])
+        .collect();
+    let table = rows(&env);
     let nrows = table.len();
     let mut failures = Vec::new();
     let mut before = env.fingerprint();
-    for row in table {
+    for (i, row) in table.into_iter().enumerate() {
         let r = (row.call)(&mut env).await;
+        disturb(i, &env);
         let code = r.as_ref().err().map_or(Code::Ok, |s| s.code());
         let msg = r
             .as_ref()
@@ -983,15 +1174,15 @@ async fn run_table(bugs: bool) {
         match &row.want {
             Refused(codes) => {
                 if !codes.contains(&code) {
-                    failures.push(format!(
-                        "{}: got {code:?} ({msg}), want one of {codes:?}",
-                        row.what
+                    failures.push((
+                        i,
+                        format!("{}: got {code:?} ({msg}), want one of {codes:?}", row.what),
                     ));
                 }
             }
             Contained => {
                 if code != Code::Ok {
-                    failures.push(format!("{}: got {code:?} ({msg}), want Ok", row.what));
+                    failures.push((i, format!("{}: got {code:?} ({msg}), want Ok", row.what)));
                 }
                 let mid = env.fingerprint();
                 let outside = |f: &Fingerprint| {
@@ -1003,11 +1194,14 @@ async fn run_table(bugs: bool) {
                     f
                 };
                 if outside(&mid) != outside(&before) {
-                    failures.push(format!("{}: changed something outside the pool", row.what));
+                    failures.push((
+                        i,
+                        format!("{}: changed something outside the pool", row.what),
+                    ));
                 }
                 if let Some(undo) = row.undo {
                     if let Err(e) = undo(&mut env).await {
-                        failures.push(format!("{}: undo failed: {e}", row.what));
+                        failures.push((i, format!("{}: undo failed: {e}", row.what)));
                     }
                 }
             }
@@ -1031,13 +1225,15 @@ async fn run_table(bugs: bool) {
             for l in after.loops.symmetric_difference(&before.loops) {
                 d.push(format!("loop {l}"));
             }
-            if after.etc != before.etc {
-                d.push("/etc changed".into());
+            for (p, v) in &after.system {
+                if before.system.get(p) != Some(v) {
+                    d.push(format!("{p}: {v}"));
+                }
             }
             if after.pwned {
                 d.push("/tmp/pwned exists".into());
             }
-            failures.push(format!("{}: changed {d:?}", row.what));
+            failures.push((i, format!("{}: changed {d:?}", row.what)));
             if after.pwned {
                 let _ = std::fs::remove_file(PWNED);
             }
@@ -1045,21 +1241,16 @@ async fn run_table(bugs: bool) {
             before = env.fingerprint();
         }
     }
-    eprintln!("hostile: {nrows} rows, {} failures", failures.len());
     assert!(!Path::new(PWNED).exists(), "{PWNED} appeared");
     let log = env.driver.log_text();
-    let panics: Vec<&str> = log.lines().filter(|l| l.contains("panicked")).collect();
-    for p in &panics {
-        failures.push(format!(
-            "the driver panicked: {}",
-            p.chars().take(400).collect::<String>()
+    for p in log.lines().filter(|l| l.contains("panicked")) {
+        failures.push((
+            nrows,
+            format!(
+                "the driver panicked: {}",
+                p.chars().take(400).collect::<String>()
+            ),
         ));
     }
-    assert!(
-        failures.is_empty(),
-        "{} failures in {} hostile rows:\n{}",
-        failures.len(),
-        nrows,
-        failures.join("\n")
-    );
+    (nrows, failures)
 }

@@ -421,34 +421,30 @@ async fn scenario(fs: &str, method: &str) {
 }
 
 #[tokio::test]
+#[ignore = "needs root: loop devices and mounts"]
 async fn root_metadata_on_xfs_reflink_uses_shared_extents() {
-    if !require_root() {
-        return;
-    }
+    require_root();
     scenario("xfs", "delta from shared extents").await;
 }
 
 #[tokio::test]
+#[ignore = "needs root: loop devices and mounts"]
 async fn root_metadata_on_ext4_compares_data() {
-    if !require_root() {
-        return;
-    }
+    require_root();
     scenario("ext4", "delta from comparing data").await;
 }
 
 #[tokio::test]
+#[ignore = "needs root: loop devices and mounts"]
 async fn root_metadata_on_btrfs_uses_shared_extents() {
-    if !require_root() {
-        return;
-    }
+    require_root();
     scenario("btrfs", "delta from shared extents").await;
 }
 
 #[tokio::test]
+#[ignore = "needs root: loop devices and mounts"]
 async fn root_identity_advertises_snapshot_metadata() {
-    if !require_root() {
-        return;
-    }
+    require_root();
     let pool = Pool::new("xfs");
     let has = |mode: &'static str| {
         let pool = &pool;
@@ -471,98 +467,4 @@ async fn root_identity_advertises_snapshot_metadata() {
     assert!(has("--mode=all").await);
     assert!(has("--mode=controller").await);
     assert!(!has("--mode=node").await);
-}
-
-/// Measurement, not a check: a 1 GiB block volume with 4096 scattered 64 KiB
-/// writes (256 MiB), snapshot A, 1024 more scattered writes, snapshot B; prints
-/// how long GetMetadataAllocated and GetMetadataDelta take on each pool type.
-#[tokio::test]
-#[ignore = "measurement; run with --ignored --nocapture"]
-async fn root_measure_metadata_speed() {
-    if !require_root() {
-        return;
-    }
-    const BIG: i64 = 1024 * MIB;
-    for fs in ["xfs", "ext4", "btrfs"] {
-        let mut fx = fixture(fs).await;
-        let cap = block_cap(writer());
-        let id =
-            fx.c.controller
-                .create_volume(create_req("pvc-big", BIG, cap.clone(), &[]))
-                .await
-                .unwrap()
-                .into_inner()
-                .volume
-                .unwrap()
-                .volume_id;
-        let staging = fx.pool.scratch("big-staging");
-        let target = fx.pool.scratch("big-pods").join("dev");
-        fx.c.node
-            .node_stage_volume(stage_req(&id, &staging, cap.clone()))
-            .await
-            .unwrap();
-        fx.c.node
-            .node_publish_volume(publish_req(&id, &staging, &target, cap, false))
-            .await
-            .unwrap();
-        let slots = (BIG as u64) / (128 * KIB);
-        let first: Vec<W> = (0..4096u64)
-            .map(|i| ((i * 2654435761 % slots) * 128 * KIB, 64 * KIB))
-            .collect();
-        let second: Vec<W> = (0..1024u64)
-            .map(|i| (((i * 40503 + 7) % slots) * 128 * KIB + 64 * KIB, 64 * KIB))
-            .collect();
-        write_blocks(&target, &first, 1);
-        let a = snapshot(&mut fx, "big-a", &id).await;
-        write_blocks(&target, &second, 2);
-        let b = snapshot(&mut fx, "big-b", &id).await;
-        let m = &mut fx.meta;
-        let t = std::time::Instant::now();
-        let mut s = m
-            .get_metadata_allocated(csi::GetMetadataAllocatedRequest {
-                snapshot_id: b.clone(),
-                ..Default::default()
-            })
-            .await
-            .unwrap()
-            .into_inner();
-        let mut n = 0;
-        while let Some(msg) = s.message().await.unwrap() {
-            n += msg.block_metadata.len();
-        }
-        let alloc_ms = t.elapsed().as_secs_f64() * 1000.0;
-        let t = std::time::Instant::now();
-        let mut s = m
-            .get_metadata_delta(csi::GetMetadataDeltaRequest {
-                base_snapshot_id: a.clone(),
-                target_snapshot_id: b.clone(),
-                ..Default::default()
-            })
-            .await
-            .unwrap()
-            .into_inner();
-        let mut bytes = 0;
-        while let Some(msg) = s.message().await.unwrap() {
-            bytes += msg.block_metadata.iter().map(|r| r.size_bytes).sum::<i64>();
-        }
-        let delta_ms = t.elapsed().as_secs_f64() * 1000.0;
-        println!(
-            "{fs}: allocated {n} ranges in {alloc_ms:.1} ms; delta {} MiB in {delta_ms:.1} ms",
-            bytes / MIB
-        );
-        fx.c.node
-            .node_unpublish_volume(csi::NodeUnpublishVolumeRequest {
-                volume_id: id.clone(),
-                target_path: target.display().to_string(),
-            })
-            .await
-            .unwrap();
-        fx.c.node
-            .node_unstage_volume(csi::NodeUnstageVolumeRequest {
-                volume_id: id.clone(),
-                staging_target_path: staging.display().to_string(),
-            })
-            .await
-            .unwrap();
-    }
 }

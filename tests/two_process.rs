@@ -98,10 +98,9 @@ fn run_second(args: &[String]) -> (Option<i32>, String) {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root: loop devices and mounts"]
 async fn root_a_second_process_of_one_mode_on_one_state_refuses_to_start() {
-    if !require_root() {
-        return;
-    }
+    require_root();
     let pool = Pool::new("xfs");
     let (ctl, node) = start(&pool, "", "");
     for (mode, name) in [("controller", "ctl2"), ("node", "node2"), ("all", "all2")] {
@@ -129,10 +128,9 @@ async fn root_a_second_process_of_one_mode_on_one_state_refuses_to_start() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root: loop devices and mounts"]
 async fn root_the_node_waits_for_the_controllers_freeze_and_its_restart_does_not_thaw() {
-    if !require_root() {
-        return;
-    }
+    require_root();
     let pool = Pool::new("xfs");
     // The first copy under a freeze stays frozen for 6 s.
     let (ctl, mut node) = start(&pool, "freeze.after-freeze=1*sleep(6000)", "");
@@ -200,10 +198,9 @@ async fn root_the_node_waits_for_the_controllers_freeze_and_its_restart_does_not
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root: loop devices and mounts"]
 async fn root_a_controller_killed_while_frozen_is_thawed_by_its_own_restart() {
-    if !require_root() {
-        return;
-    }
+    require_root();
     let pool = Pool::new("xfs");
     // Every copy under a freeze hangs: the controller is killed in it.
     let (mut ctl, mut node) = start(&pool, "freeze.after-freeze=sleep(120000)", "");
@@ -265,10 +262,9 @@ async fn root_a_controller_killed_while_frozen_is_thawed_by_its_own_restart() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root: loop devices and mounts"]
 async fn root_a_delete_and_a_stage_from_the_two_processes_exclude_each_other() {
-    if !require_root() {
-        return;
-    }
+    require_root();
     let pool = Pool::new("xfs");
     // The first delete, and the first node operation, pause with the volume's
     // lock held.

@@ -169,7 +169,8 @@ pub struct Goal {
     pub detail: String,
 }
 
-/// The goals of issue 7 §3, A being our driver and B the reference.
+/// The goals the comparison checks (speed at scale, O(1) snapshots and restores,
+/// node latency, memory, startup), A being our driver and B the reference.
 fn goals(a: &Medians, b: &Medians) -> Vec<Goal> {
     let mut out = Vec::new();
     let mut check = |goal: &str,

@@ -158,8 +158,19 @@ pvc_condition() { jp "pvc/$1" '{.status.conditions[*].type}' | grep -qE "$2"; }
 bound_count_is() {
     [ "$(kc -n "$NS" get pvc -l "$1" -o jsonpath='{range .items[*]}{.status.phase}{"\n"}{end}' | grep -c Bound)" = "$2" ]
 }
-pool_loops() { losetup -n -O BACK-FILE 2>/dev/null | grep -E "^($(IFS='|'; echo "${POOL_DIRS[*]}"))/"; }
+# pool_loops: loop devices whose backing file is in a pool. The node plugin's
+# paths are its container's, so they are found by the backing device: the
+# pools' own loop devices.
+pool_loops() {
+    local devs
+    devs=$(for d in "${POOL_DIRS[@]}"; do findmnt -n -o SOURCE --mountpoint "$d"; done \
+        | xargs -r losetup -n -O MAJ:MIN 2>/dev/null | tr -d ' ')
+    [ -n "$devs" ] || { echo "no pool loop device found"; return; }
+    losetup -n -O NAME,BACK-MAJ:MIN 2>/dev/null | awk -v devs=" $(echo $devs) " 'index(devs, " " $2 " ") {print $1}'
+}
 volume_mounts() {
     awk '{print $5}' /proc/self/mountinfo \
         | grep -E '/var/lib/kubelet/(pods/.*/volumes/kubernetes.io~csi|plugins/kubernetes.io/csi/)'
 }
+# same_list TEXT CMD...: CMD prints exactly TEXT's lines (in sorted order)
+same_list() { local want=$1; shift; [ "$("$@" 2>/dev/null | sort)" = "$want" ]; }

@@ -195,6 +195,9 @@ protectKernelDefaults: false
 makeIPTablesUtilChains: true
 localStorageCapacityIsolation: true
 volumeStatsAggPeriod: 10s
+# pods are looked at again every 10 s (not 1 min): a resized claim is grown
+# in its running pod sooner
+syncFrequency: 10s
 EOF
     log "starting kubelet $name (root $root)"
     start_bg "kubelet-$name" "$BIN_K8S/kubelet" \

@@ -40,7 +40,7 @@ driver_rootfs() {
     out=$E2E_CACHE/rootfs-$key.tar
     if [ ! -f "$out" ]; then
         log "making the driver's root filesystem (bookworm minbase + $pkgs)"
-        mmdebstrap --quiet --variant=minbase --include="$pkgs" \
+        mmdebstrap --quiet --format=tar --variant=minbase --include="$pkgs" \
             --dpkgopt='path-exclude=/usr/share/man/*' --dpkgopt='path-exclude=/usr/share/doc/*' \
             --dpkgopt='path-exclude=/usr/share/locale/*' \
             bookworm "$out.tmp" </dev/null >"$W/logs/mmdebstrap.log" 2>&1 \

@@ -21,10 +21,9 @@ fn sysfs(dev: &Path, attr: &str) -> String {
 }
 
 #[test]
+#[ignore = "needs root: loop devices and mounts"]
 fn root_loop_attach_find_resize_flags_detach() {
-    if !require_root("root_loop_attach_find_resize_flags_detach") {
-        return;
-    }
+    require_root();
     let tmp = tempfile::tempdir().unwrap();
     let img = image(tmp.path(), "vol.img", 64 * MIB);
     let loops = LinuxLoops::default();
@@ -76,10 +75,9 @@ fn root_loop_attach_find_resize_flags_detach() {
 }
 
 #[test]
+#[ignore = "needs root: loop devices and mounts"]
 fn root_loop_attach_read_only_and_direct_io() {
-    if !require_root("root_loop_attach_read_only_and_direct_io") {
-        return;
-    }
+    require_root();
     let tmp = tempfile::tempdir().unwrap();
     let img = image(tmp.path(), "ro.img", 16 * MIB);
     let a = Attached::new(
@@ -112,10 +110,9 @@ fn root_loop_attach_read_only_and_direct_io() {
 }
 
 #[test]
+#[ignore = "needs root: loop devices and mounts"]
 fn root_loop_concurrent_attaches_get_distinct_devices() {
-    if !require_root("root_loop_concurrent_attaches_get_distinct_devices") {
-        return;
-    }
+    require_root();
     let tmp = tempfile::tempdir().unwrap();
     let images: Vec<_> = (0..4)
         .map(|i| image(tmp.path(), &format!("c{i}.img"), 8 * MIB))
@@ -140,10 +137,9 @@ fn root_loop_concurrent_attaches_get_distinct_devices() {
 }
 
 #[test]
+#[ignore = "needs root: loop devices and mounts"]
 fn root_loop_detach_of_mounted_device_is_busy() {
-    if !require_root("root_loop_detach_of_mounted_device_is_busy") {
-        return;
-    }
+    require_root();
     let tmp = tempfile::tempdir().unwrap();
     let img = image(tmp.path(), "busy.img", 32 * MIB);
     let a = Attached::new(&img, LoopOptions::default());
@@ -165,10 +161,8 @@ fn root_loop_detach_of_mounted_device_is_busy() {
 }
 
 /// mkfs, probe, size, check, mount, bind read-only, unmount, for one fstype.
-fn mkfs_mount_bind_cycle(test: &str, fstype: &str, size: u64, data_flag: &str) {
-    if !require_root(test) {
-        return;
-    }
+fn mkfs_mount_bind_cycle(fstype: &str, size: u64, data_flag: &str) {
+    require_root();
     let tmp = tempfile::tempdir().unwrap();
     let img = image(tmp.path(), "vol.img", size);
     let a = Attached::new(&img, LoopOptions::default());
@@ -242,40 +236,27 @@ fn mkfs_mount_bind_cycle(test: &str, fstype: &str, size: u64, data_flag: &str) {
 }
 
 #[test]
+#[ignore = "needs root: loop devices and mounts"]
 fn root_ext4_mkfs_probe_mount_bind() {
-    mkfs_mount_bind_cycle(
-        "root_ext4_mkfs_probe_mount_bind",
-        "ext4",
-        64 * MIB,
-        "discard",
-    );
+    mkfs_mount_bind_cycle("ext4", 64 * MIB, "discard");
 }
 
 #[test]
+#[ignore = "needs root: loop devices and mounts"]
 fn root_xfs_mkfs_probe_mount_bind() {
-    mkfs_mount_bind_cycle(
-        "root_xfs_mkfs_probe_mount_bind",
-        "xfs",
-        320 * MIB,
-        "discard",
-    );
+    mkfs_mount_bind_cycle("xfs", 320 * MIB, "discard");
 }
 
 #[test]
+#[ignore = "needs root: loop devices and mounts"]
 fn root_btrfs_mkfs_probe_mount_bind() {
-    mkfs_mount_bind_cycle(
-        "root_btrfs_mkfs_probe_mount_bind",
-        "btrfs",
-        256 * MIB,
-        "discard",
-    );
+    mkfs_mount_bind_cycle("btrfs", 256 * MIB, "discard");
 }
 
 #[test]
+#[ignore = "needs root: loop devices and mounts"]
 fn root_mount_errors_are_clear() {
-    if !require_root("root_mount_errors_are_clear") {
-        return;
-    }
+    require_root();
     let tmp = tempfile::tempdir().unwrap();
     let img = image(tmp.path(), "empty.img", 16 * MIB);
     let a = Attached::new(&img, LoopOptions::default());
@@ -310,10 +291,9 @@ fn root_mount_errors_are_clear() {
 }
 
 #[test]
+#[ignore = "needs root: loop devices and mounts"]
 fn root_grow_xfs_online() {
-    if !require_root("root_grow_xfs_online") {
-        return;
-    }
+    require_root();
     let tmp = tempfile::tempdir().unwrap();
     let img = image(tmp.path(), "x.img", 320 * MIB);
     let a = Attached::new(&img, LoopOptions::default());
@@ -339,10 +319,9 @@ fn root_grow_xfs_online() {
 }
 
 #[test]
+#[ignore = "needs root: loop devices and mounts"]
 fn root_grow_btrfs_online() {
-    if !require_root("root_grow_btrfs_online") {
-        return;
-    }
+    require_root();
     let tmp = tempfile::tempdir().unwrap();
     let img = image(tmp.path(), "b.img", 256 * MIB);
     let a = Attached::new(&img, LoopOptions::default());
@@ -363,10 +342,9 @@ fn root_grow_btrfs_online() {
 }
 
 #[test]
+#[ignore = "needs root: loop devices and mounts"]
 fn root_grow_ext4_offline() {
-    if !require_root("root_grow_ext4_offline") {
-        return;
-    }
+    require_root();
     let tmp = tempfile::tempdir().unwrap();
     let img = image(tmp.path(), "e.img", 64 * MIB);
     let a = Attached::new(&img, LoopOptions::default());
@@ -398,10 +376,9 @@ fn root_grow_ext4_offline() {
 /// there the caller must get PermissionDenied (and grows at the next stage); on a
 /// real node the grow succeeds. Either outcome is checked.
 #[test]
+#[ignore = "needs root: loop devices and mounts"]
 fn root_grow_ext4_online_succeeds_or_reports_permission_denied() {
-    if !require_root("root_grow_ext4_online_succeeds_or_reports_permission_denied") {
-        return;
-    }
+    require_root();
     let tmp = tempfile::tempdir().unwrap();
     let img = image(tmp.path(), "e.img", 64 * MIB);
     let a = Attached::new(&img, LoopOptions::default());
@@ -425,10 +402,9 @@ fn root_grow_ext4_online_succeeds_or_reports_permission_denied() {
 }
 
 #[test]
+#[ignore = "needs root: loop devices and mounts"]
 fn root_freeze_blocks_writes_until_thaw() {
-    if !require_root("root_freeze_blocks_writes_until_thaw") {
-        return;
-    }
+    require_root();
     let tmp = tempfile::tempdir().unwrap();
     let img = image(tmp.path(), "f.img", 64 * MIB);
     let a = Attached::new(&img, LoopOptions::default());
@@ -471,10 +447,9 @@ fn root_freeze_blocks_writes_until_thaw() {
 /// The snapshot path of an image volume: freeze, reflink the image in an xfs pool
 /// (reflink=1), thaw; the clone gets a new UUID and mounts next to its source.
 #[test]
+#[ignore = "needs root: loop devices and mounts"]
 fn root_reflink_clone_of_xfs_image_gets_new_uuid() {
-    if !require_root("root_reflink_clone_of_xfs_image_gets_new_uuid") {
-        return;
-    }
+    require_root();
     let pool = LoopMountedPool::new("xfs", 2048 * MIB);
     assert!(file::probe_reflink(pool.path()));
     assert_eq!(file::fs_type_name(pool.path()).unwrap(), "xfs");
@@ -516,10 +491,9 @@ fn root_reflink_clone_of_xfs_image_gets_new_uuid() {
 }
 
 #[test]
+#[ignore = "needs root: loop devices and mounts"]
 fn root_new_uuid_ext4_and_btrfs() {
-    if !require_root("root_new_uuid_ext4_and_btrfs") {
-        return;
-    }
+    require_root();
     let tmp = tempfile::tempdir().unwrap();
     let fs = LinuxFilesystems::default();
     for (fstype, size) in [("ext4", 64 * MIB), ("btrfs", 256 * MIB)] {
@@ -547,10 +521,9 @@ fn root_new_uuid_ext4_and_btrfs() {
 }
 
 #[test]
+#[ignore = "needs root: loop devices and mounts"]
 fn root_fs_type_names() {
-    if !require_root("root_fs_type_names") {
-        return;
-    }
+    require_root();
     let pool = LoopMountedPool::new("btrfs", 256 * MIB);
     assert_eq!(file::fs_type_name(pool.path()).unwrap(), "btrfs");
     assert!(file::probe_reflink(pool.path()));
