@@ -19,17 +19,20 @@ top=$(cd "$here/.." && pwd)
 export PATH="$PATH:/usr/local/go/bin:$(go env GOPATH 2>/dev/null || echo /root/go)/bin:/usr/sbin:/sbin"
 
 # name | pool filesystem | driver flags | volume parameters (k=v,...) | volume MiB
+# | processes: 1 (--mode all) or 2 (--mode controller and --mode node on one pool
+# and state dir, as in the central deployment; csi-sanity gets both sockets)
 # (xfs cannot be made smaller than 300 MiB, btrfs than 128 MiB)
 # ext4-node-expansion runs the driver as the distributed deployment does: without
 # ControllerExpandVolume, csi-sanity's NodeExpandVolume spec must grow the image
 # and the mounted filesystem online (elsewhere the controller grows the image
 # before the volume is staged, and the spec finds the filesystem at full size).
 CONFIGS=(
-  "xfs-image|xfs|--default-fstype=xfs --enable-attach --max-volumes-per-node=16|kind=image|512"
-  "btrfs-dir|btrfs|--default-fstype=ext4 --enable-attach --max-volumes-per-node=16|kind=dir|64"
-  "ext4-image|ext4|--default-fstype=ext4 --enable-attach --max-volumes-per-node=16|kind=image|64"
-  "btrfs-image|btrfs|--default-fstype=btrfs --enable-attach --max-volumes-per-node=16|kind=image|256"
-  "ext4-node-expansion|ext4|--default-fstype=ext4 --disable-controller-expansion --enable-attach --max-volumes-per-node=16|kind=image|64"
+  "xfs-image|xfs|--default-fstype=xfs --enable-attach --max-volumes-per-node=16|kind=image|512|1"
+  "btrfs-dir|btrfs|--default-fstype=ext4 --enable-attach --max-volumes-per-node=16|kind=dir|64|1"
+  "ext4-image|ext4|--default-fstype=ext4 --enable-attach --max-volumes-per-node=16|kind=image|64|1"
+  "btrfs-image|btrfs|--default-fstype=btrfs --enable-attach --max-volumes-per-node=16|kind=image|256|1"
+  "ext4-node-expansion|ext4|--default-fstype=ext4 --disable-controller-expansion --enable-attach --max-volumes-per-node=16|kind=image|64|1"
+  "xfs-image-two-processes|xfs|--default-fstype=xfs --enable-attach --max-volumes-per-node=16|kind=image|512|2"
 )
 
 if [ "$(id -u)" != 0 ]; then
@@ -50,7 +53,7 @@ if [ -z "$driver" ]; then
 fi
 
 work=$(mktemp -d /tmp/example-csi-sanity.XXXXXX)
-pid=""
+pid="" pid2=""
 detach_below() { # detach loop devices whose backing file lies in the work dir
   for f in /sys/block/loop*/loop/backing_file; do
     [ -e "$f" ] || continue
@@ -59,7 +62,8 @@ detach_below() { # detach loop devices whose backing file lies in the work dir
 }
 teardown() {
   set +e
-  if [ -n "$pid" ]; then kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null; pid=""; fi
+  for p in $pid $pid2; do kill "$p" 2>/dev/null; wait "$p" 2>/dev/null; done
+  pid="" pid2=""
   # Volumes' mounts first (deepest first), then their loop devices, then the pools:
   # a pool unmounted lazily while an image in it is attached would hide that image's
   # path and leak its loop device.
@@ -133,10 +137,10 @@ configs_run=0 total_ran=0 total_passed=0 total_failed=0 total_skipped=0 failed_c
 skipped_lines=()
 selected=("$@")
 for entry in "${CONFIGS[@]}"; do
-  IFS='|' read -r name fs flags params mib <<<"$entry"
+  IFS='|' read -r name fs flags params mib procs <<<"$entry"
   if [ ${#selected[@]} -gt 0 ] && [[ ! " ${selected[*]} " == *" $name "* ]]; then continue; fi
   configs_run=$((configs_run + 1))
-  echo "== csi-sanity: $name (pool $fs, $flags, parameters $params)"
+  echo "== csi-sanity: $name (pool $fs, $flags, parameters $params, $procs process(es))"
   d="$work/$name"; mkdir -p "$d/pool" "$d/state" "$d/target"
   truncate -s 20G "$d/pool.img"
   case "$fs" in
@@ -154,13 +158,26 @@ for entry in "${CONFIGS[@]}"; do
   else
     printf 'directIO: "true"\nreadAheadKiB: "256"\n' > "$d/mutable.yaml"
   fi
-  # shellcheck disable=SC2086
-  "$driver" --endpoint "unix://$d/csi.sock" --nodeid sanity-node --pool "$d/pool" \
-    --state-dir "$d/state" --log-level "${CSI_LOG_LEVEL:-info}" $flags > "$d/driver.log" 2>&1 &
-  pid=$!
-  for _ in $(seq 100); do [ -S "$d/csi.sock" ] && break; sleep 0.1; done
-  if [ ! -S "$d/csi.sock" ]; then echo "driver did not start:"; cat "$d/driver.log"; exit 1; fi
+  start_driver() { # socket mode log
+    # shellcheck disable=SC2086
+    "$driver" --endpoint "unix://$1" --mode "$2" --nodeid sanity-node --pool "$d/pool" \
+      --state-dir "$d/state" --log-level "${CSI_LOG_LEVEL:-info}" $flags > "$3" 2>&1 &
+  }
+  wait_socket() { # socket log
+    for _ in $(seq 100); do [ -S "$1" ] && break; sleep 0.1; done
+    if [ ! -S "$1" ]; then echo "driver did not start:"; cat "$2"; exit 1; fi
+  }
   extra=()
+  if [ "$procs" = 2 ]; then
+    start_driver "$d/controller.sock" controller "$d/driver.log"; pid=$!
+    start_driver "$d/csi.sock" node "$d/node.log"; pid2=$!
+    wait_socket "$d/controller.sock" "$d/driver.log"
+    wait_socket "$d/csi.sock" "$d/node.log"
+    extra+=(-csi.controllerendpoint "$d/controller.sock")
+  else
+    start_driver "$d/csi.sock" all "$d/driver.log"; pid=$!
+    wait_socket "$d/csi.sock" "$d/driver.log"
+  fi
   [[ "$flags" == *max-volumes-per-node* ]] && extra+=(-csi.testnodevolumeattachlimit)
   entries=$(skip_entries "$name")
   skip=$(echo "$entries" | cut -d'|' -f1 | grep -v '^$' | paste -sd'|' || true)
@@ -189,6 +206,7 @@ for entry in "${CONFIGS[@]}"; do
     failed_configs+=("$name")
     grep -E "^\s*\[FAIL\]" "$d/sanity.log" | sort -u | sed 's/^/   /' || true
     echo "   --- last driver log lines:"; tail -20 "$d/driver.log" | sed 's/^/   /'
+    [ -f "$d/node.log" ] && { echo "   --- last node plugin log lines:"; tail -20 "$d/node.log" | sed 's/^/   /'; }
     [ "$f" = 0 ] && f=1
   fi
   # Every skipped spec with its reason: ours from skip.txt, the others csi-sanity's.
@@ -207,6 +225,7 @@ for entry in "${CONFIGS[@]}"; do
   total_failed=$((total_failed + f)); total_skipped=$((total_skipped + s))
   teardown
   mkdir -p "$here/.work"; cp "$d/sanity.log" "$here/.work/$name.log"; cp "$d/driver.log" "$here/.work/$name.driver.log"
+  [ -f "$d/node.log" ] && cp "$d/node.log" "$here/.work/$name.node.log"
 done
 
 echo "== csi-sanity total: ran $total_ran specs in $configs_run configurations"

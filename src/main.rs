@@ -126,11 +126,29 @@ fn main() -> ExitCode {
     };
     match runtime.block_on(serve(cli, cfg, endpoint, metrics_address, registration)) {
         Ok(()) => ExitCode::SUCCESS,
-        Err(e) => {
+        Err(Stop::Refused(e)) => {
+            tracing::error!(error = %e, "refused to start");
+            usage_error(e)
+        }
+        Err(Stop::Failed(e)) => {
             tracing::error!(error = %e, "stopped");
             eprintln!("csi-driver: {e}");
             ExitCode::FAILURE
         }
+    }
+}
+
+/// Why serving ended in error.
+enum Stop {
+    /// The driver refused to start as configured (exit status 2): another process
+    /// holds the state this mode owns.
+    Refused(String),
+    Failed(String),
+}
+
+impl From<String> for Stop {
+    fn from(e: String) -> Stop {
+        Stop::Failed(e)
     }
 }
 
@@ -230,7 +248,7 @@ async fn serve(
     endpoint: Endpoint,
     metrics_address: Option<std::net::SocketAddr>,
     registration: Option<registration::Config>,
-) -> Result<(), String> {
+) -> Result<(), Stop> {
     let mode = cli.mode;
     tracing::info!(version = env!("CARGO_PKG_VERSION"), node = %cfg.node_id, mode = ?mode,
         driver = %cfg.driver_name, "starting");
@@ -245,7 +263,10 @@ async fn serve(
     let driver = tokio::task::spawn_blocking(move || Driver::open(cfg, driver_sys))
         .await
         .map_err(|e| format!("opening the driver failed: {e}"))?
-        .map_err(|e| format!("opening the driver failed: {e}"))?;
+        .map_err(|e| match e {
+            csi_storage::Error::StateInUse(msg) => Stop::Refused(msg),
+            e => Stop::Failed(format!("opening the driver failed: {e}")),
+        })?;
     let driver = Arc::new(driver);
     tracing::info!(
         volumes = driver.volume_count(),
@@ -276,37 +297,35 @@ async fn serve(
         }
     };
 
-    let controller = mode != Mode::Node;
-    let node = mode != Mode::Controller;
+    let controller = driver.controller().cloned();
+    let node = driver.node().cloned();
     let router = tonic::transport::Server::builder()
         .layer(metrics::RpcLayer::new(metrics, rpc_limit))
         .add_service(
             IdentityServer::new(csi_identity::IdentityService::new(
                 driver.clone(),
-                controller,
+                controller.is_some(),
             ))
             .max_decoding_message_size(MAX_MESSAGE_BYTES)
             .max_encoding_message_size(MAX_MESSAGE_BYTES),
         )
-        .add_optional_service(controller.then(|| {
-            ControllerServer::new(csi_controller::ControllerService::new(driver.clone()))
+        .add_optional_service(controller.clone().map(|c| {
+            ControllerServer::new(csi_controller::ControllerService::new(c))
                 .max_decoding_message_size(MAX_MESSAGE_BYTES)
                 .max_encoding_message_size(MAX_MESSAGE_BYTES)
         }))
-        .add_optional_service(controller.then(|| {
-            GroupControllerServer::new(csi_controller::GroupControllerService::new(driver.clone()))
+        .add_optional_service(controller.clone().map(|c| {
+            GroupControllerServer::new(csi_controller::GroupControllerService::new(c))
                 .max_decoding_message_size(MAX_MESSAGE_BYTES)
                 .max_encoding_message_size(MAX_MESSAGE_BYTES)
         }))
-        .add_optional_service(controller.then(|| {
-            SnapshotMetadataServer::new(csi_controller::SnapshotMetadataService::new(
-                driver.clone(),
-            ))
-            .max_decoding_message_size(MAX_MESSAGE_BYTES)
-            .max_encoding_message_size(MAX_MESSAGE_BYTES)
+        .add_optional_service(controller.map(|c| {
+            SnapshotMetadataServer::new(csi_controller::SnapshotMetadataService::new(c))
+                .max_decoding_message_size(MAX_MESSAGE_BYTES)
+                .max_encoding_message_size(MAX_MESSAGE_BYTES)
         }))
-        .add_optional_service(node.then(|| {
-            NodeServer::new(csi_node::NodeService::new(driver.clone()))
+        .add_optional_service(node.map(|n| {
+            NodeServer::new(csi_node::NodeService::new(n))
                 .max_decoding_message_size(MAX_MESSAGE_BYTES)
                 .max_encoding_message_size(MAX_MESSAGE_BYTES)
         }));
@@ -333,14 +352,14 @@ async fn serve(
                 Err(e) => {
                     server.abort();
                     let _ = std::fs::remove_file(&path);
-                    return Err(e);
+                    return Err(e.into());
                 }
             };
             let result = wait(server, stop_tx, grace).await;
             stop_registration(registering).await;
             let _ = std::fs::remove_file(&path);
             tracing::info!("stopped");
-            result
+            Ok(result?)
         }
         Endpoint::Tcp(addr) => {
             let addr = addr.parse().map_err(|e| format!("{addr}: {e}"))?;
@@ -349,7 +368,7 @@ async fn serve(
             let registering = start_registration(registration)?;
             let result = wait(server, stop_tx, grace).await;
             stop_registration(registering).await;
-            result
+            Ok(result?)
         }
     }
 }

@@ -571,7 +571,7 @@ async fn orphans_removed(fs: &str) {
         std::fs::create_dir(&orphan_dir).unwrap();
     }
     std::fs::write(orphan_dir.join("f"), b"x").unwrap();
-    let state_tmp = d.state.join("volumes").join(".x.tmp");
+    let state_tmp = d.state.join("controller/volumes").join(".x.tmp");
     std::fs::write(&state_tmp, b"{").unwrap();
 
     d.spawn();
@@ -704,7 +704,7 @@ async fn root_32_clients_on_100_names() {
     assert!(names_in(&pool).is_empty(), "the pool is empty");
     assert!(temp_files(&d.state).is_empty());
     assert!(
-        crate::names(&d.state.join("volumes")).is_empty(),
+        crate::names(&d.state.join("controller/volumes")).is_empty(),
         "no records left"
     );
 }

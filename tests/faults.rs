@@ -646,37 +646,37 @@ impl Ctx {
                 .collect()
         };
         assert_eq!(
-            stems(&st.join("volumes"), ".json"),
+            stems(&st.join("controller/volumes"), ".json"),
             ids(&|v| !v.ephemeral),
             "[{fp}] <state>/volumes"
         );
         assert_eq!(
-            stems(&st.join("ephemeral"), ".json"),
+            stems(&st.join("node/ephemeral"), ".json"),
             ids(&|v| v.ephemeral),
             "[{fp}] <state>/ephemeral"
         );
         assert_eq!(
-            stems(&st.join("node"), ".json"),
+            stems(&st.join("node/staged"), ".json"),
             ids(&|v| v.staged || v.published),
             "[{fp}] <state>/node"
         );
         assert_eq!(
-            stems(&st.join("snapshots"), ".json"),
+            stems(&st.join("controller/snapshots"), ".json"),
             want_snaps,
             "[{fp}] <state>/snapshots"
         );
         let groups: BTreeSet<String> = self.w.groups.values().map(|g| g.0.clone()).collect();
         assert_eq!(
-            stems(&st.join("groups"), ".json"),
+            stems(&st.join("controller/groups"), ".json"),
             groups,
             "[{fp}] <state>/groups"
         );
         assert!(
-            names(&st.join("frozen")).is_empty(),
+            names(&st.join("shared/frozen")).is_empty(),
             "[{fp}] a freeze marker is left"
         );
         assert_eq!(
-            names(&st.join("ephemeral-staging")),
+            names(&st.join("node/ephemeral-staging")),
             ids(&|v| v.ephemeral),
             "[{fp}] <state>/ephemeral-staging"
         );
@@ -699,7 +699,7 @@ impl Ctx {
         let mut want_mounts = vec![self.pool.path.clone()];
         for (n, v) in &self.w.vols {
             if v.ephemeral {
-                want_mounts.push(st.join("ephemeral-staging").join(&v.id));
+                want_mounts.push(st.join("node/ephemeral-staging").join(&v.id));
             } else if v.staged {
                 want_mounts.push(self.staging(n));
             }
@@ -924,6 +924,10 @@ fault_tests! {
         [Create("v1"), Stage("v1"), Publish("v1"), Write("v1"), Create("v2"), Group("g1", &["v1", "v2"])],
         DeleteGroup("g1");
     root_fault_freeze_after_freeze: "freeze.after-freeze", LIVE, Snapshot("s1", "v1");
+    root_fault_freeze_after_volume_lock: "freeze.after-volume-lock", LIVE, Snapshot("s1", "v1");
+    root_fault_delete_volume_after_volume_lock: "delete-volume.after-volume-lock",
+        [Create("v1"), Create("v2")], Delete("v1");
+    root_fault_node_after_volume_lock: "node.after-volume-lock", [Create("v1")], Stage("v1");
     root_fault_stage_after_intent: "stage.after-intent", [Create("v1")], Stage("v1");
     root_fault_stage_after_attach: "stage.after-attach", [Create("v1")], Stage("v1");
     root_fault_stage_after_mkfs: "stage.after-mkfs", [Create("v1")], Stage("v1");
@@ -950,13 +954,19 @@ fault_tests! {
 /// Every `failpoint::hit("...")` in the domain has a row in the matrix.
 #[test]
 fn every_failpoint_is_tested() {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("storage/src");
+    let mut dirs = vec![Path::new(env!("CARGO_MANIFEST_DIR")).join("storage/src")];
     let mut found = BTreeSet::new();
-    for e in std::fs::read_dir(&dir).unwrap().flatten() {
-        let text = std::fs::read_to_string(e.path()).unwrap();
-        for part in text.split("failpoint::hit(\"").skip(1) {
-            if let Some(end) = part.find('"') {
-                found.insert(part[..end].to_string());
+    while let Some(dir) = dirs.pop() {
+        for e in std::fs::read_dir(&dir).unwrap().flatten() {
+            if e.path().is_dir() {
+                dirs.push(e.path());
+                continue;
+            }
+            let text = std::fs::read_to_string(e.path()).unwrap();
+            for part in text.split("failpoint::hit(\"").skip(1) {
+                if let Some(end) = part.find('"') {
+                    found.insert(part[..end].to_string());
+                }
             }
         }
     }

@@ -961,9 +961,9 @@ async fn root_fuzz_every_rpc_with_arbitrary_requests() {
     let driver = Arc::new(csi_storage::Driver::open(cfg, csi_sys::System::linux()).expect("open"));
     let services = Services {
         identity: csi_identity::IdentityService::new(driver.clone(), true),
-        controller: csi_controller::ControllerService::new(driver.clone()),
-        group: csi_controller::GroupControllerService::new(driver.clone()),
-        node: csi_node::NodeService::new(driver.clone()),
+        controller: csi_controller::ControllerService::new(driver.controller().unwrap().clone()),
+        group: csi_controller::GroupControllerService::new(driver.controller().unwrap().clone()),
+        node: csi_node::NodeService::new(driver.node().unwrap().clone()),
     };
     let dict = Dict {
         scratch: scratch.clone(),

@@ -912,9 +912,9 @@ impl CrashRig {
             "{when}: files in <pool>/volumes"
         );
         assert!(
-            dir_names(&self.driver.state.join("frozen")).is_empty(),
+            dir_names(&self.driver.state.join("shared/frozen")).is_empty(),
             "{when}: freeze markers are left: {:?}",
-            dir_names(&self.driver.state.join("frozen"))
+            dir_names(&self.driver.state.join("shared/frozen"))
         );
     }
 
@@ -1519,11 +1519,14 @@ fn snapshot_leftovers(pool: &Pool, driver: &Driver, sid: &str) -> Vec<String> {
     if img.exists() {
         out.push(format!("image {}", img.display()));
     }
-    let rec = driver.state.join("snapshots").join(format!("{sid}.json"));
+    let rec = driver
+        .state
+        .join("controller/snapshots")
+        .join(format!("{sid}.json"));
     if rec.exists() {
         out.push(format!("record {}", rec.display()));
     }
-    for m in dir_names(&driver.state.join("frozen")) {
+    for m in dir_names(&driver.state.join("shared/frozen")) {
         out.push(format!("freeze marker {m}"));
     }
     out

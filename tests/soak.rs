@@ -9,6 +9,10 @@
 //! may be leaked, and the driver's RSS after the run must be within 2x of its RSS
 //! after a fresh start with the same volumes.
 //!
+//! The same soak runs on the two processes of the central deployment: a
+//! controller (`--mode controller`) and a node plugin (`--mode node`) on one pool
+//! and one state dir, each SIGKILLed at random moments.
+//!
 //! Parameters (environment): SOAK_OPS (2000), SOAK_CLIENTS (8), SOAK_KILLS (5),
 //! SOAK_REBOOTS (1), SOAK_SEED (random). The full run is
 //! `SOAK_OPS=20000 SOAK_CLIENTS=32 SOAK_KILLS=20 SOAK_REBOOTS=3`
@@ -68,7 +72,9 @@ struct Stats {
 }
 
 struct Shared {
-    socket: String,
+    /// The controller's socket, and the node plugin's (the same in `--mode all`).
+    ctl_socket: String,
+    node_socket: String,
     scratch: PathBuf,
     stats: Stats,
     /// Bumped by each reboot; a client that sees it change re-stages and
@@ -119,9 +125,9 @@ fn is_transient(s: &Status) -> bool {
 }
 
 impl Client {
-    async fn connect(sh: &Arc<Shared>) -> Option<Channel> {
+    async fn connect_to(socket: &str) -> Option<Channel> {
         for _ in 0..200 {
-            if let Ok(ch) = csi_glue::connect(&sh.socket).await {
+            if let Ok(ch) = csi_glue::connect(socket).await {
                 return Some(ch);
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
@@ -129,10 +135,17 @@ impl Client {
         None
     }
 
+    /// Channels to the controller and to the node plugin.
+    async fn connect(sh: &Arc<Shared>) -> Option<(Channel, Channel)> {
+        let ctl = Self::connect_to(&sh.ctl_socket).await?;
+        let node = Self::connect_to(&sh.node_socket).await?;
+        Some((ctl, node))
+    }
+
     async fn reconnect(&mut self) {
-        if let Some(ch) = Self::connect(&self.sh).await {
-            self.ctl = ControllerClient::new(ch.clone());
-            self.node = NodeClient::new(ch);
+        if let Some((ctl, node)) = Self::connect(&self.sh).await {
+            self.ctl = ControllerClient::new(ctl);
+            self.node = NodeClient::new(node);
         }
     }
 
@@ -518,9 +531,72 @@ impl Client {
     }
 }
 
+/// The driver's processes: one with `--mode all`, or the controller and the node
+/// plugin of the central deployment.
+struct Procs {
+    ctl: Driver,
+    node: Option<Driver>,
+}
+
+impl Procs {
+    fn start(pool: &Pool, split: bool) -> Procs {
+        if !split {
+            return Procs {
+                ctl: Driver::start(pool, &[]),
+                node: None,
+            };
+        }
+        let ctl = Driver::start(pool, &["--mode=controller"]);
+        let node = ctl.start_beside("node", &["--mode=node"], &[]);
+        Procs {
+            ctl,
+            node: Some(node),
+        }
+    }
+
+    fn node_socket(&self) -> String {
+        let d = self.node.as_ref().unwrap_or(&self.ctl);
+        format!("unix://{}", d.socket.display())
+    }
+
+    /// SIGKILLs one process (the node plugin when `node` and there is one) and
+    /// starts it again; true when it was the node plugin.
+    fn kill_one(&mut self, node: bool) -> bool {
+        match self.node.as_mut() {
+            Some(n) if node => {
+                n.restart();
+                true
+            }
+            _ => {
+                self.ctl.restart();
+                false
+            }
+        }
+    }
+
+    fn kill9(&mut self) {
+        self.ctl.kill9();
+        if let Some(n) = self.node.as_mut() {
+            n.kill9();
+        }
+    }
+
+    fn spawn(&mut self) {
+        self.ctl.spawn();
+        if let Some(n) = self.node.as_mut() {
+            n.spawn();
+        }
+    }
+
+    fn log_text(&self) -> String {
+        let node = self.node.as_ref().map(|n| n.log_text()).unwrap_or_default();
+        self.ctl.log_text() + &node
+    }
+}
+
 /// A node reboot behind the driver's back: the driver dies, every mount below the
 /// test dir but the pool goes, every loop device of the pool is detached.
-fn reboot(pool: &Pool, driver: &mut Driver) {
+fn reboot(pool: &Pool, driver: &mut Procs) {
     driver.kill9();
     for _ in 0..5 {
         let mut ms: Vec<PathBuf> = mounts_below(pool.dir.path())
@@ -673,14 +749,14 @@ async fn leaks(pool: &Pool, driver: &Driver, clients: &[Client]) -> Vec<String> 
     let st = &driver.state;
     diff(
         &mut out,
-        "<state>/volumes",
-        names(&st.join("volumes")),
+        "<state>/controller/volumes",
+        names(&st.join("controller/volumes")),
         json(&vol_ids),
     );
     diff(
         &mut out,
-        "<state>/snapshots",
-        names(&st.join("snapshots")),
+        "<state>/controller/snapshots",
+        names(&st.join("controller/snapshots")),
         json(&snap_ids),
     );
     let staged: BTreeSet<String> = vols
@@ -690,16 +766,26 @@ async fn leaks(pool: &Pool, driver: &Driver, clients: &[Client]) -> Vec<String> 
         .collect();
     diff(
         &mut out,
-        "<state>/node",
-        names(&st.join("node")),
+        "<state>/node/staged",
+        names(&st.join("node/staged")),
         json(&staged),
     );
     diff(
         &mut out,
-        "<state>/frozen",
-        names(&st.join("frozen")),
+        "<state>/shared/staged",
+        names(&st.join("shared/staged")),
+        staged.clone(),
+    );
+    diff(
+        &mut out,
+        "<state>/shared/frozen",
+        names(&st.join("shared/frozen")),
         BTreeSet::new(),
     );
+    let locks = names(&st.join("shared/locks"));
+    if !locks.is_subset(&vol_ids) {
+        diff(&mut out, "<state>/shared/locks", locks, vol_ids.clone());
+    }
 
     // Loop devices and mounts.
     let want_loops: BTreeSet<String> = vols
@@ -754,6 +840,24 @@ async fn leaks(pool: &Pool, driver: &Driver, clients: &[Client]) -> Vec<String> 
 #[ignore = "needs root: loop devices and mounts"]
 async fn root_soak_mixed_operations_with_kills_and_reboots() {
     require_root();
+    soak(false).await;
+}
+
+/// The central deployment's two processes on one pool and state dir, each killed
+/// at random moments.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "needs root: loop devices and mounts"]
+async fn root_soak_controller_and_node_processes_with_kills_of_either() {
+    require_root();
+    soak(true).await;
+}
+
+/// The soaks of this file run one after the other: each is timed, and each
+/// checks every loop device and mount below its own directories.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+async fn soak(split: bool) {
+    let _one = ONE_AT_A_TIME.lock().await;
     let ops = env_or("SOAK_OPS", 2000);
     let nclients = env_or("SOAK_CLIENTS", 8) as usize;
     let kills = env_or("SOAK_KILLS", 5);
@@ -761,16 +865,17 @@ async fn root_soak_mixed_operations_with_kills_and_reboots() {
     let seed = env_or("SOAK_SEED", rand::rng().random());
     eprintln!(
         "soak: ops={ops} clients={nclients} kills={kills} reboots={reboots} seed={seed} \
-         (SOAK_SEED={seed} repeats the choices)"
+         two_processes={split} (SOAK_SEED={seed} repeats the choices)"
     );
     let started = Instant::now();
     let pool = Pool::with_size("xfs", "32G");
     let scratch = pool.scratch("soak");
     std::fs::create_dir_all(scratch.join("staging")).unwrap();
     std::fs::create_dir_all(scratch.join("pods")).unwrap();
-    let driver = Driver::start(&pool, &[]);
+    let driver = Procs::start(&pool, split);
     let sh = Arc::new(Shared {
-        socket: format!("unix://{}", driver.socket.display()),
+        ctl_socket: format!("unix://{}", driver.ctl.socket.display()),
+        node_socket: driver.node_socket(),
         scratch: scratch.clone(),
         stats: Stats::default(),
         epoch: AtomicUsize::new(0),
@@ -784,6 +889,7 @@ async fn root_soak_mixed_operations_with_kills_and_reboots() {
     // The chaos: kills and reboots at random points of the run.
     let mut rng = StdRng::seed_from_u64(seed);
     let mut events: Vec<(u64, bool)> = Vec::new();
+    let node_kills = Arc::new(AtomicU64::new(0));
     for _ in 0..kills {
         events.push((rng.random_range(ops / 50..ops * 19 / 20), false));
     }
@@ -793,6 +899,7 @@ async fn root_soak_mixed_operations_with_kills_and_reboots() {
     events.sort();
     let chaos = {
         let (sh, driver, pool) = (sh.clone(), driver.clone(), pool.clone());
+        let node_kills = node_kills.clone();
         let mut rng = StdRng::seed_from_u64(seed ^ 0x5eed);
         tokio::spawn(async move {
             for (at, is_reboot) in events {
@@ -810,9 +917,14 @@ async fn root_soak_mixed_operations_with_kills_and_reboots() {
                     sh.stats.reboots.fetch_add(1, Ordering::Relaxed);
                 } else {
                     let driver = driver.clone();
-                    tokio::task::spawn_blocking(move || driver.lock().unwrap().restart())
-                        .await
-                        .unwrap();
+                    let node = rng.random_bool(0.5);
+                    let was_node =
+                        tokio::task::spawn_blocking(move || driver.lock().unwrap().kill_one(node))
+                            .await
+                            .unwrap();
+                    if was_node {
+                        node_kills.fetch_add(1, Ordering::Relaxed);
+                    }
                     sh.stats.kills.fetch_add(1, Ordering::Relaxed);
                 }
             }
@@ -822,12 +934,12 @@ async fn root_soak_mixed_operations_with_kills_and_reboots() {
     let mut tasks = Vec::new();
     for k in 0..nclients {
         let sh = sh.clone();
-        let ch = Client::connect(&sh).await.expect("connect");
+        let (ctl, node) = Client::connect(&sh).await.expect("connect");
         let c = Client {
             k,
             sh: sh.clone(),
-            ctl: ControllerClient::new(ch.clone()),
-            node: NodeClient::new(ch),
+            ctl: ControllerClient::new(ctl),
+            node: NodeClient::new(node),
             rng: StdRng::seed_from_u64(seed.wrapping_add(k as u64 + 1)),
             vols: BTreeMap::new(),
             snaps: BTreeMap::new(),
@@ -847,8 +959,8 @@ async fn root_soak_mixed_operations_with_kills_and_reboots() {
     // by restoring it.
     let driver = Arc::try_unwrap(driver).ok().unwrap().into_inner().unwrap();
     let pool = Arc::try_unwrap(pool).ok().unwrap();
-    let rss_run = rss_kib(driver.pid());
-    let leaked = leaks(&pool, &driver, &clients).await;
+    let rss_run = rss_kib(driver.ctl.pid());
+    let leaked = leaks(&pool, &driver.ctl, &clients).await;
     for l in &leaked {
         eprintln!("soak: LEAK {l}");
     }
@@ -898,15 +1010,16 @@ async fn root_soak_mixed_operations_with_kills_and_reboots() {
     let mut driver = driver;
     let nvols: usize = clients.iter().map(|c| c.vols.len()).sum();
     let nsnaps: usize = clients.iter().map(|c| c.snaps.len()).sum();
-    driver.restart();
+    driver.kill9();
+    driver.spawn();
     {
-        let mut c = driver.clients().await;
+        let mut c = driver.ctl.clients().await;
         let _ = c
             .controller
             .list_volumes(csi::ListVolumesRequest::default())
             .await;
     }
-    let rss_fresh = rss_kib(driver.pid());
+    let rss_fresh = rss_kib(driver.ctl.pid());
 
     // Teardown through the driver: everything must go.
     let mut down = Vec::new();
@@ -934,7 +1047,14 @@ async fn root_soak_mixed_operations_with_kills_and_reboots() {
     for t in down {
         clients.push(t.await.expect("a client panicked in teardown"));
     }
-    let after = leaks(&pool, &driver, &clients).await;
+    let after = leaks(&pool, &driver.ctl, &clients).await;
+    if after.is_empty() {
+        let locks = names(&driver.ctl.state.join("shared/locks"));
+        assert!(
+            locks.is_empty(),
+            "volume locks left after teardown: {locks:?}"
+        );
+    }
     for l in &after {
         eprintln!("soak: LEFT AFTER TEARDOWN {l}");
     }
@@ -942,12 +1062,13 @@ async fn root_soak_mixed_operations_with_kills_and_reboots() {
     let st = &sh.stats;
     let errors = sh.errors.lock().unwrap().clone();
     println!(
-        "soak figures: ops={} clients={nclients} kills={} reboots={} retries={} \
+        "soak figures: two_processes={split} ops={} clients={nclients} kills={} (node plugin {}) reboots={} retries={} \
          unexpected_errors={} writes={} reads={} leaks={} leaks_after_teardown={} \
          mismatches={} volumes={nvols} snapshots={nsnaps} rss_after_run={} KiB \
          rss_fresh_start={} KiB run={run_secs:.0}s total={:.0}s seed={seed}",
         st.ops.load(Ordering::Relaxed),
         st.kills.load(Ordering::Relaxed),
+        node_kills.load(Ordering::Relaxed),
         st.reboots.load(Ordering::Relaxed),
         st.retries.load(Ordering::Relaxed),
         st.unexpected.load(Ordering::Relaxed),

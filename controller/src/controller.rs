@@ -1,8 +1,9 @@
 //! The CSI Controller service.
 
+use std::sync::Arc;
+
 use csi_glue::{
     bytes, call, capabilities, capacity, hash_map, map, optional_capability, timestamp, topology,
-    Shared,
 };
 use csi_proto::csi::{
     self, controller_server::Controller, controller_service_capability, volume_content_source,
@@ -12,20 +13,21 @@ use csi_storage::ids::{SnapshotId, VolumeId};
 use csi_storage::model::ContentSource;
 use csi_storage::snapshots::SnapshotPage;
 use csi_storage::volumes::{CreateVolume, VolumeInfo};
+use csi_storage::Controller as Domain;
 use csi_storage::Error;
 use tonic::{Request, Response, Status};
 
 pub struct ControllerService {
-    driver: Shared,
+    controller: Arc<Domain>,
 }
 
 impl ControllerService {
-    pub fn new(driver: Shared) -> Self {
-        ControllerService { driver }
+    pub fn new(controller: Arc<Domain>) -> Self {
+        ControllerService { controller }
     }
 }
 
-fn volume(d: &csi_storage::Driver, v: &VolumeInfo) -> csi::Volume {
+fn volume(d: &Domain, v: &VolumeInfo) -> csi::Volume {
     let r = &v.record;
     csi::Volume {
         capacity_bytes: bytes(r.size),
@@ -100,7 +102,7 @@ impl Controller for ControllerService {
         req: Request<csi::CreateVolumeRequest>,
     ) -> Result<Response<csi::CreateVolumeResponse>, Status> {
         let r = req.into_inner();
-        let d = self.driver.clone();
+        let d = self.controller.clone();
         let id = VolumeId::for_name(&r.name).to_string();
         let rr = r.clone();
         let v = call("CreateVolume", &id, &r, move || {
@@ -133,7 +135,7 @@ impl Controller for ControllerService {
         req: Request<csi::DeleteVolumeRequest>,
     ) -> Result<Response<csi::DeleteVolumeResponse>, Status> {
         let r = req.into_inner();
-        let d = self.driver.clone();
+        let d = self.controller.clone();
         let id = r.volume_id.clone();
         call("DeleteVolume", &r.volume_id, &r, move || {
             d.delete_volume(&id)
@@ -146,13 +148,13 @@ impl Controller for ControllerService {
         &self,
         req: Request<csi::ControllerPublishVolumeRequest>,
     ) -> Result<Response<csi::ControllerPublishVolumeResponse>, Status> {
-        if !self.driver.cfg.enable_attach {
+        if !self.controller.cfg.enable_attach {
             return Err(Status::unimplemented(
                 "ControllerPublishVolume needs --enable-attach",
             ));
         }
         let r = req.into_inner();
-        let d = self.driver.clone();
+        let d = self.controller.clone();
         let rr = r.clone();
         let ctx = call("ControllerPublishVolume", &r.volume_id, &r, move || {
             let cap = optional_capability(rr.volume_capability.as_ref())?;
@@ -168,13 +170,13 @@ impl Controller for ControllerService {
         &self,
         req: Request<csi::ControllerUnpublishVolumeRequest>,
     ) -> Result<Response<csi::ControllerUnpublishVolumeResponse>, Status> {
-        if !self.driver.cfg.enable_attach {
+        if !self.controller.cfg.enable_attach {
             return Err(Status::unimplemented(
                 "ControllerUnpublishVolume needs --enable-attach",
             ));
         }
         let r = req.into_inner();
-        let d = self.driver.clone();
+        let d = self.controller.clone();
         let (v, n) = (r.volume_id.clone(), r.node_id.clone());
         call("ControllerUnpublishVolume", &r.volume_id, &r, move || {
             d.unpublish_volume(&v, &n)
@@ -188,7 +190,7 @@ impl Controller for ControllerService {
         req: Request<csi::ValidateVolumeCapabilitiesRequest>,
     ) -> Result<Response<csi::ValidateVolumeCapabilitiesResponse>, Status> {
         let r = req.into_inner();
-        let d = self.driver.clone();
+        let d = self.controller.clone();
         let rr = r.clone();
         let resp = call("ValidateVolumeCapabilities", &r.volume_id, &r, move || {
             let caps = capabilities(&rr.volume_capabilities)?;
@@ -223,7 +225,7 @@ impl Controller for ControllerService {
         req: Request<csi::ListVolumesRequest>,
     ) -> Result<Response<csi::ListVolumesResponse>, Status> {
         let r = req.into_inner();
-        let d = self.driver.clone();
+        let d = self.controller.clone();
         let rr = r.clone();
         let resp = call("ListVolumes", "", &r, move || {
             let page = d.list_volumes(rr.max_entries, &rr.starting_token)?;
@@ -252,7 +254,7 @@ impl Controller for ControllerService {
         req: Request<csi::GetCapacityRequest>,
     ) -> Result<Response<csi::GetCapacityResponse>, Status> {
         let r = req.into_inner();
-        let d = self.driver.clone();
+        let d = self.controller.clone();
         let rr = r.clone();
         let resp = call("GetCapacity", "", &r, move || {
             let caps = capabilities(&rr.volume_capabilities)?;
@@ -273,7 +275,7 @@ impl Controller for ControllerService {
         req: Request<csi::ControllerGetCapabilitiesRequest>,
     ) -> Result<Response<csi::ControllerGetCapabilitiesResponse>, Status> {
         use controller_service_capability::rpc::Type as T;
-        let cfg = self.driver.cfg.clone();
+        let cfg = self.controller.cfg.clone();
         let resp = call("ControllerGetCapabilities", "", req.get_ref(), move || {
             let mut caps = vec![
                 T::CreateDeleteVolume,
@@ -313,7 +315,7 @@ impl Controller for ControllerService {
         req: Request<csi::CreateSnapshotRequest>,
     ) -> Result<Response<csi::CreateSnapshotResponse>, Status> {
         let r = req.into_inner();
-        let d = self.driver.clone();
+        let d = self.controller.clone();
         let rr = r.clone();
         let s = call("CreateSnapshot", &r.source_volume_id, &r, move || {
             d.create_snapshot(&rr.name, &rr.source_volume_id, &map(&rr.parameters))
@@ -330,7 +332,7 @@ impl Controller for ControllerService {
         req: Request<csi::DeleteSnapshotRequest>,
     ) -> Result<Response<csi::DeleteSnapshotResponse>, Status> {
         let r = req.into_inner();
-        let d = self.driver.clone();
+        let d = self.controller.clone();
         let id = r.snapshot_id.clone();
         call("DeleteSnapshot", "", &r, move || d.delete_snapshot(&id)).await?;
         Ok(Response::new(csi::DeleteSnapshotResponse {}))
@@ -341,7 +343,7 @@ impl Controller for ControllerService {
         req: Request<csi::ListSnapshotsRequest>,
     ) -> Result<Response<csi::ListSnapshotsResponse>, Status> {
         let r = req.into_inner();
-        let d = self.driver.clone();
+        let d = self.controller.clone();
         let rr = r.clone();
         let resp = call("ListSnapshots", &r.source_volume_id, &r, move || {
             let SnapshotPage {
@@ -371,13 +373,13 @@ impl Controller for ControllerService {
         &self,
         req: Request<csi::ControllerExpandVolumeRequest>,
     ) -> Result<Response<csi::ControllerExpandVolumeResponse>, Status> {
-        if !self.driver.cfg.controller_expansion {
+        if !self.controller.cfg.controller_expansion {
             return Err(Status::unimplemented(
                 "controller expansion is off; NodeExpandVolume grows volumes",
             ));
         }
         let r = req.into_inner();
-        let d = self.driver.clone();
+        let d = self.controller.clone();
         let rr = r.clone();
         let (size, node) = call("ControllerExpandVolume", &r.volume_id, &r, move || {
             let cap = optional_capability(rr.volume_capability.as_ref())?;
@@ -399,7 +401,7 @@ impl Controller for ControllerService {
         req: Request<csi::ControllerGetVolumeRequest>,
     ) -> Result<Response<csi::ControllerGetVolumeResponse>, Status> {
         let r = req.into_inner();
-        let d = self.driver.clone();
+        let d = self.controller.clone();
         let id = r.volume_id.clone();
         let resp = call("ControllerGetVolume", &r.volume_id, &r, move || {
             let v = d.get_volume(&id)?;
@@ -419,11 +421,11 @@ impl Controller for ControllerService {
         &self,
         req: Request<csi::ControllerModifyVolumeRequest>,
     ) -> Result<Response<csi::ControllerModifyVolumeResponse>, Status> {
-        if self.driver.cfg.mutable_parameters.is_empty() {
+        if self.controller.cfg.mutable_parameters.is_empty() {
             return Err(Status::unimplemented("no mutable parameters are enabled"));
         }
         let r = req.into_inner();
-        let d = self.driver.clone();
+        let d = self.controller.clone();
         let rr = r.clone();
         call("ControllerModifyVolume", &r.volume_id, &r, move || {
             d.modify_volume(&rr.volume_id, &map(&rr.mutable_parameters))
@@ -437,7 +439,7 @@ impl Controller for ControllerService {
         req: Request<csi::GetSnapshotRequest>,
     ) -> Result<Response<csi::GetSnapshotResponse>, Status> {
         let r = req.into_inner();
-        let d = self.driver.clone();
+        let d = self.controller.clone();
         let id = r.snapshot_id.clone();
         let s = call("GetSnapshot", "", &r, move || {
             d.get_snapshot(&id).map(|s| snapshot(&s))

@@ -1,21 +1,24 @@
 //! The CSI GroupController service: snapshots of several volumes taken together.
 
-use csi_glue::{call, map, timestamp, Shared};
+use std::sync::Arc;
+
+use csi_glue::{call, map, timestamp};
 use csi_proto::csi::{
     self, group_controller_server::GroupController, group_controller_service_capability,
 };
 use csi_storage::snapshots::GroupSnapshot;
+use csi_storage::Controller as Domain;
 use tonic::{Request, Response, Status};
 
 use crate::controller::snapshot;
 
 pub struct GroupControllerService {
-    driver: Shared,
+    controller: Arc<Domain>,
 }
 
 impl GroupControllerService {
-    pub fn new(driver: Shared) -> Self {
-        GroupControllerService { driver }
+    pub fn new(controller: Arc<Domain>) -> Self {
+        GroupControllerService { controller }
     }
 }
 
@@ -55,7 +58,7 @@ impl GroupController for GroupControllerService {
         req: Request<csi::CreateVolumeGroupSnapshotRequest>,
     ) -> Result<Response<csi::CreateVolumeGroupSnapshotResponse>, Status> {
         let r = req.into_inner();
-        let d = self.driver.clone();
+        let d = self.controller.clone();
         let rr = r.clone();
         let g = call("CreateVolumeGroupSnapshot", "", &r, move || {
             d.create_group_snapshot(&rr.name, &rr.source_volume_ids, &map(&rr.parameters))
@@ -72,7 +75,7 @@ impl GroupController for GroupControllerService {
         req: Request<csi::DeleteVolumeGroupSnapshotRequest>,
     ) -> Result<Response<csi::DeleteVolumeGroupSnapshotResponse>, Status> {
         let r = req.into_inner();
-        let d = self.driver.clone();
+        let d = self.controller.clone();
         let rr = r.clone();
         call("DeleteVolumeGroupSnapshot", "", &r, move || {
             d.delete_group_snapshot(&rr.group_snapshot_id, &rr.snapshot_ids)
@@ -86,7 +89,7 @@ impl GroupController for GroupControllerService {
         req: Request<csi::GetVolumeGroupSnapshotRequest>,
     ) -> Result<Response<csi::GetVolumeGroupSnapshotResponse>, Status> {
         let r = req.into_inner();
-        let d = self.driver.clone();
+        let d = self.controller.clone();
         let rr = r.clone();
         let g = call("GetVolumeGroupSnapshot", "", &r, move || {
             d.get_group_snapshot(&rr.group_snapshot_id, &rr.snapshot_ids)

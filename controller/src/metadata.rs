@@ -4,21 +4,23 @@
 //! external-snapshot-metadata sidecar authenticates callers) and never logged.
 
 use std::fmt;
+use std::sync::Arc;
 
-use csi_glue::{bytes, call, Redact, Shared};
+use csi_glue::{bytes, call, Redact};
 use csi_proto::csi::{self, snapshot_metadata_server::SnapshotMetadata, BlockMetadataType};
 use csi_storage::metadata::{BlockMap, ByteRange};
+use csi_storage::Controller as Domain;
 use tokio::sync::mpsc;
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
 pub struct SnapshotMetadataService {
-    driver: Shared,
+    controller: Arc<Domain>,
 }
 
 impl SnapshotMetadataService {
-    pub fn new(driver: Shared) -> Self {
-        SnapshotMetadataService { driver }
+    pub fn new(controller: Arc<Domain>) -> Self {
+        SnapshotMetadataService { controller }
     }
 }
 
@@ -82,7 +84,7 @@ impl SnapshotMetadata for SnapshotMetadataService {
     ) -> Result<Response<Self::GetMetadataAllocatedStream>, Status> {
         let mut r = req.into_inner();
         hide(&mut r.secrets);
-        let d = self.driver.clone();
+        let d = self.controller.clone();
         let (id, start, max) = (r.snapshot_id.clone(), r.starting_offset, r.max_results);
         let map = call("GetMetadataAllocated", "", &Shown(r), move || {
             d.metadata_allocated(&id, start, max)
@@ -103,7 +105,7 @@ impl SnapshotMetadata for SnapshotMetadataService {
     ) -> Result<Response<Self::GetMetadataDeltaStream>, Status> {
         let mut r = req.into_inner();
         hide(&mut r.secrets);
-        let d = self.driver.clone();
+        let d = self.controller.clone();
         let (base, target) = (r.base_snapshot_id.clone(), r.target_snapshot_id.clone());
         let (start, max) = (r.starting_offset, r.max_results);
         let map = call("GetMetadataDelta", "", &Shown(r), move || {

@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use csi_proto::csi::{self, volume_capability};
 use csi_storage::model::{Access, AccessMode, Capability, CapacityRange};
-use csi_storage::{cancel, Driver, Error};
+use csi_storage::{cancel, Core, Driver, Error};
 use tonic::Status;
 use tracing::Instrument;
 
@@ -233,9 +233,9 @@ pub fn hash_map(m: &BTreeMap<String, String>) -> std::collections::HashMap<Strin
     m.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
 }
 
-pub fn topology(driver: &Driver) -> csi::Topology {
+pub fn topology(core: &Core) -> csi::Topology {
     csi::Topology {
-        segments: hash_map(&driver.topology()),
+        segments: hash_map(&core.topology()),
     }
 }
 

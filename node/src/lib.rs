@@ -1,19 +1,22 @@
 //! The CSI Node service: thin handlers over the domain's node operations.
 
-use csi_glue::{bytes, call, capacity, map, optional_capability, topology, Shared};
+use std::sync::Arc;
+
+use csi_glue::{bytes, call, capacity, map, optional_capability, topology};
 use csi_proto::csi::{
     self, node_server::Node, node_service_capability, volume_usage, NodeServiceCapability,
 };
 use csi_storage::node::{Publish, Stage};
+use csi_storage::Node as Domain;
 use tonic::{Request, Response, Status};
 
 pub struct NodeService {
-    driver: Shared,
+    node: Arc<Domain>,
 }
 
 impl NodeService {
-    pub fn new(driver: Shared) -> Self {
-        NodeService { driver }
+    pub fn new(node: Arc<Domain>) -> Self {
+        NodeService { node }
     }
 }
 
@@ -32,7 +35,7 @@ impl Node for NodeService {
         req: Request<csi::NodeStageVolumeRequest>,
     ) -> Result<Response<csi::NodeStageVolumeResponse>, Status> {
         let r = req.into_inner();
-        let d = self.driver.clone();
+        let d = self.node.clone();
         let rr = r.clone();
         call("NodeStageVolume", &r.volume_id, &r, move || {
             d.node_stage(Stage {
@@ -51,7 +54,7 @@ impl Node for NodeService {
         req: Request<csi::NodeUnstageVolumeRequest>,
     ) -> Result<Response<csi::NodeUnstageVolumeResponse>, Status> {
         let r = req.into_inner();
-        let d = self.driver.clone();
+        let d = self.node.clone();
         let rr = r.clone();
         call("NodeUnstageVolume", &r.volume_id, &r, move || {
             d.node_unstage(&rr.volume_id, &rr.staging_target_path)
@@ -65,7 +68,7 @@ impl Node for NodeService {
         req: Request<csi::NodePublishVolumeRequest>,
     ) -> Result<Response<csi::NodePublishVolumeResponse>, Status> {
         let r = req.into_inner();
-        let d = self.driver.clone();
+        let d = self.node.clone();
         let rr = r.clone();
         call("NodePublishVolume", &r.volume_id, &r, move || {
             d.node_publish(Publish {
@@ -86,7 +89,7 @@ impl Node for NodeService {
         req: Request<csi::NodeUnpublishVolumeRequest>,
     ) -> Result<Response<csi::NodeUnpublishVolumeResponse>, Status> {
         let r = req.into_inner();
-        let d = self.driver.clone();
+        let d = self.node.clone();
         let rr = r.clone();
         call("NodeUnpublishVolume", &r.volume_id, &r, move || {
             d.node_unpublish(&rr.volume_id, &rr.target_path)
@@ -100,7 +103,7 @@ impl Node for NodeService {
         req: Request<csi::NodeGetVolumeStatsRequest>,
     ) -> Result<Response<csi::NodeGetVolumeStatsResponse>, Status> {
         let r = req.into_inner();
-        let d = self.driver.clone();
+        let d = self.node.clone();
         let rr = r.clone();
         let s = call("NodeGetVolumeStats", &r.volume_id, &r, move || {
             d.node_stats(&rr.volume_id, &rr.volume_path)
@@ -138,7 +141,7 @@ impl Node for NodeService {
         req: Request<csi::NodeExpandVolumeRequest>,
     ) -> Result<Response<csi::NodeExpandVolumeResponse>, Status> {
         let r = req.into_inner();
-        let d = self.driver.clone();
+        let d = self.node.clone();
         let rr = r.clone();
         let size = call("NodeExpandVolume", &r.volume_id, &r, move || {
             let cap = optional_capability(rr.volume_capability.as_ref())?;
@@ -183,7 +186,7 @@ impl Node for NodeService {
         &self,
         req: Request<csi::NodeGetInfoRequest>,
     ) -> Result<Response<csi::NodeGetInfoResponse>, Status> {
-        let d = self.driver.clone();
+        let d = self.node.clone();
         let resp = call("NodeGetInfo", "", req.get_ref(), move || {
             Ok(csi::NodeGetInfoResponse {
                 node_id: d.cfg.node_id.clone(),

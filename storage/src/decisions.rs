@@ -87,6 +87,14 @@ impl World {
         self.driver.as_ref().unwrap()
     }
 
+    fn c(&self) -> &crate::Controller {
+        self.d().controller().expect("the controller domain")
+    }
+
+    fn n(&self) -> &crate::Node {
+        self.d().node().expect("the node domain")
+    }
+
     fn state_dir(&self) -> PathBuf {
         self.tmp.path().join("state")
     }
@@ -112,7 +120,7 @@ impl World {
     /// Creates an image volume of 64 MiB for `cap`; returns its id.
     fn create(&self, name: &str, cap: Capability) -> String {
         let info = self
-            .d()
+            .c()
             .create_volume(CreateVolume {
                 name: name.into(),
                 capacity: CapacityRange {
@@ -127,14 +135,14 @@ impl World {
     }
 
     fn image(&self, id: &str) -> PathBuf {
-        self.d()
+        self.n()
             .locate(VolumeId::parse(id).unwrap())
             .expect("volume data")
             .path
     }
 
     fn stage(&self, id: &str, cap: &Capability) -> Result<()> {
-        self.d().node_stage(Stage {
+        self.n().node_stage(Stage {
             volume_id: id.into(),
             staging_path: self.staging().display().to_string(),
             capability: Some(cap.clone()),
@@ -143,7 +151,7 @@ impl World {
     }
 
     fn publish(&self, id: &str, target: &Path, cap: &Capability, read_only: bool) -> Result<()> {
-        self.d().node_publish(Publish {
+        self.n().node_publish(Publish {
             volume_id: id.into(),
             staging_path: self.staging().display().to_string(),
             target_path: target.display().to_string(),
@@ -162,7 +170,7 @@ impl World {
     }
 
     fn node_record(&self, id: &str) -> Option<crate::node::NodeRecord> {
-        self.d().node_records.get(VolumeId::parse(id).unwrap())
+        self.n().node_records.get(VolumeId::parse(id).unwrap())
     }
 }
 
@@ -249,12 +257,12 @@ fn unpublish_of_a_path_not_mounted_succeeds_without_unmounting() {
     let id = w.create("pvc-a", ext4());
     w.stage(&id, &ext4()).unwrap();
     let t = w.target("never-published");
-    w.d().node_unpublish(&id, &t.display().to_string()).unwrap();
+    w.n().node_unpublish(&id, &t.display().to_string()).unwrap();
     // Twice: unpublish is idempotent.
-    w.d().node_unpublish(&id, &t.display().to_string()).unwrap();
+    w.n().node_unpublish(&id, &t.display().to_string()).unwrap();
     // A volume that does not exist at all is fine too.
     let gone = VolumeId::for_name("never-created").to_string();
-    w.d()
+    w.n()
         .node_unpublish(&gone, &t.display().to_string())
         .unwrap();
     assert_eq!(w.fake.counters().unmount, 0);
@@ -267,7 +275,7 @@ fn unpublish_unmounts_a_published_target_and_removes_it() {
     w.stage(&id, &ext4()).unwrap();
     let t = w.target("t1");
     w.publish(&id, &t, &ext4(), false).unwrap();
-    w.d().node_unpublish(&id, &t.display().to_string()).unwrap();
+    w.n().node_unpublish(&id, &t.display().to_string()).unwrap();
     assert_eq!(w.fake.counters().unmount, 1);
     assert_eq!(w.mounts_at(&t), 0);
     assert!(!t.exists(), "the target directory publish made is removed");
@@ -282,7 +290,7 @@ fn unstage_skips_an_unmounted_staging_path_and_detaches_the_loop_device() {
     // Someone (a reboot, an admin) unmounted the staging path behind our back.
     w.sys.mounter.unmount(&w.staging()).unwrap();
     let before = w.fake.counters();
-    w.d()
+    w.n()
         .node_unstage(&id, &w.staging().display().to_string())
         .unwrap();
     let after = w.fake.counters();
@@ -291,7 +299,7 @@ fn unstage_skips_an_unmounted_staging_path_and_detaches_the_loop_device() {
     assert!(w.fake.loops().is_empty());
     assert!(w.node_record(&id).is_none());
     // Again: nothing left to do, and still success.
-    w.d()
+    w.n()
         .node_unstage(&id, &w.staging().display().to_string())
         .unwrap();
     assert_eq!(w.fake.counters().detach, after.detach);
@@ -304,7 +312,7 @@ fn unstage_refuses_while_a_target_is_still_published() {
     w.stage(&id, &ext4()).unwrap();
     let t = w.target("t1");
     w.publish(&id, &t, &ext4(), false).unwrap();
-    let err = w.d().node_unstage(&id, &w.staging().display().to_string());
+    let err = w.n().node_unstage(&id, &w.staging().display().to_string());
     assert_eq!(code(err), Code::FailedPrecondition);
     assert_eq!(w.fake.counters().unmount, 0);
     assert_eq!(w.fake.loops().len(), 1);
@@ -408,13 +416,13 @@ fn something_else_mounted_at_a_target_is_left_alone() {
         Code::AlreadyExists
     );
     assert_eq!(
-        code(w.d().node_unpublish(&id, &t.display().to_string())),
+        code(w.n().node_unpublish(&id, &t.display().to_string())),
         Code::FailedPrecondition
     );
     // Not even a volume of ours: NOT_FOUND, and the mount stays.
     let gone = VolumeId::for_name("never-created").to_string();
     assert_eq!(
-        code(w.d().node_unpublish(&gone, &t.display().to_string())),
+        code(w.n().node_unpublish(&gone, &t.display().to_string())),
         Code::NotFound
     );
     let after = w.fake.counters();
@@ -441,7 +449,7 @@ fn something_else_mounted_at_the_staging_path_is_left_alone() {
     assert_eq!(code(w.stage(&id, &ext4())), Code::AlreadyExists);
     assert_eq!(w.fake.counters().mkfs, 0);
     assert_eq!(
-        code(w.d().node_unstage(&id, &w.staging().display().to_string())),
+        code(w.n().node_unstage(&id, &w.staging().display().to_string())),
         Code::FailedPrecondition
     );
     assert_eq!(w.fake.counters().unmount, 0);
@@ -465,7 +473,7 @@ fn single_node_single_writer_refuses_a_second_writer() {
     // A reader is no writer.
     w.publish(&id, &t3, &cap, true).unwrap();
     // Once the writer is gone, another may come.
-    w.d()
+    w.n()
         .node_unpublish(&id, &t1.display().to_string())
         .unwrap();
     w.publish(&id, &t2, &cap, false).unwrap();
@@ -528,9 +536,9 @@ fn a_failed_detach_at_unstage_keeps_the_record_for_the_retry() {
     w.stage(&id, &ext4()).unwrap();
     w.fake.fail_next("detach", eio("detach"));
     let staging = w.staging().display().to_string();
-    assert_eq!(code(w.d().node_unstage(&id, &staging)), Code::Internal);
+    assert_eq!(code(w.n().node_unstage(&id, &staging)), Code::Internal);
     assert!(w.node_record(&id).is_some());
-    w.d().node_unstage(&id, &staging).unwrap();
+    w.n().node_unstage(&id, &staging).unwrap();
     assert!(w.fake.loops().is_empty());
     assert!(w.node_record(&id).is_none());
 }
@@ -596,7 +604,7 @@ fn modify_volume_that_cannot_be_applied_changes_nothing() {
         );
         assert_eq!(attr(&image, "directIO"), None, "{what}: attribute put back");
         assert_eq!(attr(&image, "readAheadKiB"), None, "{what}");
-        let rec = w.d().get_volume(&id).unwrap().record;
+        let rec = w.c().get_volume(&id).unwrap().record;
         assert!(rec.mutable_parameters.is_empty(), "{what}: {rec:?}");
     };
 
@@ -605,7 +613,7 @@ fn modify_volume_that_cannot_be_applied_changes_nothing() {
         SysError::syscall("turn direct I/O on".into(), "/dev/loop0", libc::EINVAL)
     });
     assert_eq!(
-        code(w.d().modify_volume(&id, &asked)),
+        code(w.c().modify_volume(&id, &asked)),
         Code::InvalidArgument
     );
     unchanged("direct I/O refused");
@@ -613,29 +621,29 @@ fn modify_volume_that_cannot_be_applied_changes_nothing() {
     // Direct I/O is set, then the read-ahead fails: the direct I/O is undone.
     w.fake
         .fail_next("set_read_ahead_kib", eio("write read_ahead_kb"));
-    assert_eq!(code(w.d().modify_volume(&id, &asked)), Code::Internal);
+    assert_eq!(code(w.c().modify_volume(&id, &asked)), Code::Internal);
     unchanged("read-ahead failed");
 
     // The settings of the device cannot even be read: nothing is tried.
     w.fake
         .fail_next("read_ahead_kib", eio("read read_ahead_kb"));
-    assert_eq!(code(w.d().modify_volume(&id, &asked)), Code::Internal);
+    assert_eq!(code(w.c().modify_volume(&id, &asked)), Code::Internal);
     unchanged("settings unreadable");
 
     // The retry applies everything.
-    w.d().modify_volume(&id, &asked).unwrap();
+    w.c().modify_volume(&id, &asked).unwrap();
     assert!(w.fake.loops()[0].direct_io);
     assert_eq!(read_ahead(), 1024);
     assert_eq!(attr(&image, "directIO").as_deref(), Some("true"));
     assert_eq!(
-        w.d().get_volume(&id).unwrap().record.mutable_parameters,
+        w.c().get_volume(&id).unwrap().record.mutable_parameters,
         asked
     );
 
     // A change that fails on a volume with values already set puts those back.
     w.fake
         .fail_next("set_read_ahead_kib", eio("write read_ahead_kb"));
-    let r = w.d().modify_volume(
+    let r = w.c().modify_volume(
         &id,
         &params(&[("directIO", "false"), ("readAheadKiB", "64")]),
     );
@@ -644,7 +652,7 @@ fn modify_volume_that_cannot_be_applied_changes_nothing() {
     assert_eq!(read_ahead(), 1024);
     assert_eq!(attr(&image, "readAheadKiB").as_deref(), Some("1024"));
     assert_eq!(
-        w.d().get_volume(&id).unwrap().record.mutable_parameters,
+        w.c().get_volume(&id).unwrap().record.mutable_parameters,
         asked
     );
 }
@@ -654,7 +662,7 @@ fn modify_volume_not_staged_here_is_recorded_for_the_next_stage() {
     let w = World::new();
     let id = w.create("pvc-a", ext4());
     let asked = params(&[("directIO", "true"), ("readAheadKiB", "512")]);
-    w.d().modify_volume(&id, &asked).unwrap();
+    w.c().modify_volume(&id, &asked).unwrap();
     assert_eq!(w.fake.counters().set_direct_io, 0, "no device to change");
     w.stage(&id, &ext4()).unwrap();
     let dev = &w.fake.loops()[0];
@@ -667,7 +675,7 @@ fn stage_that_cannot_apply_the_recorded_settings_fails_and_leaves_nothing() {
     let w = World::new();
     let mut req = request("pvc-a", 64 * MIB as i64, 0, vec![ext4()]);
     req.mutable_parameters = params(&[("readAheadKiB", "1024")]);
-    let id = w.d().create_volume(req).unwrap().record.id.to_string();
+    let id = w.c().create_volume(req).unwrap().record.id.to_string();
     let nothing_left = |what: &str| {
         assert!(w.fake.loops().is_empty(), "{what}: loop device detached");
         assert!(w.fake.mounts().is_empty(), "{what}: nothing mounted");
@@ -696,7 +704,7 @@ fn stage_that_cannot_apply_the_recorded_settings_fails_and_leaves_nothing() {
 // ---- NodeExpandVolume ----
 
 fn node_expand(w: &World, id: &str, required: u64) -> Result<u64> {
-    w.d().node_expand(
+    w.n().node_expand(
         id,
         &w.staging().display().to_string(),
         CapacityRange {
@@ -713,7 +721,7 @@ fn node_expand_to_the_size_a_volume_has_grows_nothing() {
     for (fs, size) in [("ext4", 64 * MIB), ("xfs", 300 * MIB), ("btrfs", 128 * MIB)] {
         let cap = mount_cap(fs, AccessMode::SingleNodeWriter);
         let id = w
-            .d()
+            .c()
             .create_volume(request(
                 &format!("pvc-{fs}"),
                 size as i64,
@@ -734,7 +742,7 @@ fn node_expand_to_the_size_a_volume_has_grows_nothing() {
         );
         assert_eq!(node_expand(&w, &id, 0).unwrap(), size, "{fs}: no size");
         assert_eq!(w.fake.counters().grow, grown, "{fs}: no grow was tried");
-        w.d()
+        w.n()
             .node_unstage(&id, &w.staging().display().to_string())
             .unwrap();
     }
@@ -749,14 +757,14 @@ fn node_expand_grows_what_is_smaller_and_refuses_a_btrfs_below_256_mib() {
     assert_eq!(w.fake.counters().grow, 1);
     assert_eq!(node_expand(&w, &id, 96 * MIB).unwrap(), 96 * MIB);
     assert_eq!(w.fake.counters().grow, 1, "the retry grows nothing");
-    w.d()
+    w.n()
         .node_unstage(&id, &w.staging().display().to_string())
         .unwrap();
 
     // The kernel resizes no btrfs to less than 256 MiB: said, not tried.
     let cap = mount_cap("btrfs", AccessMode::SingleNodeWriter);
     let id = w
-        .d()
+        .c()
         .create_volume(request("pvc-b", 128 * MIB as i64, 0, vec![cap.clone()]))
         .unwrap()
         .record
@@ -768,7 +776,7 @@ fn node_expand_grows_what_is_smaller_and_refuses_a_btrfs_below_256_mib() {
     assert!(err.to_string().contains("256 MiB"), "{err}");
     assert_eq!(w.fake.counters().grow, 1);
     // Staged again at that size, it is mounted as it is.
-    w.d()
+    w.n()
         .node_unstage(&id, &w.staging().display().to_string())
         .unwrap();
     w.stage(&id, &cap).unwrap();
@@ -785,14 +793,14 @@ fn a_snapshot_of_a_staged_image_freezes_and_thaws() {
     let id = w.create("pvc-a", ext4());
     w.stage(&id, &ext4()).unwrap();
     let snap = w
-        .d()
+        .c()
         .create_snapshot("snap-1", &id, &BTreeMap::new())
         .unwrap();
     let c = w.fake.counters();
     assert_eq!((c.freeze, c.thaw), (1, 1));
     assert!(!w.fake.is_frozen(&w.staging()));
     assert_eq!(w.pool_files("snapshots"), vec![format!("{}.img", snap.id)]);
-    let markers = std::fs::read_dir(w.state_dir().join("frozen"))
+    let markers = std::fs::read_dir(w.state_dir().join("shared/frozen"))
         .unwrap()
         .count();
     assert_eq!(markers, 0, "the freeze marker is removed after the thaw");
@@ -802,7 +810,7 @@ fn a_snapshot_of_a_staged_image_freezes_and_thaws() {
 fn a_snapshot_of_an_unstaged_image_freezes_nothing() {
     let w = World::new();
     let id = w.create("pvc-a", ext4());
-    w.d()
+    w.c()
         .create_snapshot("snap-1", &id, &BTreeMap::new())
         .unwrap();
     let c = w.fake.counters();
@@ -824,19 +832,19 @@ fn a_failed_snapshot_copy_still_thaws() {
     std::fs::create_dir(&blocker).unwrap();
     std::fs::write(blocker.join("f"), b"x").unwrap();
 
-    let err = w.d().create_snapshot("snap-1", &id, &BTreeMap::new());
+    let err = w.c().create_snapshot("snap-1", &id, &BTreeMap::new());
     assert_eq!(code(err), Code::Internal);
     let c = w.fake.counters();
     assert_eq!((c.freeze, c.thaw), (1, 1));
     assert!(!w.fake.is_frozen(&w.staging()));
-    assert!(w.d().get_snapshot(&sid.to_string()).is_err());
-    let markers = std::fs::read_dir(w.state_dir().join("frozen"))
+    assert!(w.c().get_snapshot(&sid.to_string()).is_err());
+    let markers = std::fs::read_dir(w.state_dir().join("shared/frozen"))
         .unwrap()
         .count();
     assert_eq!(markers, 0);
 
     // Nothing is stuck: the retry succeeds and freezes and thaws again.
-    w.d()
+    w.c()
         .create_snapshot("snap-1", &id, &BTreeMap::new())
         .unwrap();
     assert!(!w.fake.is_frozen(&w.staging()));
@@ -849,11 +857,11 @@ fn a_failed_freeze_copies_nothing_and_leaves_nothing_frozen() {
     let id = w.create("pvc-a", ext4());
     w.stage(&id, &ext4()).unwrap();
     w.fake.fail_next("freeze", eio("freeze"));
-    let err = w.d().create_snapshot("snap-1", &id, &BTreeMap::new());
+    let err = w.c().create_snapshot("snap-1", &id, &BTreeMap::new());
     assert_eq!(code(err), Code::Internal);
     assert!(!w.fake.is_frozen(&w.staging()));
     assert!(w.pool_files("snapshots").is_empty());
-    assert_eq!(w.d().snapshot_count(), 0);
+    assert_eq!(w.c().snapshot_count(), 0);
 }
 
 #[test]
@@ -866,17 +874,17 @@ fn a_failed_thaw_keeps_the_marker_and_the_next_start_thaws() {
         w.fake.fail_next("thaw", eio("thaw"));
     }
     // The snapshot itself is made; the thaw failure is logged.
-    w.d()
+    w.c()
         .create_snapshot("snap-1", &id, &BTreeMap::new())
         .unwrap();
     assert!(w.fake.is_frozen(&w.staging()));
-    let markers = std::fs::read_dir(w.state_dir().join("frozen"))
+    let markers = std::fs::read_dir(w.state_dir().join("shared/frozen"))
         .unwrap()
         .count();
     assert_eq!(markers, 1, "the marker stays for the next start");
     w.reopen();
     assert!(!w.fake.is_frozen(&w.staging()));
-    let markers = std::fs::read_dir(w.state_dir().join("frozen"))
+    let markers = std::fs::read_dir(w.state_dir().join("shared/frozen"))
         .unwrap()
         .count();
     assert_eq!(markers, 0);
@@ -889,13 +897,13 @@ fn a_call_whose_caller_left_undoes_its_intent_and_freezes_nothing() {
     w.stage(&id, &ext4()).unwrap();
     let token = crate::cancel::Token::new();
     token.cancel();
-    let err = token.run(|| w.d().create_snapshot("snap-1", &id, &BTreeMap::new()));
+    let err = token.run(|| w.c().create_snapshot("snap-1", &id, &BTreeMap::new()));
     assert_eq!(code(err), Code::Cancelled);
     assert!(!w.fake.is_frozen(&w.staging()));
     assert!(w.pool_files("snapshots").is_empty());
-    assert_eq!(w.d().snapshot_count(), 0);
+    assert_eq!(w.c().snapshot_count(), 0);
     // The retry of a live caller goes through.
-    w.d()
+    w.c()
         .create_snapshot("snap-1", &id, &BTreeMap::new())
         .unwrap();
 }
@@ -906,13 +914,13 @@ fn a_thaw_that_fails_once_is_tried_again() {
     let id = w.create("pvc-a", ext4());
     w.stage(&id, &ext4()).unwrap();
     w.fake.fail_next("thaw", eio("thaw"));
-    w.d()
+    w.c()
         .create_snapshot("snap-1", &id, &BTreeMap::new())
         .unwrap();
     assert!(!w.fake.is_frozen(&w.staging()));
     assert!(w
         .state_dir()
-        .join("frozen")
+        .join("shared/frozen")
         .read_dir()
         .unwrap()
         .next()
@@ -926,13 +934,19 @@ fn a_freeze_marker_left_by_a_crash_is_thawed_at_open() {
     w.stage(&id, &ext4()).unwrap();
     // A crash between freeze and thaw: frozen, and the marker written before it.
     w.sys.fs.freeze(&w.staging()).unwrap();
-    let dir = w.state_dir().join("frozen");
-    std::fs::create_dir_all(&dir).unwrap();
-    let body = serde_json::to_vec(&vec![w.staging()]).unwrap();
-    std::fs::write(dir.join(format!("{id}.json")), body).unwrap();
+    let dir = w.state_dir().join("shared/frozen");
+    let marker = |mp: PathBuf| {
+        serde_json::to_vec(&crate::state::FreezeMarker {
+            owner: crate::state::Domain::Controller,
+            pid: 1,
+            volumes: vec![VolumeId::parse(&id).unwrap()],
+            mountpoints: vec![mp],
+        })
+        .unwrap()
+    };
+    std::fs::write(dir.join(format!("{id}.json")), marker(w.staging())).unwrap();
     // A marker naming a path that is no longer mounted does not stop the start.
-    let body = serde_json::to_vec(&vec![w.tmp.path().join("gone")]).unwrap();
-    std::fs::write(dir.join("other.json"), body).unwrap();
+    std::fs::write(dir.join("other.json"), marker(w.tmp.path().join("gone"))).unwrap();
 
     w.reopen();
     assert!(!w.fake.is_frozen(&w.staging()));
@@ -946,41 +960,41 @@ fn a_freeze_marker_left_by_a_crash_is_thawed_at_open() {
 fn create_volume_is_idempotent_and_conflicts_are_already_exists() {
     let w = World::new();
     let req = request("pvc-a", 64 * MIB as i64, 0, vec![ext4()]);
-    let first = w.d().create_volume(req.clone()).unwrap();
-    let again = w.d().create_volume(req.clone()).unwrap();
+    let first = w.c().create_volume(req.clone()).unwrap();
+    let again = w.c().create_volume(req.clone()).unwrap();
     assert_eq!(first.record, again.record);
     assert_eq!(w.pool_files("volumes").len(), 1);
 
     // A range the existing size satisfies is the same volume.
     let within = request("pvc-a", 32 * MIB as i64, 128 * MIB as i64, vec![ext4()]);
     assert_eq!(
-        w.d().create_volume(within).unwrap().record.id,
+        w.c().create_volume(within).unwrap().record.id,
         first.record.id
     );
 
     let bigger = request("pvc-a", 128 * MIB as i64, 0, vec![ext4()]);
-    assert_eq!(code(w.d().create_volume(bigger)), Code::AlreadyExists);
+    assert_eq!(code(w.c().create_volume(bigger)), Code::AlreadyExists);
     let other_fs = request(
         "pvc-a",
         64 * MIB as i64,
         0,
         vec![mount_cap("xfs", AccessMode::SingleNodeWriter)],
     );
-    assert_eq!(code(w.d().create_volume(other_fs)), Code::AlreadyExists);
+    assert_eq!(code(w.c().create_volume(other_fs)), Code::AlreadyExists);
     let as_block = request("pvc-a", 64 * MIB as i64, 0, vec![block()]);
-    assert_eq!(code(w.d().create_volume(as_block)), Code::AlreadyExists);
+    assert_eq!(code(w.c().create_volume(as_block)), Code::AlreadyExists);
     let mut as_dir = req.clone();
     as_dir.parameters = params(&[("kind", "dir")]);
-    assert_eq!(code(w.d().create_volume(as_dir)), Code::AlreadyExists);
+    assert_eq!(code(w.c().create_volume(as_dir)), Code::AlreadyExists);
     let mut from_snapshot = req.clone();
     from_snapshot.source = Some(ContentSource::Snapshot(SnapshotId::for_name("s")));
     assert_eq!(
-        code(w.d().create_volume(from_snapshot)),
+        code(w.c().create_volume(from_snapshot)),
         Code::AlreadyExists
     );
 
     // None of the conflicts changed the volume.
-    assert_eq!(w.d().volume_count(), 1);
+    assert_eq!(w.c().volume_count(), 1);
     let len = std::fs::metadata(w.image(&first.record.id.to_string()))
         .unwrap()
         .len();
@@ -991,12 +1005,12 @@ fn create_volume_is_idempotent_and_conflicts_are_already_exists() {
 fn a_create_left_half_done_is_started_over() {
     let w = World::new();
     let req = request("pvc-a", 64 * MIB as i64, 0, vec![ext4()]);
-    let info = w.d().create_volume(req.clone()).unwrap();
+    let info = w.c().create_volume(req.clone()).unwrap();
     let mut rec = info.record.clone();
     rec.state = RecordState::Creating;
     rec.size = 8 * MIB; // what the crashed attempt was making
-    w.d().volumes.put(&rec).unwrap();
-    let again = w.d().create_volume(req).unwrap();
+    w.c().volumes.put(&rec).unwrap();
+    let again = w.c().create_volume(req).unwrap();
     assert_eq!(again.record.state, RecordState::Ready);
     assert_eq!(again.record.size, 64 * MIB);
 }
@@ -1026,7 +1040,7 @@ fn sizes_are_rounded_to_the_filesystem_minimum_and_whole_mebibytes() {
     ];
     for (name, required, limit, caps, want) in cases {
         let info = w
-            .d()
+            .c()
             .create_volume(request(name, required, limit, caps))
             .unwrap_or_else(|e| panic!("{name}: {e}"));
         assert_eq!(info.record.size, want, "{name}");
@@ -1043,18 +1057,18 @@ fn sizes_beyond_the_limit_or_the_pool_are_out_of_range() {
     let xfs = mount_cap("xfs", AccessMode::SingleNodeWriter);
     // The filesystem's minimum does not fit under the limit.
     let small = request("xfs-small", 0, 100 * MIB as i64, vec![xfs]);
-    assert_eq!(code(w.d().create_volume(small)), Code::OutOfRange);
+    assert_eq!(code(w.c().create_volume(small)), Code::OutOfRange);
     let small = request("ext4-small", 1, 4 * MIB as i64, vec![ext4()]);
-    assert_eq!(code(w.d().create_volume(small)), Code::OutOfRange);
+    assert_eq!(code(w.c().create_volume(small)), Code::OutOfRange);
     // Larger than the pool's filesystem.
     let huge = request("huge", 1 << 60, 0, vec![ext4()]);
-    assert_eq!(code(w.d().create_volume(huge)), Code::OutOfRange);
+    assert_eq!(code(w.c().create_volume(huge)), Code::OutOfRange);
     // required above limit is a malformed range.
     let bad = request("bad", 20 * MIB as i64, 10 * MIB as i64, vec![ext4()]);
-    assert_eq!(code(w.d().create_volume(bad)), Code::InvalidArgument);
+    assert_eq!(code(w.c().create_volume(bad)), Code::InvalidArgument);
     let negative = request("negative", -1, 0, vec![ext4()]);
-    assert_eq!(code(w.d().create_volume(negative)), Code::InvalidArgument);
-    assert_eq!(w.d().volume_count(), 0);
+    assert_eq!(code(w.c().create_volume(negative)), Code::InvalidArgument);
+    assert_eq!(w.c().volume_count(), 0);
     assert!(w.pool_files("volumes").is_empty());
 }
 
@@ -1138,14 +1152,14 @@ fn bad_parameters_are_invalid_argument_and_make_nothing() {
         ("another node", elsewhere, Code::ResourceExhausted),
     ];
     for (what, req, want) in cases {
-        assert_eq!(code(w.d().create_volume(req)), want, "{what}");
+        assert_eq!(code(w.c().create_volume(req)), want, "{what}");
     }
-    assert_eq!(w.d().volume_count(), 0);
+    assert_eq!(w.c().volume_count(), 0);
     assert!(w.pool_files("volumes").is_empty());
     // The k8s-prefixed keys and this node's own topology are accepted.
     let mut fine = with_params(&[("csi.storage.k8s.io/pvc/name", "x"), ("kind", "image")]);
     fine.requisite = vec![params(&[(TOPOLOGY_KEY, "node-1")])];
-    w.d().create_volume(fine).unwrap();
+    w.c().create_volume(fine).unwrap();
 }
 
 #[test]
@@ -1154,7 +1168,7 @@ fn mutable_parameters_must_apply_to_the_kind_of_volume() {
     // directIO on an image: kept as an attribute, applied at attach.
     let mut image = request("pvc-img", 64 * MIB as i64, 0, vec![ext4()]);
     image.mutable_parameters = params(&[("directIO", "true"), ("readAheadKiB", "1024")]);
-    let info = w.d().create_volume(image).unwrap();
+    let info = w.c().create_volume(image).unwrap();
     let id = info.record.id.to_string();
     let path = w.image(&id);
     let attr = csi_sys::xattr::get(&path, "example-csi.directIO").unwrap();
@@ -1167,7 +1181,7 @@ fn mutable_parameters_must_apply_to_the_kind_of_volume() {
     );
     assert_eq!(w.fake.read_ahead_kib(&dev.device), Some(1024));
     // Modified while staged: applied to the live device at once.
-    w.d()
+    w.c()
         .modify_volume(&id, &params(&[("directIO", "false")]))
         .unwrap();
     assert!(!w.fake.loops()[0].direct_io);
@@ -1177,53 +1191,53 @@ fn mutable_parameters_must_apply_to_the_kind_of_volume() {
     dir.parameters = params(&[("kind", "dir")]);
     dir.mutable_parameters = params(&[("compression", "zstd")]);
     assert_eq!(
-        code(w.d().create_volume(dir.clone())),
+        code(w.c().create_volume(dir.clone())),
         Code::InvalidArgument
     );
     dir.mutable_parameters = params(&[("directIO", "true")]);
     assert_eq!(
-        code(w.d().create_volume(dir.clone())),
+        code(w.c().create_volume(dir.clone())),
         Code::InvalidArgument
     );
     let mut image = request("pvc-img2", 64 * MIB as i64, 0, vec![ext4()]);
     image.mutable_parameters = params(&[("compression", "zstd")]);
     assert_eq!(
-        code(w.d().create_volume(image.clone())),
+        code(w.c().create_volume(image.clone())),
         Code::InvalidArgument
     );
     // Values and names are checked too.
     image.mutable_parameters = params(&[("directIO", "maybe")]);
     assert_eq!(
-        code(w.d().create_volume(image.clone())),
+        code(w.c().create_volume(image.clone())),
         Code::InvalidArgument
     );
     image.mutable_parameters = params(&[("readAheadKiB", "65537")]);
     assert_eq!(
-        code(w.d().create_volume(image.clone())),
+        code(w.c().create_volume(image.clone())),
         Code::InvalidArgument
     );
     image.mutable_parameters = params(&[("iops", "100")]);
-    assert_eq!(code(w.d().create_volume(image)), Code::InvalidArgument);
-    assert_eq!(w.d().volume_count(), 1);
+    assert_eq!(code(w.c().create_volume(image)), Code::InvalidArgument);
+    assert_eq!(w.c().volume_count(), 1);
 
     // ModifyVolume applies the same rules, and changes nothing when it refuses.
     dir.mutable_parameters = BTreeMap::new();
-    let dir_id = w.d().create_volume(dir).unwrap().record.id.to_string();
+    let dir_id = w.c().create_volume(dir).unwrap().record.id.to_string();
     assert_eq!(
         code(
-            w.d()
+            w.c()
                 .modify_volume(&dir_id, &params(&[("compression", "lzo")]))
         ),
         Code::InvalidArgument
     );
     assert_eq!(
-        code(w.d().modify_volume(
+        code(w.c().modify_volume(
             &id,
             &params(&[("readAheadKiB", "64"), ("compression", "lzo")])
         )),
         Code::InvalidArgument
     );
-    let rec = w.d().get_volume(&id).unwrap().record;
+    let rec = w.c().get_volume(&id).unwrap().record;
     assert_eq!(
         rec.mutable_parameters,
         params(&[("directIO", "false"), ("readAheadKiB", "1024")])
@@ -1235,7 +1249,7 @@ fn a_driver_configured_without_a_mutable_parameter_refuses_it() {
     let w = World::with(|c| c.mutable_parameters = vec!["readAheadKiB".into()]);
     let mut image = request("pvc-img", 64 * MIB as i64, 0, vec![ext4()]);
     image.mutable_parameters = params(&[("directIO", "true")]);
-    assert_eq!(code(w.d().create_volume(image)), Code::InvalidArgument);
+    assert_eq!(code(w.c().create_volume(image)), Code::InvalidArgument);
 }
 
 // ---- ListVolumes, DeleteVolume ----
@@ -1251,7 +1265,7 @@ fn list_volumes_pages_with_tokens_and_refuses_foreign_ones() {
     let mut token = String::new();
     let mut pages = 0;
     loop {
-        let page = w.d().list_volumes(2, &token).unwrap();
+        let page = w.c().list_volumes(2, &token).unwrap();
         assert!(page.volumes.len() <= 2);
         pages += 1;
         seen.extend(page.volumes.iter().map(|v| v.record.id.to_string()));
@@ -1262,17 +1276,17 @@ fn list_volumes_pages_with_tokens_and_refuses_foreign_ones() {
     }
     assert_eq!(pages, 3);
     assert_eq!(seen, made, "every volume once, in id order");
-    assert_eq!(w.d().list_volumes(0, "").unwrap().volumes.len(), 5);
+    assert_eq!(w.c().list_volumes(0, "").unwrap().volumes.len(), 5);
 
-    assert_eq!(code(w.d().list_volumes(2, "not-a-token")), Code::Aborted);
+    assert_eq!(code(w.c().list_volumes(2, "not-a-token")), Code::Aborted);
     assert_eq!(
-        code(w.d().list_volumes(2, &made[0].to_uppercase())),
+        code(w.c().list_volumes(2, &made[0].to_uppercase())),
         Code::Aborted
     );
-    assert_eq!(code(w.d().list_volumes(-1, "")), Code::InvalidArgument);
+    assert_eq!(code(w.c().list_volumes(-1, "")), Code::InvalidArgument);
     // A token of a volume deleted since is still a place in the order.
-    w.d().delete_volume(&made[1]).unwrap();
-    let page = w.d().list_volumes(0, &made[1]).unwrap();
+    w.c().delete_volume(&made[1]).unwrap();
+    let page = w.c().list_volumes(0, &made[1]).unwrap();
     let ids: Vec<String> = page
         .volumes
         .iter()
@@ -1285,11 +1299,11 @@ fn list_volumes_pages_with_tokens_and_refuses_foreign_ones() {
 fn volumes_half_made_are_not_listed() {
     let w = World::new();
     let id = w.create("pvc-a", ext4());
-    let mut rec = w.d().volumes.get(VolumeId::parse(&id).unwrap()).unwrap();
+    let mut rec = w.c().volumes.get(VolumeId::parse(&id).unwrap()).unwrap();
     rec.state = RecordState::Creating;
-    w.d().volumes.put(&rec).unwrap();
-    assert!(w.d().list_volumes(0, "").unwrap().volumes.is_empty());
-    assert_eq!(code(w.d().get_volume(&id)), Code::NotFound);
+    w.c().volumes.put(&rec).unwrap();
+    assert!(w.c().list_volumes(0, "").unwrap().volumes.is_empty());
+    assert_eq!(code(w.c().get_volume(&id)), Code::NotFound);
 }
 
 #[test]
@@ -1298,18 +1312,18 @@ fn delete_of_an_id_that_is_no_uuid_succeeds_and_touches_nothing() {
     let id = w.create("pvc-a", ext4());
     let before = w.pool_files("volumes");
     for bogus in ["not-a-uuid", "../volumes", "pvc-a", &id.to_uppercase()] {
-        w.d().delete_volume(bogus).unwrap();
+        w.c().delete_volume(bogus).unwrap();
     }
     assert_eq!(w.pool_files("volumes"), before);
-    assert_eq!(w.d().volume_count(), 1);
+    assert_eq!(w.c().volume_count(), 1);
     assert_eq!(
         w.fake.counters(),
         Default::default(),
         "no system call at all"
     );
-    assert_eq!(code(w.d().delete_volume("")), Code::InvalidArgument);
+    assert_eq!(code(w.c().delete_volume("")), Code::InvalidArgument);
     // A well-formed id of nothing: success too.
-    w.d()
+    w.c()
         .delete_volume(&VolumeId::for_name("never").to_string())
         .unwrap();
 }
@@ -1319,14 +1333,14 @@ fn delete_of_a_staged_volume_is_refused_until_unstaged() {
     let w = World::new();
     let id = w.create("pvc-a", ext4());
     w.stage(&id, &ext4()).unwrap();
-    assert_eq!(code(w.d().delete_volume(&id)), Code::FailedPrecondition);
+    assert_eq!(code(w.c().delete_volume(&id)), Code::FailedPrecondition);
     assert_eq!(w.pool_files("volumes").len(), 1);
-    w.d()
+    w.n()
         .node_unstage(&id, &w.staging().display().to_string())
         .unwrap();
-    w.d().delete_volume(&id).unwrap();
+    w.c().delete_volume(&id).unwrap();
     assert!(w.pool_files("volumes").is_empty());
-    assert_eq!(w.d().volume_count(), 0);
+    assert_eq!(w.c().volume_count(), 0);
 }
 
 // ---- the store across restarts ----
@@ -1336,19 +1350,19 @@ fn records_survive_a_reopen() {
     let mut w = World::new();
     let mut req = request("pvc-a", 64 * MIB as i64, 0, vec![ext4()]);
     req.mutable_parameters = params(&[("readAheadKiB", "512")]);
-    let made = w.d().create_volume(req).unwrap().record;
+    let made = w.c().create_volume(req).unwrap().record;
     let id = made.id.to_string();
     w.stage(&id, &ext4()).unwrap();
     w.publish(&id, &w.target("t1"), &ext4(), false).unwrap();
     let snap = w
-        .d()
+        .c()
         .create_snapshot("snap-1", &id, &BTreeMap::new())
         .unwrap();
     let node_before = w.node_record(&id).unwrap();
 
     w.reopen();
-    assert_eq!(w.d().get_volume(&id).unwrap().record, made);
-    assert_eq!(w.d().get_snapshot(&snap.id.to_string()).unwrap(), snap);
+    assert_eq!(w.c().get_volume(&id).unwrap().record, made);
+    assert_eq!(w.c().get_snapshot(&snap.id.to_string()).unwrap(), snap);
     assert_eq!(w.node_record(&id).unwrap(), node_before);
     // The reopened driver carries on where the first left off: nothing redone.
     let before = w.fake.counters();
@@ -1366,12 +1380,15 @@ fn records_survive_a_reopen() {
 fn an_unreadable_record_is_set_aside_and_its_data_kept() {
     let mut w = World::new();
     let id = w.create("pvc-a", ext4());
-    let path = w.state_dir().join("volumes").join(format!("{id}.json"));
+    let path = w
+        .state_dir()
+        .join("controller/volumes")
+        .join(format!("{id}.json"));
     std::fs::write(&path, b"{ not json").unwrap();
     w.reopen();
     assert_eq!(w.pool_files("volumes"), vec![format!("{id}.img")]);
     assert!(path.with_extension("corrupt").exists());
-    assert_eq!(code(w.d().get_volume(&id)), Code::NotFound);
+    assert_eq!(code(w.c().get_volume(&id)), Code::NotFound);
 }
 
 // ---- start-up on the node: orphans ----
@@ -1383,7 +1400,7 @@ fn orphaned(w: &World) -> (String, PathBuf) {
     w.stage(&id, &ext4()).unwrap();
     let t = w.target("t1");
     w.publish(&id, &t, &ext4(), false).unwrap();
-    w.d()
+    w.n()
         .node_records
         .remove(VolumeId::parse(&id).unwrap())
         .unwrap();
@@ -1471,5 +1488,188 @@ fn a_stage_refused_for_its_fs_type_changes_nothing() {
     assert!(w.fake.loops().is_empty(), "no loop device is left attached");
     assert!(w.node_record(&id).is_none(), "no node record is left");
     // Bad input changed nothing: the volume can still be deleted.
-    w.d().delete_volume(&id).unwrap();
+    w.c().delete_volume(&id).unwrap();
+}
+
+// ---- two processes on one state: the controller and the node plugin ----
+
+impl World {
+    /// Another driver on the same state, pool and system, as the other process of
+    /// the central deployment: the node plugin when `node`, else a controller.
+    fn other(&self, node: bool) -> Result<Driver> {
+        let mut cfg = self.config();
+        cfg.controller = !node;
+        cfg.node = node;
+        Driver::open(cfg, self.sys.clone())
+    }
+}
+
+/// A controller process (the world's driver) and a node process on one state.
+fn split() -> (World, Driver) {
+    let w = World::with(|c| c.node = false);
+    let node = w.other(true).unwrap();
+    (w, node)
+}
+
+fn stage_on(node: &Driver, w: &World, id: &str, cap: &Capability) -> Result<()> {
+    node.node().unwrap().node_stage(Stage {
+        volume_id: id.into(),
+        staging_path: w.staging().display().to_string(),
+        capability: Some(cap.clone()),
+        volume_context: BTreeMap::new(),
+    })
+}
+
+fn unstage_on(node: &Driver, w: &World, id: &str) -> Result<()> {
+    node.node()
+        .unwrap()
+        .node_unstage(id, &w.staging().display().to_string())
+}
+
+#[test]
+fn a_second_process_of_one_mode_on_one_state_is_refused() {
+    let w = World::new();
+    for node in [true, false] {
+        match w.other(node) {
+            Err(e @ crate::Error::StateInUse(_)) => {
+                assert!(e.to_string().contains("one process per mode"), "{e}")
+            }
+            Err(e) => panic!("{e}"),
+            Ok(_) => panic!("a second process (node={node}) was let in"),
+        }
+    }
+    let (w, node) = split();
+    assert!(matches!(w.other(true), Err(crate::Error::StateInUse(_))));
+    assert!(matches!(w.other(false), Err(crate::Error::StateInUse(_))));
+    drop(node);
+    w.other(true)
+        .expect("the node's part is free once its process is gone");
+}
+
+#[test]
+fn each_mode_opens_only_its_own_records() {
+    let w = World::with(|c| c.controller = false);
+    assert!(w.state_dir().join("node").is_dir());
+    assert!(!w.state_dir().join("controller").exists());
+    let w = World::with(|c| c.node = false);
+    assert!(w.state_dir().join("controller").is_dir());
+    assert!(!w.state_dir().join("node").exists());
+}
+
+#[test]
+fn the_controller_does_not_delete_a_volume_the_node_has_staged() {
+    let (w, node) = split();
+    let info = w
+        .c()
+        .create_volume(CreateVolume {
+            name: "pvc-dir".into(),
+            capacity: CapacityRange {
+                required: 64 * MIB as i64,
+                limit: 0,
+            },
+            capabilities: vec![mount_cap("", AccessMode::SingleNodeWriter)],
+            parameters: BTreeMap::from([("kind".to_string(), "dir".to_string())]),
+            ..Default::default()
+        })
+        .unwrap();
+    let id = info.record.id.to_string();
+    stage_on(&node, &w, &id, &mount_cap("", AccessMode::SingleNodeWriter)).unwrap();
+    let err = w.c().delete_volume(&id);
+    assert_eq!(code(err), Code::FailedPrecondition);
+    assert_eq!(w.pool_files("volumes"), vec![id.clone()]);
+    unstage_on(&node, &w, &id).unwrap();
+    w.c().delete_volume(&id).unwrap();
+    assert!(w.pool_files("volumes").is_empty());
+    assert!(
+        std::fs::read_dir(w.state_dir().join("shared/locks"))
+            .unwrap()
+            .next()
+            .is_none(),
+        "the lock file of a deleted volume goes with it"
+    );
+}
+
+#[test]
+fn a_controller_without_the_node_refuses_to_change_a_staged_image() {
+    let (w, node) = split();
+    let id = w.create("pvc-a", ext4());
+    stage_on(&node, &w, &id, &ext4()).unwrap();
+    let want = BTreeMap::from([("directIO".to_string(), "true".to_string())]);
+    assert_eq!(
+        code(w.c().modify_volume(&id, &want)),
+        Code::FailedPrecondition
+    );
+    let image = w.tmp.path().join(format!("pool/volumes/{id}.img"));
+    let attr = csi_sys::xattr::get(&image, "example-csi.directIO").unwrap();
+    assert_eq!(attr, None, "nothing recorded");
+    assert!(w
+        .c()
+        .get_volume(&id)
+        .unwrap()
+        .record
+        .mutable_parameters
+        .is_empty());
+    unstage_on(&node, &w, &id).unwrap();
+    w.c().modify_volume(&id, &want).unwrap();
+    let attr = csi_sys::xattr::get(&image, "example-csi.directIO").unwrap();
+    assert_eq!(
+        attr.as_deref(),
+        Some(&b"true"[..]),
+        "recorded for the next stage"
+    );
+}
+
+#[test]
+fn only_the_controller_thaws_its_freeze_and_the_node_waits_for_it() {
+    let (mut w, node) = split();
+    let id = w.create("pvc-a", ext4());
+    stage_on(&node, &w, &id, &ext4()).unwrap();
+    // The controller died during a copy: frozen, its marker written before.
+    w.sys.fs.freeze(&w.staging()).unwrap();
+    let marker = crate::state::FreezeMarker {
+        owner: crate::state::Domain::Controller,
+        pid: 1,
+        volumes: vec![VolumeId::parse(&id).unwrap()],
+        mountpoints: vec![w.staging()],
+    };
+    std::fs::write(
+        w.state_dir().join(format!("shared/frozen/{id}.json")),
+        serde_json::to_vec(&marker).unwrap(),
+    )
+    .unwrap();
+    w.driver = None;
+    assert_eq!(code(unstage_on(&node, &w, &id)), Code::Aborted);
+    // The node plugin's restart leaves the controller's freeze alone.
+    drop(node);
+    let node = w.other(true).unwrap();
+    assert!(w.fake.is_frozen(&w.staging()));
+    assert_eq!(code(unstage_on(&node, &w, &id)), Code::Aborted);
+    // The controller's restart thaws it; then the node goes on.
+    w.reopen_with(|c| c.node = false);
+    assert!(!w.fake.is_frozen(&w.staging()));
+    unstage_on(&node, &w, &id).unwrap();
+}
+
+#[test]
+fn a_copy_holds_the_volume_against_the_node_and_a_node_operation_holds_it_against_a_copy() {
+    let (w, node) = split();
+    let id = w.create("pvc-a", ext4());
+    stage_on(&node, &w, &id, &ext4()).unwrap();
+    let vid = VolumeId::parse(&id).unwrap();
+    let held = w.c().state.lock_volume(vid).unwrap();
+    assert_eq!(code(unstage_on(&node, &w, &id)), Code::Aborted);
+    drop(held);
+    let held = node.node().unwrap().state.lock_volume(vid).unwrap();
+    let err = w.c().create_snapshot("snap-1", &id, &BTreeMap::new());
+    assert_eq!(code(err), Code::Aborted);
+    assert_eq!(
+        w.c().snapshot_count(),
+        0,
+        "the refused snapshot left nothing"
+    );
+    drop(held);
+    w.c()
+        .create_snapshot("snap-1", &id, &BTreeMap::new())
+        .unwrap();
+    unstage_on(&node, &w, &id).unwrap();
 }

@@ -1,276 +1,84 @@
-//! The driver's domain object: configuration, pools, stores and locks, opened once
-//! at start (loading every record, finishing or rolling back what a crash left
-//! half-done, removing orphans) and shared by every gRPC service.
+//! A process's driver: the core and the domains its mode asks for, opened once at
+//! start (each domain claiming its part of the state, loading its records,
+//! finishing or rolling back what a crash left half-done, removing orphans).
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Condvar, Mutex};
-use std::time::Duration;
+use std::ops::Deref;
+use std::sync::Arc;
 
-use csi_sys::System;
-
-use crate::error::{Error, Result};
-use crate::locks::Locks;
-use crate::model::{GroupSnapshotRecord, SnapshotRecord, VolumeRecord};
-use crate::node::NodeRecord;
-use crate::pool::{Pool, DEFAULT_POOL};
-use crate::store::Store;
-
-/// Mutable parameters this driver understands (ControllerModifyVolume and
-/// CreateVolume's mutable_parameters).
-/// `directIO` and `readAheadKiB` are attributes of an image volume's loop device;
-/// `compression` is the btrfs compression of a subvolume (`kind: dir` on btrfs).
-pub const MUTABLE_PARAMETERS: [&str; 3] = ["directIO", "readAheadKiB", "compression"];
-
-#[derive(Debug, Clone)]
-pub struct Config {
-    pub driver_name: String,
-    pub node_id: String,
-    pub state_dir: PathBuf,
-    /// (name, path) of each pool.
-    pub pools: Vec<(String, PathBuf)>,
-    pub default_fstype: String,
-    pub enable_attach: bool,
-    /// Whether ControllerExpandVolume is offered (off in the distributed
-    /// deployment, where NodeExpandVolume grows the image).
-    pub controller_expansion: bool,
-    /// Mutable parameters accepted; a subset of [`MUTABLE_PARAMETERS`].
-    pub mutable_parameters: Vec<String>,
-    pub max_volumes_per_node: u64,
-    /// This process serves the Controller service: it owns the volume and snapshot
-    /// records and may remove pool data that no record accounts for.
-    pub controller: bool,
-    /// This process serves the Node service.
-    pub node: bool,
-    /// How many heavy operations (mkfs, copies, fsck) may run at once.
-    pub heavy_operations: usize,
-    /// At start, unmount and detach what no volume on this node accounts for (only
-    /// reported otherwise).
-    pub cleanup_orphans: bool,
-    /// How long a filesystem may stay frozen for a copy beyond the copy's expected
-    /// time (none for a reflink); then it is thawed and the copy undone.
-    pub freeze_timeout: Duration,
-}
-
-/// Default of [`Config::freeze_timeout`]: a reflink takes milliseconds, and the
-/// freeze's own sync a few seconds on a busy disk.
-pub const DEFAULT_FREEZE_TIMEOUT: Duration = Duration::from_secs(10);
-
-impl Config {
-    pub fn new(node_id: &str, state_dir: &Path, pools: Vec<(String, PathBuf)>) -> Self {
-        Config {
-            driver_name: "example.csi.k8s.io".into(),
-            node_id: node_id.into(),
-            state_dir: state_dir.to_path_buf(),
-            pools,
-            default_fstype: "ext4".into(),
-            enable_attach: false,
-            controller_expansion: true,
-            mutable_parameters: MUTABLE_PARAMETERS.iter().map(|s| s.to_string()).collect(),
-            max_volumes_per_node: 0,
-            controller: true,
-            node: true,
-            heavy_operations: 4,
-            cleanup_orphans: false,
-            freeze_timeout: DEFAULT_FREEZE_TIMEOUT,
-        }
-    }
-}
+use crate::core::settings::LiveDevices;
+use crate::{Config, Controller, Core, Node, Result, System};
 
 pub struct Driver {
-    pub cfg: Config,
-    pub(crate) pools: BTreeMap<String, Pool>,
-    pub(crate) volumes: Store<VolumeRecord>,
-    pub(crate) snapshots: Store<SnapshotRecord>,
-    pub(crate) groups: Store<GroupSnapshotRecord>,
-    pub(crate) node_records: Store<NodeRecord>,
-    pub(crate) ephemeral_volumes: Store<VolumeRecord>,
-    pub(crate) locks: Locks,
-    pub(crate) sys: System,
-    heavy: Semaphore,
-    ready: AtomicBool,
+    core: Arc<Core>,
+    controller: Option<Arc<Controller>>,
+    node: Option<Arc<Node>>,
 }
 
 impl Driver {
-    /// Opens pools and stores and repairs what a crash left. The driver answers
-    /// Probe as ready only after this returns.
+    /// Opens the core and the domains of `cfg.controller` and `cfg.node`. The
+    /// driver answers Probe as ready only after this returns.
     pub fn open(cfg: Config, sys: System) -> Result<Driver> {
-        if cfg.node_id.is_empty() {
-            return Err(Error::invalid("node id is required"));
-        }
-        for m in &cfg.mutable_parameters {
-            if !MUTABLE_PARAMETERS.contains(&m.as_str()) {
-                return Err(Error::invalid(format!(
-                    "unknown mutable parameter {m:?}; supported: {}",
-                    MUTABLE_PARAMETERS.join(", ")
-                )));
-            }
-        }
-        let mut pools = BTreeMap::new();
-        for (name, path) in &cfg.pools {
-            let pool = Pool::open(name, path)?;
-            tracing::info!(pool = %pool.name, path = %pool.root.display(), fs = %pool.fs_type,
-                reflink = pool.reflink, "pool ready");
-            if pools.insert(name.clone(), pool).is_some() {
-                return Err(Error::invalid(format!("pool {name} is named twice")));
-            }
-        }
-        if pools.is_empty() {
-            return Err(Error::invalid("at least one pool is required"));
-        }
-        let state = &cfg.state_dir;
-        let driver = Driver {
-            volumes: Store::open(&state.join("volumes"))?,
-            snapshots: Store::open(&state.join("snapshots"))?,
-            groups: Store::open(&state.join("groups"))?,
-            node_records: Store::open(&state.join("node"))?,
-            ephemeral_volumes: Store::open(&state.join("ephemeral"))?,
-            heavy: Semaphore::new(cfg.heavy_operations.max(1)),
-            locks: Locks::default(),
-            ready: AtomicBool::new(false),
-            pools,
-            sys,
-            cfg,
+        let core = Arc::new(Core::open(cfg, sys)?);
+        // The controller first: it thaws what a crash left frozen before the node
+        // looks at its mounts.
+        let controller = match core.cfg.controller {
+            true => Some(Arc::new(Controller::open(core.clone())?)),
+            false => None,
         };
-        driver.recover()?;
-        driver.ready.store(true, Ordering::SeqCst);
-        Ok(driver)
-    }
-
-    fn recover(&self) -> Result<()> {
-        self.thaw_left_frozen();
-        for pool in self.pools.values() {
-            if pool.is_btrfs() && self.cfg.controller {
-                if let Err(e) = csi_sys::btrfs::quota_enable(&pool.root) {
-                    tracing::warn!(pool = %pool.name, error = %e,
-                        "btrfs quotas could not be enabled: dir volume sizes are not enforced");
-                }
-            }
+        let node = match core.cfg.node {
+            true => Some(Arc::new(Node::open(core.clone())?)),
+            false => None,
+        };
+        if let (Some(c), Some(n)) = (&controller, &node) {
+            c.set_live_devices(n.clone() as Arc<dyn LiveDevices>);
         }
-        if self.cfg.controller {
-            self.recover_volumes()?;
-            self.recover_snapshots()?;
-        }
-        if self.cfg.node {
-            self.recover_node()?;
-        }
-        Ok(())
-    }
-
-    /// Probe: ready once state is loaded and while every pool is still there.
-    pub fn probe(&self) -> Result<bool> {
-        if !self.ready.load(Ordering::SeqCst) {
-            return Ok(false);
-        }
-        for pool in self.pools.values() {
-            if !pool.root.join("volumes").is_dir() {
-                tracing::warn!(pool = %pool.name, path = %pool.root.display(), "pool is gone");
-                return Ok(false);
-            }
-        }
-        Ok(true)
-    }
-
-    pub fn pool(&self, name: &str) -> Result<&Pool> {
-        self.pools.get(name).ok_or_else(|| {
-            Error::invalid(format!(
-                "unknown pool {name:?}; this node has {}",
-                self.pools.keys().cloned().collect::<Vec<_>>().join(", ")
-            ))
+        Ok(Driver {
+            core,
+            controller,
+            node,
         })
     }
 
-    pub fn pools(&self) -> impl Iterator<Item = &Pool> {
-        self.pools.values()
+    pub fn controller(&self) -> Option<&Arc<Controller>> {
+        self.controller.as_ref()
     }
 
-    pub fn default_pool(&self) -> &Pool {
-        self.pools
-            .get(DEFAULT_POOL)
-            .or_else(|| self.pools.values().next())
-            .expect("open() refuses a driver without pools")
+    pub fn node(&self) -> Option<&Arc<Node>> {
+        self.node.as_ref()
     }
 
-    /// The topology segment of this node.
-    pub fn topology(&self) -> BTreeMap<String, String> {
-        BTreeMap::from([(
-            crate::model::TOPOLOGY_KEY.to_string(),
-            self.cfg.node_id.clone(),
-        )])
-    }
-
-    /// Whether a path lies inside a pool or the state dir: never a place to publish to.
-    pub fn is_internal_path(&self, path: &Path) -> bool {
-        path.starts_with(&self.cfg.state_dir)
-            || self.pools.values().any(|p| p.contains(path))
-            || self.cfg.pools.iter().any(|(_, p)| path.starts_with(p))
-    }
-
-    /// Runs a heavy operation (mkfs, copy, fsck) when a slot is free; Cancelled,
-    /// without running it, when the caller goes away while it waits.
-    pub(crate) fn heavy<T>(&self, f: impl FnOnce() -> T) -> Result<T> {
-        let _slot = self.heavy.acquire()?;
-        Ok(f())
+    /// Probe: ready once state is loaded (the driver exists only then) and while
+    /// every pool is still there.
+    pub fn probe(&self) -> Result<bool> {
+        Ok(self.core.pools_present())
     }
 
     pub fn volume_count(&self) -> usize {
-        self.volumes.len()
+        self.controller.as_ref().map_or(0, |c| c.volume_count())
     }
+
     pub fn snapshot_count(&self) -> usize {
-        self.snapshots.len()
+        self.controller.as_ref().map_or(0, |c| c.snapshot_count())
     }
 
     /// Volume and snapshot records per pool (every configured pool, zeros
-    /// included), for metrics.
+    /// included), for metrics; zeros without the controller domain.
     pub fn objects_by_pool(&self) -> BTreeMap<String, (usize, usize)> {
-        let mut out: BTreeMap<String, (usize, usize)> =
-            self.pools.keys().map(|k| (k.clone(), (0, 0))).collect();
-        for v in self.volumes.all() {
-            out.entry(v.pool).or_default().0 += 1;
+        match &self.controller {
+            Some(c) => c.objects_by_pool(),
+            None => self
+                .core
+                .pools()
+                .map(|p| (p.name.clone(), (0, 0)))
+                .collect(),
         }
-        for s in self.snapshots.all() {
-            out.entry(s.pool).or_default().1 += 1;
-        }
-        out
     }
 }
 
-/// A counting semaphore for blocking code.
-struct Semaphore {
-    free: Mutex<usize>,
-    cv: Condvar,
-}
-
-struct Permit<'a>(&'a Semaphore);
-
-impl Semaphore {
-    fn new(n: usize) -> Self {
-        Semaphore {
-            free: Mutex::new(n),
-            cv: Condvar::new(),
-        }
-    }
-    /// Waits for a permit, looking at the call's cancellation every tick.
-    fn acquire(&self) -> Result<Permit<'_>> {
-        crate::cancel::check()?;
-        let mut free = self.free.lock().unwrap_or_else(|p| p.into_inner());
-        while *free == 0 {
-            crate::cancel::check()?;
-            free = self
-                .cv
-                .wait_timeout(free, crate::cancel::TICK)
-                .unwrap_or_else(|p| p.into_inner())
-                .0;
-        }
-        *free -= 1;
-        Ok(Permit(self))
-    }
-}
-
-impl Drop for Permit<'_> {
-    fn drop(&mut self) {
-        *self.0.free.lock().unwrap_or_else(|p| p.into_inner()) += 1;
-        self.0.cv.notify_one();
+impl Deref for Driver {
+    type Target = Core;
+    fn deref(&self) -> &Core {
+        &self.core
     }
 }

@@ -1,25 +1,29 @@
-//! The domain of example-csi: pools, volumes, snapshots, group snapshots, the node's
-//! staging and publishing, the crash-safe state store, per-object locks, and the one
-//! error type with its mapping to gRPC codes. It touches the kernel only through
-//! `csi-sys`, and knows nothing of gRPC beyond that mapping.
+//! The domain of example-csi, in three parts:
+//!
+//! - `core`: the configuration, pools, state directory (with the cross-process
+//!   locks), record store, per-object locks, ids, model and the one error type;
+//! - `controller`: volumes, snapshots, group snapshots, snapshot metadata and the
+//!   freezes that make copies consistent; it owns the volume and snapshot records;
+//! - `node`: stage, publish, stats, expansion, ephemeral volumes and the start-up
+//!   check of the node; it owns what is staged and published here.
+//!
+//! Each domain opens only its own records: a process with `--mode node` never
+//! loads the controller's, and `--mode controller` never the node's. `Driver`
+//! composes the domains a mode asks for. The domain touches the kernel only
+//! through `csi-sys`, and knows nothing of gRPC beyond the error's code mapping.
 
-pub mod cancel;
+pub mod controller;
+pub mod core;
 mod driver;
-pub mod error;
-pub mod failpoint;
-mod freeze;
-pub mod ids;
-mod locks;
-pub mod metadata;
-pub mod model;
 pub mod node;
-pub mod pool;
-pub mod snapshots;
-mod store;
-pub mod volumes;
 
+pub use crate::controller::{metadata, snapshots, volumes, Controller};
+pub use crate::core::{cancel, error, failpoint, ids, model, pool};
+pub(crate) use crate::core::{data, locks, settings, state, store};
+pub use crate::core::{Config, Core, DEFAULT_FREEZE_TIMEOUT, MUTABLE_PARAMETERS};
+pub use crate::node::Node;
 pub use csi_sys::System;
-pub use driver::{Config, Driver, DEFAULT_FREEZE_TIMEOUT, MUTABLE_PARAMETERS};
+pub use driver::Driver;
 pub use error::{Error, Result};
 #[cfg(test)]
 mod decisions;

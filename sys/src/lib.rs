@@ -14,6 +14,7 @@ pub mod error;
 pub mod extents;
 pub mod fake;
 pub mod file;
+pub mod flock;
 pub mod linux;
 pub mod mountinfo;
 pub mod xattr;

@@ -410,3 +410,93 @@ pub fn publish_req(
         ..Default::default()
     }
 }
+
+impl Driver {
+    /// This driver's flags for another process on the same pool and state dir,
+    /// serving `socket`; its `--mode` is left for the caller to add.
+    pub fn args_beside(&self, socket: &Path) -> Vec<String> {
+        let mut args: Vec<String> = self
+            .args
+            .iter()
+            .filter(|a| !a.starts_with("--mode") && !a.starts_with("--endpoint"))
+            .cloned()
+            .collect();
+        args.push(format!("--endpoint=unix://{}", socket.display()));
+        args
+    }
+
+    /// Starts a second driver process on the same pool and state dir as this one,
+    /// with its own socket and log: the other half of the central deployment
+    /// (start this one with `--mode=controller`, give `--mode=node` here).
+    pub fn start_beside(&self, name: &str, extra: &[&str], envs: &[(&str, &str)]) -> Driver {
+        let base = self.socket.parent().unwrap().to_path_buf();
+        let socket = base.join(format!("{name}.sock"));
+        let mut args = self.args_beside(&socket);
+        args.extend(extra.iter().map(|s| s.to_string()));
+        let mut d = Driver {
+            child: None,
+            socket,
+            state: self.state.clone(),
+            args,
+            envs: envs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            log: base.join(format!("{name}.log")),
+        };
+        d.spawn();
+        d
+    }
+
+    /// Whether Probe answers ready.
+    pub async fn probe_ready(&self) -> bool {
+        let mut c = self.clients().await;
+        let r = c.identity.probe(csi::ProbeRequest {}).await;
+        r.is_ok_and(|r| r.into_inner().ready == Some(true))
+    }
+}
+
+/// Creates a volume and returns its id.
+pub async fn create_volume_id(
+    c: &mut ControllerClient<Channel>,
+    name: &str,
+    size: i64,
+    cap: csi::VolumeCapability,
+) -> String {
+    c.create_volume(create_req(name, size, cap, &[]))
+        .await
+        .unwrap_or_else(|e| panic!("create {name}: {e:?}"))
+        .into_inner()
+        .volume
+        .unwrap()
+        .volume_id
+}
+
+pub fn unstage_req(id: &str, staging: &Path) -> csi::NodeUnstageVolumeRequest {
+    csi::NodeUnstageVolumeRequest {
+        volume_id: id.to_string(),
+        staging_target_path: staging.display().to_string(),
+    }
+}
+
+pub fn unpublish_req(id: &str, target: &Path) -> csi::NodeUnpublishVolumeRequest {
+    csi::NodeUnpublishVolumeRequest {
+        volume_id: id.to_string(),
+        target_path: target.display().to_string(),
+    }
+}
+
+pub fn delete_req(id: &str) -> csi::DeleteVolumeRequest {
+    csi::DeleteVolumeRequest {
+        volume_id: id.to_string(),
+        ..Default::default()
+    }
+}
+
+pub fn snapshot_req(name: &str, source: &str) -> csi::CreateSnapshotRequest {
+    csi::CreateSnapshotRequest {
+        name: name.to_string(),
+        source_volume_id: source.to_string(),
+        ..Default::default()
+    }
+}

@@ -11,6 +11,26 @@ use crate::ids::{GroupSnapshotId, SnapshotId, VolumeId};
 /// The topology key of this driver; its value is the node id.
 pub const TOPOLOGY_KEY: &str = "topology.example.csi/node";
 
+pub const KIB: u64 = 1024;
+pub const MIB: u64 = 1024 * KIB;
+pub const GIB: u64 = 1024 * MIB;
+/// Size of a volume whose request names no capacity.
+pub const DEFAULT_SIZE: u64 = GIB;
+
+/// The smallest volume each filesystem can be made on (xfsprogs refuses less than
+/// 300 MiB; btrfs needs room for its metadata and system chunks).
+pub fn minimum_size(fs_type: Option<&str>) -> u64 {
+    match fs_type {
+        Some("xfs") => 300 * MIB,
+        Some("btrfs") => 128 * MIB,
+        Some(_) => 8 * MIB,
+        None => MIB,
+    }
+}
+
+/// Parameters under this prefix are Kubernetes' own and always accepted.
+pub const K8S_PREFIX: &str = "csi.storage.k8s.io/";
+
 /// Filesystems a mount volume can carry.
 pub const FILESYSTEMS: [&str; 3] = ["ext4", "xfs", "btrfs"];
 

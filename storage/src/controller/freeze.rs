@@ -1,7 +1,17 @@
 //! Consistent copies of live volumes: the filesystems of the volumes being copied
 //! are frozen (FIFREEZE) for the copy and always thawed afterwards, on error too.
-//! Before a freeze the driver writes a marker under the state dir, so that a freeze
-//! left by a crash is thawed at the next start.
+//! Before a freeze the controller writes a marker naming itself into the shared
+//! state, so that a freeze left by a crash is thawed when the controller starts
+//! again, and only then: the node leaves a volume with a marker alone.
+//!
+//! Every copy of a live volume holds the volume's lock, frozen or not, so the
+//! node cannot stage, unmount or detach it meanwhile. The controller freezes the
+//! mounts it can see. A controller process without the node domain (the central
+//! deployment, whose controller container is unprivileged and has its own mount
+//! namespace) sees none of the node's mounts: it asks nothing of the kernel, and
+//! its copy of a staged volume is crash-consistent (as after a power cut at that
+//! instant: the filesystem's journal makes it mountable, but data the
+//! application had not flushed is not in it).
 //!
 //! A freeze never lasts without bound. Frozen, a filesystem stalls every writer
 //! of the volume (the application, and anything waiting on it), so each freeze
@@ -18,36 +28,18 @@
 //! backoff; DEADLINE_EXCEEDED speaks of the caller's own deadline, after which the
 //! outcome is unknown.
 
-use std::os::unix::fs::MetadataExt;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use csi_sys::{file, Filesystems, MountEntry};
+use csi_sys::{file, Filesystems};
 
 use crate::cancel::{self, Token};
+use crate::data::mounts_of;
 use crate::error::{Context, Error, Result};
 use crate::ids::VolumeId;
-use crate::Driver;
-
-/// (major, minor) of a device node.
-pub(crate) fn device_numbers(dev: &Path) -> Option<(u32, u32)> {
-    let rdev = std::fs::metadata(dev).ok()?.rdev();
-    let major = ((rdev >> 8) & 0xfff) | ((rdev >> 32) & !0xfff);
-    let minor = (rdev & 0xff) | ((rdev >> 12) & !0xff);
-    Some((major as u32, minor as u32))
-}
-
-/// Whether a mount is of a block device: by device numbers, or by source, since
-/// btrfs reports an anonymous device number (0:N) for its mounts.
-pub(crate) fn is_mount_of(m: &MountEntry, dev: &Path) -> bool {
-    Path::new(&m.source) == dev || device_numbers(dev).is_some_and(|n| (m.major, m.minor) == n)
-}
-
-/// The mounts of a block device.
-pub(crate) fn mounts_of<'a>(mounts: &'a [MountEntry], dev: &Path) -> Vec<&'a MountEntry> {
-    mounts.iter().filter(|m| is_mount_of(m, dev)).collect()
-}
+use crate::state::{Domain, FreezeMarker};
+use crate::Controller;
 
 /// Bytes per second a plain (not reflinked) copy is expected to make at least,
 /// for the deadline of its freeze.
@@ -187,11 +179,7 @@ fn watch(window: Arc<Window>, fs: Arc<dyn Filesystems>, token: Token, deadline: 
     }
 }
 
-impl Driver {
-    fn frozen_dir(&self) -> PathBuf {
-        self.cfg.state_dir.join("frozen")
-    }
-
+impl Controller {
     /// How long the filesystems of `images` may stay frozen for their copy.
     fn freeze_budget(&self, images: &[(VolumeId, PathBuf)]) -> Duration {
         let copied: u64 = images
@@ -211,12 +199,18 @@ impl Driver {
         images: &[(VolumeId, PathBuf)],
         f: impl FnOnce() -> Result<T>,
     ) -> Result<T> {
-        // The node's lock on every volume: an unpublish or unstage cannot unmount a
-        // filesystem while it is frozen (the thaw would then find no mount point,
-        // and the filesystem would stay frozen).
-        let _node = self
-            .locks
-            .try_lock(images.iter().map(|(id, _)| format!("node:{id}")))?;
+        // The lock of every volume, in this process or the node's: an unpublish or
+        // unstage cannot unmount a filesystem while it is frozen (the thaw would
+        // then find no mount point, and the filesystem would stay frozen), nor a
+        // stage make one while it is copied.
+        let mut ids: Vec<VolumeId> = images.iter().map(|(id, _)| *id).collect();
+        ids.sort();
+        ids.dedup();
+        let held = ids
+            .iter()
+            .map(|id| self.state.lock_volume(*id))
+            .collect::<Result<Vec<_>>>()?;
+        crate::failpoint::hit("freeze.after-volume-lock");
         cancel::check()?;
         let mounts = self
             .sys
@@ -242,18 +236,28 @@ impl Driver {
             }
         }
         if mountpoints.is_empty() {
+            if held.iter().any(|v| v.is_staged()) {
+                tracing::info!(volumes = ?ids,
+                    "copying a volume the node has staged without freezing it: its mounts are \
+                     not visible to this process; the copy is crash-consistent");
+            }
             return f();
         }
         let budget = self.freeze_budget(images);
-        let dir = self.frozen_dir();
-        file::mkdir_p_mode(&dir, 0o700).context(|| "making the freeze marker dir".into())?;
         let key = images
             .first()
             .map(|(id, _)| id.to_string())
             .unwrap_or_default();
-        let marker = dir.join(format!("{key}.json"));
-        let body = serde_json::to_vec(&mountpoints).unwrap_or_default();
-        file::write_atomic(&marker, &body).context(|| "writing the freeze marker".into())?;
+        let marker = self.state.frozen_dir().join(format!("{key}.json"));
+        self.state.write_freeze_marker(
+            &marker,
+            &FreezeMarker {
+                owner: Domain::Controller,
+                pid: std::process::id(),
+                volumes: ids.clone(),
+                mountpoints: mountpoints.clone(),
+            },
+        )?;
 
         let window = Arc::new(Window {
             state: Mutex::new(WindowState {
@@ -318,19 +322,15 @@ impl Driver {
         }
     }
 
-    /// Thaws what a crash left frozen.
+    /// Thaws what a crash of this domain left frozen; the markers of another
+    /// owner are its own to thaw.
     pub(crate) fn thaw_left_frozen(&self) {
-        let Ok(entries) = std::fs::read_dir(self.frozen_dir()) else {
-            return;
-        };
-        for entry in entries.flatten() {
-            let path = entry.path();
-            let mps: Vec<PathBuf> = std::fs::read(&path)
-                .ok()
-                .and_then(|b| serde_json::from_slice(&b).ok())
-                .unwrap_or_default();
-            for mp in mps {
-                match self.sys.fs.thaw(&mp) {
+        for (path, marker) in self.state.freeze_markers() {
+            if marker.owner != Domain::Controller {
+                continue;
+            }
+            for mp in &marker.mountpoints {
+                match self.sys.fs.thaw(mp) {
                     Ok(()) => {
                         tracing::warn!(path = %mp.display(), "thawed a filesystem a crash left frozen")
                     }

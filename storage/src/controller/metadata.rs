@@ -18,7 +18,7 @@ pub use csi_sys::extents::{push_merged, ByteRange};
 use crate::error::{Context, Error, Result};
 use crate::ids::SnapshotId;
 use crate::model::{Backing, RecordState, SnapshotRecord};
-use crate::Driver;
+use crate::Controller;
 
 /// Ranges per streamed message when the caller leaves max_results at 0.
 pub const DEFAULT_MAX_RESULTS: usize = 256;
@@ -107,7 +107,7 @@ fn start_offset(starting_offset: i64, capacity: u64) -> Result<u64> {
     Ok(s)
 }
 
-impl Driver {
+impl Controller {
     /// An image snapshot by id, and the path of its image.
     fn block_snapshot(&self, field: &str, id: &str) -> Result<(SnapshotRecord, PathBuf)> {
         if id.is_empty() {

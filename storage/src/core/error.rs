@@ -33,6 +33,9 @@ pub enum Error {
     /// at a safe point (see `cancel`). The caller is gone: only the log sees it.
     #[error("{0}")]
     Cancelled(String),
+    /// Another process holds the part of the state this one would own.
+    #[error("{0}")]
+    StateInUse(String),
     /// A failure of the system layer, with what the domain was doing.
     #[error("{context}: {source}")]
     System {
@@ -88,6 +91,7 @@ impl Error {
             Error::FailedPrecondition(_) => Code::FailedPrecondition,
             Error::Aborted(_) => Code::Aborted,
             Error::Cancelled(_) => Code::Cancelled,
+            Error::StateInUse(_) => Code::FailedPrecondition,
             Error::System { source, .. } => match source {
                 SysError::NoSpace { .. } => Code::ResourceExhausted,
                 SysError::Timeout { .. } => Code::DeadlineExceeded,

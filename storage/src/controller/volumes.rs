@@ -1,4 +1,4 @@
-//! Controller operations on volumes: create (empty, from a snapshot, from a
+//! The controller's operations on volumes: create (empty, from a snapshot, from a
 //! volume), delete, expand, publish, list, get, capacity, validate and modify; and
 //! the start-up repair of what a crash left half-done.
 //!
@@ -12,29 +12,16 @@ use std::path::Path;
 
 use csi_sys::{btrfs, file, xattr};
 
+use crate::data::parse_token;
 use crate::error::{Context, Error, Result};
 use crate::failpoint;
 use crate::ids::{validate_name, VolumeId};
 use crate::model::*;
 use crate::pool::{Pool, DEFAULT_POOL};
-use crate::Driver;
+use crate::settings::{attr_name, parse_settings, record_size};
+use crate::Controller;
 
-pub const KIB: u64 = 1024;
-pub const MIB: u64 = 1024 * KIB;
-pub const GIB: u64 = 1024 * MIB;
-/// Size of a volume whose request names no capacity.
-pub const DEFAULT_SIZE: u64 = GIB;
-
-/// The smallest volume each filesystem can be made on (xfsprogs refuses less than
-/// 300 MiB; btrfs needs room for its metadata and system chunks).
-pub fn minimum_size(fs_type: Option<&str>) -> u64 {
-    match fs_type {
-        Some("xfs") => 300 * MIB,
-        Some("btrfs") => 128 * MIB,
-        Some(_) => 8 * MIB,
-        None => MIB,
-    }
-}
+pub use crate::model::{minimum_size, DEFAULT_SIZE, GIB, K8S_PREFIX, KIB, MIB};
 
 /// Parameters of CreateVolume (the StorageClass's).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -51,7 +38,6 @@ pub enum VolumeKind {
 
 /// Accepted StorageClass parameter keys, besides the `csi.storage.k8s.io/` prefix.
 pub const PARAMETERS: [&str; 2] = ["type", "kind"];
-pub const K8S_PREFIX: &str = "csi.storage.k8s.io/";
 
 pub fn parse_parameters(p: &BTreeMap<String, String>) -> Result<VolumeParams> {
     for k in p.keys() {
@@ -111,7 +97,7 @@ pub struct Capacity {
     pub minimum_volume_size: u64,
 }
 
-impl Driver {
+impl Controller {
     fn check_capabilities(&self, caps: &[Capability]) -> Result<()> {
         if caps.is_empty() {
             return Err(Error::invalid("volume_capabilities are required"));
@@ -351,6 +337,9 @@ impl Driver {
         // crash leaves without a record is found by the retry (removed just below)
         // or by the orphan sweep at start. One record write, after the data is
         // durable, is what makes the volume exist.
+        // The volume's lock file lives as long as the volume: made here, removed
+        // with the volume.
+        let volume = self.state.lock_volume(id)?;
         self.remove_volume_data(id, false)?;
         failpoint::hit("create-volume.before-data");
         if let Err(e) = self.make_volume_data(
@@ -358,7 +347,10 @@ impl Driver {
             &record,
             src_path.as_ref().map(|(p, b)| (p.as_path(), *b)),
         ) {
-            return Err(e.with_cleanup(self.roll_back_volume(&record)));
+            let undo = self
+                .roll_back_volume(&record)
+                .and_then(|()| volume.remove());
+            return Err(e.with_cleanup(undo));
         }
         failpoint::hit("create-volume.after-data");
         self.volumes.put(&record)?;
@@ -467,18 +459,16 @@ impl Driver {
             (Backing::Image, None) => file::create_sparse(&path, rec.size).context(at)?,
             (Backing::Image, Some((src, _))) => {
                 // A live source is frozen while it is copied, so the copy is a
-                // consistent filesystem.
+                // consistent filesystem; a snapshot does not change.
                 // The slot is taken before the freeze, so a frozen source never waits
-                // for another copy to finish; the freeze is keyed by the source.
-                let key = match rec.source {
-                    Some(ContentSource::Volume(v)) => v,
-                    _ => rec.id,
+                // for another copy to finish.
+                let copy = || file::copy_file(src, &path).context(at);
+                let reflinked = match rec.source {
+                    Some(ContentSource::Volume(v)) => {
+                        self.heavy(|| self.with_frozen(&[(v, src.to_path_buf())], copy))??
+                    }
+                    _ => self.heavy(copy)??,
                 };
-                let reflinked = self.heavy(|| {
-                    self.with_frozen(&[(key, src.to_path_buf())], || {
-                        file::copy_file(src, &path).context(at)
-                    })
-                })??;
                 failpoint::hit("create-volume.after-copy");
                 file::grow(&path, rec.size).context(at)?;
                 tracing::debug!(volume.id = %rec.id, reflinked, "image copied");
@@ -494,10 +484,12 @@ impl Driver {
             }
             (Backing::Directory, None) => {
                 file::mkdir_p_mode(&path, 0o755).context(at)?;
+                record_size(&path, rec.size)?;
             }
             (Backing::Directory, Some((src, _))) => {
                 self.heavy(|| file::copy_tree(src, &path))?.context(at)?;
                 failpoint::hit("create-volume.after-copy");
+                record_size(&path, rec.size)?;
             }
         }
         self.write_attributes(&path, rec.backing, &rec.mutable_parameters)?;
@@ -517,7 +509,7 @@ impl Driver {
             match backing {
                 Backing::Subvolume => btrfs::set_compression(path, v)
                     .context(|| format!("setting compression={v} on {}", path.display()))?,
-                _ => xattr::set(path, &crate::node::attr_name(k), v.as_bytes())
+                _ => xattr::set(path, &attr_name(k), v.as_bytes())
                     .context(|| format!("recording {k} on {}", path.display()))?,
             }
         }
@@ -526,24 +518,8 @@ impl Driver {
 
     /// Removes the data of a volume (whatever state it is in) and its record.
     fn roll_back_volume(&self, rec: &VolumeRecord) -> Result<()> {
-        self.remove_volume_data(rec.id, rec.ephemeral)?;
-        if rec.ephemeral {
-            self.ephemeral_volumes.remove(rec.id)
-        } else {
-            self.volumes.remove(rec.id)
-        }
-    }
-
-    /// Removes whatever data a volume id has in any pool.
-    pub(crate) fn remove_volume_data(&self, id: VolumeId, ephemeral: bool) -> Result<()> {
-        for pool in self.pools.values() {
-            for backing in [Backing::Image, Backing::Directory] {
-                let path = pool.volume_path(id, backing, ephemeral);
-                remove_data(&path)?;
-                remove_data(&Pool::tmp_path(&path))?;
-            }
-        }
-        Ok(())
+        self.remove_volume_data(rec.id, false)?;
+        self.volumes.remove(rec.id)
     }
 
     pub fn delete_volume(&self, volume_id: &str) -> Result<()> {
@@ -555,12 +531,23 @@ impl Driver {
             return Ok(());
         };
         let _guard = self.locks.try_lock([format!("volume:{id}")])?;
+        // The volume's lock, shared with the node: no stage can begin while the
+        // volume is deleted, and the staged mark read here stays true.
+        let volume = self.state.lock_volume(id)?;
+        failpoint::hit("delete-volume.after-volume-lock");
         let Some(mut rec) = self.volumes.get(id) else {
-            return self.remove_volume_data(id, false);
+            self.remove_volume_data(id, false)?;
+            return volume.remove();
         };
         if let Some(node) = rec.published.keys().next() {
             return Err(Error::precondition(format!(
                 "volume {id} is still published to node {node}; unpublish it first"
+            )));
+        }
+        if volume.is_staged() {
+            return Err(Error::precondition(format!(
+                "volume {id} is staged on node {}; unstage it first",
+                self.cfg.node_id
             )));
         }
         let pool = self.pool(&rec.pool)?;
@@ -584,6 +571,7 @@ impl Driver {
         self.remove_volume_data(id, false)?;
         failpoint::hit("delete-volume.after-data");
         self.volumes.remove(id)?;
+        volume.remove()?;
         tracing::info!(volume.id = %id, name = %rec.name, "volume deleted");
         Ok(())
     }
@@ -663,7 +651,7 @@ impl Driver {
         match rec.backing {
             Backing::Image => file::grow(&path, size).context(at),
             Backing::Subvolume => btrfs::qgroup_limit(&path, size).context(at),
-            Backing::Directory => Ok(()),
+            Backing::Directory => record_size(&path, size),
         }
     }
 
@@ -927,21 +915,24 @@ impl Driver {
     /// ControllerModifyVolume: validates every parameter before changing anything,
     /// then changes all or nothing. An image volume staged here gets the new values
     /// on its loop devices at once (elsewhere at its next stage); when they cannot
-    /// be applied, the call fails and the volume keeps its old ones.
+    /// be applied, the call fails and the volume keeps its old ones. Only the node
+    /// domain reaches loop devices: a controller process without it refuses to
+    /// change an image volume the node has staged, rather than answer for a change
+    /// the volume does not have.
     pub fn modify_volume(&self, volume_id: &str, m: &BTreeMap<String, String>) -> Result<()> {
         let id = VolumeId::parse_existing(volume_id)?;
         self.check_mutable(m)?;
-        // The node's lock too: a stage running now could attach with the values it
-        // read before this change.
-        let _guard = self
-            .locks
-            .try_lock([format!("volume:{id}"), format!("node:{id}")])?;
+        let _guard = self.locks.try_lock([format!("volume:{id}")])?;
+        // The volume's lock too: a stage running now could attach with the values
+        // it read before this change. Only for a volume that exists: a call about
+        // another leaves no lock file.
         let mut rec = self.existing_volume(volume_id)?;
+        let volume = self.state.lock_volume(id)?;
         Self::check_mutable_applies(rec.backing, m)?;
         let pool = self.pool(&rec.pool)?.clone();
         let path = pool.volume_path(id, rec.backing, false);
-        let before = match rec.backing {
-            Backing::Image => Some(self.change_image_settings(&path, m)?),
+        let undo = match rec.backing {
+            Backing::Image => Some(self.change_image_settings(&path, m, volume.is_staged())?),
             _ => {
                 self.write_attributes(&path, rec.backing, m)?;
                 None
@@ -952,13 +943,86 @@ impl Driver {
             rec.mutable_parameters.insert(k.clone(), v.clone());
         }
         if let Err(e) = self.volumes.put(&rec) {
-            return Err(match before {
-                Some(b) => e.with_cleanup(self.restore_image_settings(&b)),
+            return Err(match undo {
+                Some(u) => e.with_cleanup(self.restore_image_settings(&u)),
                 None => e,
             });
         }
         failpoint::hit("modify-volume.after-commit");
         Ok(())
+    }
+
+    /// Records new values of an image volume's mutable attributes on its file and
+    /// gives them to the loop devices serving it now, through the node domain of
+    /// this process. All or nothing: when a step fails, what the steps before it
+    /// changed is put back, and the error tells what failed.
+    fn change_image_settings(
+        &self,
+        image: &Path,
+        values: &BTreeMap<String, String>,
+        staged: bool,
+    ) -> Result<ImageSettingsBefore> {
+        let wanted = parse_settings(values)?;
+        let attached = !self
+            .sys
+            .loops
+            .find(image)
+            .context(|| format!("finding the loop devices of {}", image.display()))?
+            .is_empty();
+        let live = self.live_devices();
+        if (staged || attached) && live.is_none() {
+            return Err(Error::precondition(format!(
+                "the volume is staged on node {}, and this controller process cannot change \
+                 the loop device serving it (only the node plugin can); nothing was changed: \
+                 change it while it is not staged, or run the driver with --mode all",
+                self.cfg.node_id
+            )));
+        }
+        let mut attributes = Vec::new();
+        for key in values.keys() {
+            let old = xattr::get(image, &attr_name(key))
+                .context(|| format!("reading the {key} attribute of {}", image.display()))?;
+            attributes.push((key.clone(), old));
+        }
+        let mut before = ImageSettingsBefore {
+            image: image.to_path_buf(),
+            attributes,
+            devices: Vec::new(),
+        };
+        let recorded = values.iter().try_for_each(|(key, v)| {
+            xattr::set(image, &attr_name(key), v.as_bytes())
+                .context(|| format!("recording {key}={v} on {}", image.display()))
+        });
+        let applied = recorded.and_then(|()| match live {
+            Some(live) if attached => live.apply_live(image, wanted),
+            _ => Ok(Vec::new()),
+        });
+        match applied {
+            Ok(devices) => {
+                before.devices = devices;
+                Ok(before)
+            }
+            Err(e) => Err(e.with_cleanup(self.restore_image_settings(&before))),
+        }
+    }
+
+    /// Puts an image's attributes and its loop devices' settings back as they were.
+    /// Every step is tried; the first failure is returned.
+    fn restore_image_settings(&self, before: &ImageSettingsBefore) -> Result<()> {
+        let mut result = Ok(());
+        if let Some(live) = self.live_devices() {
+            result = result.and(live.restore_live(&before.devices));
+        }
+        for (key, old) in &before.attributes {
+            let name = attr_name(key);
+            let put = match old {
+                Some(v) => xattr::set(&before.image, &name, v),
+                None => xattr::remove(&before.image, &name),
+            };
+            result = result
+                .and(put.context(|| format!("putting {key} back on {}", before.image.display())));
+        }
+        result
     }
 
     /// Start-up: roll back creations, finish deletions and expansions, then remove
@@ -1000,76 +1064,11 @@ impl Driver {
         }
         Ok(())
     }
-
-    /// Removes entries of a pool directory that `known` does not account for, and
-    /// every leftover temporary.
-    pub(crate) fn remove_orphans(&self, dir: &Path, known: impl Fn(&str) -> bool) -> Result<()> {
-        let Ok(entries) = std::fs::read_dir(dir) else {
-            return Ok(());
-        };
-        for entry in entries.flatten() {
-            let name = entry.file_name().to_string_lossy().into_owned();
-            let stem = name.strip_suffix(".img").unwrap_or(&name);
-            let temp = name.starts_with('.');
-            if temp || !known(stem) {
-                let path = entry.path();
-                if !temp && name.ends_with(".img") {
-                    // An image still attached is in use by something: leave it and say so.
-                    if let Ok(devs) = self.sys.loops.find(&path) {
-                        if !devs.is_empty() {
-                            tracing::warn!(path = %path.display(),
-                                "image has no record but is attached to a loop device; kept");
-                            continue;
-                        }
-                    }
-                }
-                tracing::warn!(path = %path.display(), "removing pool data no record accounts for");
-                remove_data(&path)?;
-            }
-        }
-        Ok(())
-    }
 }
 
-/// A caller's string cut to a length fit for a message.
-pub(crate) fn shorten(s: &str) -> String {
-    match s.char_indices().nth(64) {
-        Some((i, _)) => format!("{}...", &s[..i]),
-        None => s.to_string(),
-    }
-}
-
-/// Parses a pagination token: empty is the start, anything we did not issue is ABORTED.
-pub(crate) fn parse_token<T>(token: &str, parse: impl Fn(&str) -> Option<T>) -> Result<Option<T>> {
-    if token.is_empty() {
-        return Ok(None);
-    }
-    parse(token).map(Some).ok_or_else(|| {
-        Error::Aborted(format!(
-            "starting_token {token:?} was not issued by this driver"
-        ))
-    })
-}
-
-/// Removes a file, directory tree or btrfs subvolume; absent is fine.
-pub(crate) fn remove_data(path: &Path) -> Result<()> {
-    let meta = match std::fs::symlink_metadata(path) {
-        Ok(m) => m,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
-        Err(e) => return Err(Error::internal(format!("{}: {e}", path.display()))),
-    };
-    let at = || format!("removing {}", path.display());
-    if meta.is_dir() {
-        if btrfs::is_subvolume(path) {
-            btrfs::subvolume_delete(path).context(at)?;
-        } else {
-            file::remove_tree(path).context(at)?;
-        }
-    } else {
-        file::remove_file_if_exists(path).context(at)?;
-    }
-    if let Some(parent) = path.parent() {
-        file::fsync_dir(parent).context(at)?;
-    }
-    Ok(())
+/// An image's attributes and its loop devices' settings before a change.
+struct ImageSettingsBefore {
+    image: std::path::PathBuf,
+    attributes: Vec<(String, Option<Vec<u8>>)>,
+    devices: crate::settings::DevicesBefore,
 }

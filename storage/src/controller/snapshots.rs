@@ -8,12 +8,13 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use csi_sys::{btrfs, file};
 
+use crate::data::{parse_token, remove_data};
 use crate::error::{Context, Error, Result};
 use crate::failpoint;
 use crate::ids::{validate_name, GroupSnapshotId, SnapshotId, VolumeId};
+use crate::model::K8S_PREFIX;
 use crate::model::*;
-use crate::volumes::{parse_token, remove_data, K8S_PREFIX};
-use crate::Driver;
+use crate::Controller;
 
 pub struct SnapshotPage {
     pub snapshots: Vec<SnapshotRecord>,
@@ -34,7 +35,7 @@ fn check_parameters(p: &BTreeMap<String, String>) -> Result<()> {
     }
 }
 
-impl Driver {
+impl Controller {
     pub fn create_snapshot(
         &self,
         name: &str,

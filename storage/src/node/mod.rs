@@ -1,23 +1,50 @@
-//! Node operations: stage, publish, unpublish, unstage, stats and expansion, and
-//! ephemeral inline volumes. Idempotency is decided from the live mount table and
-//! loop devices; the node record only remembers what was asked (staging path,
-//! targets), and every use of it is checked against the real world.
+//! The node domain: stage, publish, unpublish, unstage, stats and expansion,
+//! ephemeral inline volumes, and the start-up check of the node. Idempotency is
+//! decided from the live mount table and loop devices; the node record only
+//! remembers what was asked (staging path, targets), and every use of it is
+//! checked against the real world.
+//!
+//! The domain owns `<state>/node` (its records) and never reads the controller's.
+//! What it must agree on with the controller goes through the volume's lock in
+//! the shared state: every operation on a volume holds it, says there whether the
+//! volume is staged, and leaves a volume alone while a freeze of it is recorded.
 
 use std::collections::BTreeMap;
+use std::ops::Deref;
 use std::path::{Component, Path, PathBuf};
+use std::sync::Arc;
 
 use serde::{Deserialize, Serialize};
 
-use csi_sys::{btrfs, file, xattr, LoopDevice, LoopOptions, MountEntry, MountOptions, SysError};
+use csi_sys::{btrfs, file, LoopDevice, LoopOptions, MountEntry, MountOptions, SysError};
 
+use crate::core::Core;
+use crate::data::{is_mount_of, mounts_of, remove_data, shorten};
 use crate::error::{Context, Error, Result};
 use crate::failpoint;
-use crate::freeze::{is_mount_of, mounts_of};
 use crate::ids::{validate_name, VolumeId};
+use crate::locks::Locks;
 use crate::model::*;
 use crate::pool::Located;
-use crate::volumes::{CreateVolume, GIB, MIB};
-use crate::Driver;
+use crate::settings::{recorded_settings, recorded_size, DevicesBefore, LiveDevices, LoopSettings};
+use crate::state::{Domain, OwnerLock, VolumeLock};
+use crate::store::Store;
+
+/// The node domain of a process.
+pub struct Node {
+    core: Arc<Core>,
+    pub(crate) node_records: Store<NodeRecord>,
+    ephemeral_volumes: Store<VolumeRecord>,
+    locks: Locks,
+    _owner: OwnerLock,
+}
+
+impl Deref for Node {
+    type Target = Core;
+    fn deref(&self) -> &Core {
+        &self.core
+    }
+}
 
 /// What the node remembers of a volume it staged or published.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -115,7 +142,60 @@ pub fn parse_quantity(s: &str) -> Option<u64> {
     n.checked_mul(mult)
 }
 
-impl Driver {
+impl Node {
+    /// Claims the node's part of the state (refused while another process holds
+    /// it), loads its records and checks the node.
+    pub fn open(core: Arc<Core>) -> Result<Node> {
+        let owner = core.state.claim(Domain::Node)?;
+        let dir = core.state.domain(Domain::Node);
+        let node = Node {
+            node_records: Store::open(&dir.join("staged"))?,
+            ephemeral_volumes: Store::open(&dir.join("ephemeral"))?,
+            locks: Locks::default(),
+            _owner: owner,
+            core,
+        };
+        node.recover_node()?;
+        Ok(node)
+    }
+
+    /// How many volumes this node has staged (ephemeral ones included).
+    pub fn staged_count(&self) -> usize {
+        self.node_records.len()
+    }
+
+    /// Takes a volume's lock for a node operation, refusing while a freeze of it
+    /// is recorded: the freeze's owner (or its restart) thaws it, and unmounting
+    /// or growing a frozen filesystem would hang.
+    fn lock_volume(&self, id: VolumeId) -> Result<VolumeLock> {
+        let lock = self.state.lock_volume(id)?;
+        failpoint::hit("node.after-volume-lock");
+        if let Some(m) = self.state.freeze_of(id) {
+            return Err(Error::Aborted(format!(
+                "volume {id} is frozen for a copy by the {} (pid {}); it is thawed when the \
+                 copy ends, or when that process starts again; retry later",
+                m.owner.name(),
+                m.pid
+            )));
+        }
+        Ok(lock)
+    }
+
+    /// Takes the lock of a volume found in a pool, and finds it again under the
+    /// lock: the controller may have deleted it meanwhile.
+    fn lock_located(&self, id: VolumeId) -> Result<(VolumeLock, Located)> {
+        let lock = self.lock_volume(id)?;
+        match self.locate(id) {
+            Some(loc) => Ok((lock, loc)),
+            None => {
+                lock.remove()?;
+                Err(Error::not_found(format!(
+                    "volume {id} does not exist on this node"
+                )))
+            }
+        }
+    }
+
     /// Checks a path given by the CO: absolute, no `..`, no NUL, outside the
     /// driver's own directories and the system's.
     fn check_path(&self, what: &str, p: &str) -> Result<PathBuf> {
@@ -260,7 +340,7 @@ impl Driver {
             if !volume_mount_group.is_empty() && volume_mount_group.parse::<u32>().is_err() {
                 return Err(Error::invalid(format!(
                     "volume_mount_group {:?} is not a numeric group id",
-                    crate::volumes::shorten(volume_mount_group)
+                    shorten(volume_mount_group)
                 )));
             }
         }
@@ -339,68 +419,6 @@ impl Driver {
         })
     }
 
-    /// Records new values of an image volume's mutable attributes on its file and
-    /// applies them to the loop devices serving it now (elsewhere the next stage
-    /// applies them). All or nothing: when a step fails, what the steps before it
-    /// changed is put back, and the error tells what failed.
-    pub(crate) fn change_image_settings(
-        &self,
-        image: &Path,
-        values: &BTreeMap<String, String>,
-    ) -> Result<SettingsBefore> {
-        let wanted = parse_settings(values)?;
-        let mut attributes = Vec::new();
-        for key in values.keys() {
-            let old = xattr::get(image, &attr_name(key))
-                .context(|| format!("reading the {key} attribute of {}", image.display()))?;
-            attributes.push((key.clone(), old));
-        }
-        let mut devices = Vec::new();
-        for d in self.loops_of(image)? {
-            devices.push((d.device.clone(), self.current_settings(&d)?));
-        }
-        let before = SettingsBefore {
-            image: image.to_path_buf(),
-            attributes,
-            devices,
-        };
-        let changed = values
-            .iter()
-            .try_for_each(|(key, v)| {
-                xattr::set(image, &attr_name(key), v.as_bytes())
-                    .context(|| format!("recording {key}={v} on {}", image.display()))
-            })
-            .and_then(|()| {
-                before
-                    .devices
-                    .iter()
-                    .try_for_each(|(dev, _)| self.apply_settings(dev, wanted))
-            });
-        match changed {
-            Ok(()) => Ok(before),
-            Err(e) => Err(e.with_cleanup(self.restore_image_settings(&before))),
-        }
-    }
-
-    /// Puts an image's attributes and its loop devices' settings back as they were.
-    /// Every step is tried; the first failure is returned.
-    pub(crate) fn restore_image_settings(&self, before: &SettingsBefore) -> Result<()> {
-        let mut result = Ok(());
-        for (dev, settings) in &before.devices {
-            result = result.and(self.apply_settings(dev, *settings));
-        }
-        for (key, old) in &before.attributes {
-            let name = attr_name(key);
-            let put = match old {
-                Some(v) => xattr::set(&before.image, &name, v),
-                None => xattr::remove(&before.image, &name),
-            };
-            result = result
-                .and(put.context(|| format!("putting {key} back on {}", before.image.display())));
-        }
-        result
-    }
-
     pub fn node_stage(&self, req: Stage) -> Result<()> {
         if req.volume_id.is_empty() {
             return Err(Error::invalid("volume_id is required"));
@@ -412,6 +430,7 @@ impl Driver {
         let (id, loc) = self.located(&req.volume_id)?;
         let cap = Self::check_capability(req.capability.as_ref(), &loc)?;
         let _guard = self.locks.try_lock([format!("node:{id}")])?;
+        let (volume, loc) = self.lock_located(id)?;
         self.stage_locked(
             id,
             &req.volume_id,
@@ -419,14 +438,16 @@ impl Driver {
             &staging,
             &cap,
             &req.volume_context,
-            false,
+            Some(&volume),
         )
     }
 
     /// Stages a volume. When the first stage of a volume fails, what this call did
     /// is undone (mount, loop device, record), so a refused or failed stage leaves
     /// nothing behind; a crash instead leaves the record, which the retry or the
-    /// unstage finishes.
+    /// unstage finishes. A volume of the controller (`volume`, its lock held) is
+    /// marked staged before anything is done, so that the controller never deletes
+    /// it from under the node; an ephemeral volume is the node's alone.
     #[allow(clippy::too_many_arguments)]
     fn stage_locked(
         &self,
@@ -436,19 +457,28 @@ impl Driver {
         staging: &Path,
         cap: &Capability,
         context: &BTreeMap<String, String>,
-        ephemeral: bool,
+        volume: Option<&VolumeLock>,
     ) -> Result<()> {
         let first_stage = self.node_records.get(id).is_none();
-        let result = self.stage_steps(id, volume_id, loc, staging, cap, context, ephemeral);
+        let ephemeral = volume.is_none();
+        let result = volume
+            .map_or(Ok(()), |v| v.set_staged(true))
+            .and_then(|()| self.stage_steps(id, volume_id, loc, staging, cap, context, ephemeral));
         if result.is_err() && first_stage {
-            if let Err(e) = self.undo_first_stage(id, loc, staging) {
+            if let Err(e) = self.undo_first_stage(id, loc, staging, volume) {
                 tracing::warn!(volume.id = %id, error = %e, "could not undo a failed stage");
             }
         }
         result
     }
 
-    fn undo_first_stage(&self, id: VolumeId, loc: &Located, staging: &Path) -> Result<()> {
+    fn undo_first_stage(
+        &self,
+        id: VolumeId,
+        loc: &Located,
+        staging: &Path,
+        volume: Option<&VolumeLock>,
+    ) -> Result<()> {
         let devices = self.devices(loc)?;
         self.unmount_owned(id, loc, &devices, staging)?;
         let mounts = self.mounts()?;
@@ -460,7 +490,8 @@ impl Driver {
                     .context(|| format!("detaching {}", d.device.display()))?;
             }
         }
-        self.node_records.remove(id)
+        self.node_records.remove(id)?;
+        volume.map_or(Ok(()), |v| v.set_staged(false))
     }
 
     #[allow(clippy::too_many_arguments)]
@@ -597,7 +628,7 @@ impl Driver {
                     .fs
                     .device_size(&dev.device)
                     .context(|| format!("sizing {}", dev.device.display()))?;
-                let least = crate::volumes::minimum_size(Some(&wanted));
+                let least = minimum_size(Some(&wanted));
                 if size < least {
                     return Err(Error::invalid(format!(
                         "volume {id} has {size} bytes; {wanted} needs at least {least}"
@@ -711,15 +742,44 @@ impl Driver {
         let staging = self.check_path("staging_target_path", staging_path)?;
         let id = VolumeId::parse_existing(volume_id)?;
         let _guard = self.locks.try_lock([format!("node:{id}")])?;
-        self.unstage_locked(id, &staging)
+        let volume = self.lock_if_known(id)?;
+        self.unstage_locked(id, &staging, volume.as_ref())?;
+        self.release_if_gone(id, volume)
     }
 
-    fn unstage_locked(&self, id: VolumeId, staging: &Path) -> Result<()> {
+    /// The volume's lock when anything of the volume is here (its data or a
+    /// record); a call about an unknown volume has nothing to coordinate, and
+    /// leaves no lock file behind.
+    fn lock_if_known(&self, id: VolumeId) -> Result<Option<VolumeLock>> {
+        if self.locate(id).is_none() && self.node_records.get(id).is_none() {
+            return Ok(None);
+        }
+        self.lock_volume(id).map(Some)
+    }
+
+    /// Removes the lock file of a volume whose data and record are both gone.
+    fn release_if_gone(&self, id: VolumeId, lock: Option<VolumeLock>) -> Result<()> {
+        match lock {
+            Some(l) if self.locate(id).is_none() && self.node_records.get(id).is_none() => {
+                l.remove()
+            }
+            _ => Ok(()),
+        }
+    }
+
+    /// Unstages a volume; `volume` is the lock of a controller's volume, whose
+    /// staged mark goes once nothing of it is left here.
+    fn unstage_locked(
+        &self,
+        id: VolumeId,
+        staging: &Path,
+        volume: Option<&VolumeLock>,
+    ) -> Result<()> {
         let rec = self.node_records.get(id);
         let loc = self.locate_or_recorded(id, rec.as_ref());
         let Some(loc) = loc else {
             // Neither data nor record: nothing of this volume is left here.
-            return Ok(());
+            return volume.map_or(Ok(()), |v| v.set_staged(false));
         };
         let devices = self.devices(&loc)?;
         let mounts = self.mounts()?;
@@ -768,7 +828,7 @@ impl Driver {
         }
         failpoint::hit("unstage.after-detach");
         self.node_records.remove(id)?;
-        Ok(())
+        volume.map_or(Ok(()), |v| v.set_staged(false))
     }
 
     /// Unmounts every mount of this volume at `path` (mounts may be stacked);
@@ -827,6 +887,7 @@ impl Driver {
         let (id, loc) = self.located(&req.volume_id)?;
         let cap = Self::check_capability(req.capability.as_ref(), &loc)?;
         let _guard = self.locks.try_lock([format!("node:{id}")])?;
+        let (_volume, loc) = self.lock_located(id)?;
         self.publish_locked(id, &loc, &staging, &target, &cap, req.read_only)
     }
 
@@ -1023,7 +1084,9 @@ impl Driver {
         // mount it does not own alone).
         let id = VolumeId::parse(volume_id).unwrap_or_else(|| VolumeId::for_ephemeral(volume_id));
         let _guard = self.locks.try_lock([format!("node:{id}")])?;
-        self.unpublish_locked(id, &target)
+        let volume = self.lock_if_known(id)?;
+        self.unpublish_locked(id, &target)?;
+        self.release_if_gone(id, volume)
     }
 
     fn unpublish_locked(&self, id: VolumeId, target: &Path) -> Result<()> {
@@ -1193,13 +1256,17 @@ impl Driver {
             return Err(Error::not_found(format!("{volume_path} does not exist")));
         }
         let _guard = self.locks.try_lock([format!("node:{id}")])?;
+        let (_volume, loc) = self.lock_located(id)?;
         if loc.backing != Backing::Image {
-            // The controller raised the quota (or recorded the size).
-            let size = self
-                .volumes
-                .get(id)
-                .map_or(range.required.max(0) as u64, |r| r.size);
-            return Ok(size);
+            // The controller raised the quota (a subvolume's limit is its size) or
+            // recorded the size on the directory.
+            let required = range.required.max(0) as u64;
+            if loc.backing == Backing::Subvolume {
+                let q = btrfs::qgroup_info(&loc.path)
+                    .context(|| format!("reading the qgroup of volume {id}"))?;
+                return Ok(q.max_referenced.unwrap_or(required));
+            }
+            return Ok(recorded_size(&loc.path).unwrap_or(required));
         }
         // The controller grew the image already; the node only makes up for a
         // missed growth, never beyond what was required.
@@ -1291,8 +1358,8 @@ impl Driver {
     }
 
     fn ephemeral_staging(&self, id: VolumeId) -> PathBuf {
-        self.cfg
-            .state_dir
+        self.state
+            .domain(Domain::Node)
             .join("ephemeral-staging")
             .join(id.to_string())
     }
@@ -1314,7 +1381,7 @@ impl Driver {
         if let Some(k) = req
             .volume_context
             .keys()
-            .find(|k| !allowed.contains(&k.as_str()) && !k.starts_with(crate::volumes::K8S_PREFIX))
+            .find(|k| !allowed.contains(&k.as_str()) && !k.starts_with(K8S_PREFIX))
         {
             return Err(Error::invalid(format!(
                 "unknown volumeAttribute {k:?} for an ephemeral volume; accepted: size, type"
@@ -1337,7 +1404,7 @@ impl Driver {
             .map(String::from)
             .unwrap_or_else(|| self.cfg.default_fstype.clone());
         let size = size
-            .max(crate::volumes::minimum_size(Some(&fs)))
+            .max(minimum_size(Some(&fs)))
             .checked_next_multiple_of(MIB)
             .filter(|s| i64::try_from(*s).is_ok())
             .ok_or_else(|| {
@@ -1368,7 +1435,7 @@ impl Driver {
             // The target may hold something else: that is left alone, the rest goes.
             let _ = self.unpublish_locked(id, target);
             let undo = self
-                .unstage_locked(id, &staging)
+                .unstage_locked(id, &staging, None)
                 .and_then(|()| self.remove_volume_data(id, true))
                 .and_then(|()| self.ephemeral_volumes.remove(id));
             let _ = std::fs::remove_dir(&staging);
@@ -1392,16 +1459,7 @@ impl Driver {
         create: bool,
     ) -> Result<()> {
         if create {
-            let create = CreateVolume {
-                name: req.volume_id.clone(),
-                capacity: CapacityRange {
-                    required: size as i64,
-                    limit: 0,
-                },
-                capabilities: vec![cap.clone()],
-                ..Default::default()
-            };
-            self.create_ephemeral(id, pool, create, fs)?;
+            self.create_ephemeral(id, pool, &req.volume_id, cap, size, fs)?;
         }
         failpoint::hit("ephemeral.after-create");
         let loc = pool
@@ -1421,7 +1479,7 @@ impl Driver {
             &staging,
             &stage_cap,
             &BTreeMap::new(),
-            true,
+            None,
         )?;
         self.publish_locked(id, &loc, &staging, target, cap, req.read_only)
     }
@@ -1430,19 +1488,20 @@ impl Driver {
         &self,
         id: VolumeId,
         pool: &crate::pool::Pool,
-        req: CreateVolume,
+        name: &str,
+        cap: &Capability,
+        size: u64,
         fs: String,
     ) -> Result<()> {
         // The caller checked and rounded the size.
-        let size = req.capacity.required as u64;
         let rec = VolumeRecord {
             id,
-            name: req.name,
+            name: name.to_string(),
             pool: pool.name.clone(),
             backing: Backing::Image,
             size,
             fs_type: Some(fs),
-            capabilities: req.capabilities,
+            capabilities: vec![cap.clone()],
             parameters: BTreeMap::new(),
             mutable_parameters: BTreeMap::new(),
             source: None,
@@ -1453,7 +1512,7 @@ impl Driver {
             ephemeral: true,
         };
         let path = pool.volume_path(id, Backing::Image, true);
-        crate::volumes::remove_data(&path)?;
+        remove_data(&path)?;
         file::create_sparse(&path, size).context(|| format!("making {}", path.display()))?;
         self.ephemeral_volumes.put(&rec)
     }
@@ -1464,7 +1523,7 @@ impl Driver {
         if remaining > 0 {
             return Ok(());
         }
-        self.unstage_locked(id, &self.ephemeral_staging(id))?;
+        self.unstage_locked(id, &self.ephemeral_staging(id), None)?;
         failpoint::hit("ephemeral.after-unstage");
         let _ = std::fs::remove_dir(self.ephemeral_staging(id));
         self.remove_volume_data(id, true)?;
@@ -1472,9 +1531,33 @@ impl Driver {
         Ok(())
     }
 
+    /// Makes the staged marks of the shared state follow the node's records: a
+    /// crash between writing one and the other leaves them apart.
+    fn reconcile_staged_marks(&self) {
+        let marked: std::collections::BTreeSet<VolumeId> =
+            self.state.staged_ids().into_iter().collect();
+        let staged: std::collections::BTreeSet<VolumeId> = self
+            .node_records
+            .all()
+            .into_iter()
+            .filter(|r| !r.ephemeral)
+            .map(|r| r.id)
+            .collect();
+        for id in marked.symmetric_difference(&staged) {
+            let fixed = self
+                .state
+                .lock_volume(*id)
+                .and_then(|l| l.set_staged(staged.contains(id)));
+            if let Err(e) = fixed {
+                tracing::warn!(volume.id = %id, error = %e, "could not correct the staged mark");
+            }
+        }
+    }
+
     /// Start-up on the node: report mounts and loop devices of the pools that no
     /// volume accounts for, and remove ephemeral data without a record.
     pub(crate) fn recover_node(&self) -> Result<()> {
+        self.reconcile_staged_marks();
         for pool in self.pools.values() {
             self.remove_orphans(&pool.ephemeral_dir(), |stem| {
                 VolumeId::parse(stem).is_some_and(|id| self.ephemeral_volumes.get(id).is_some())
@@ -1558,76 +1641,28 @@ impl Driver {
     }
 }
 
-/// The mutable attributes of an image volume that its loop devices carry.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-struct LoopSettings {
-    direct_io: Option<bool>,
-    read_ahead_kib: Option<u32>,
-}
-
-/// An image's attributes and its loop devices' settings before a change.
-pub(crate) struct SettingsBefore {
-    image: PathBuf,
-    attributes: Vec<(String, Option<Vec<u8>>)>,
-    devices: Vec<(PathBuf, LoopSettings)>,
-}
-
-const DIRECT_IO: &str = "directIO";
-const READ_AHEAD: &str = "readAheadKiB";
-
-/// The xattr (in the user namespace) that keeps a mutable attribute on an image.
-pub(crate) fn attr_name(key: &str) -> String {
-    format!("example-csi.{key}")
-}
-
-fn parse_settings(values: &BTreeMap<String, String>) -> Result<LoopSettings> {
-    let direct_io = match values.get(DIRECT_IO).map(String::as_str) {
-        None => None,
-        Some("true") => Some(true),
-        Some("false") => Some(false),
-        Some(v) => {
-            return Err(Error::invalid(format!(
-                "directIO={v:?} is not true or false"
-            )))
+impl LiveDevices for Node {
+    fn apply_live(&self, image: &Path, wanted: LoopSettings) -> Result<DevicesBefore> {
+        let mut before = Vec::new();
+        for d in self.loops_of(image)? {
+            before.push((d.device.clone(), self.current_settings(&d)?));
         }
-    };
-    let read_ahead_kib = match values.get(READ_AHEAD) {
-        None => None,
-        Some(v) => Some(
-            v.parse::<u32>()
-                .map_err(|_| Error::invalid(format!("readAheadKiB={v:?} is not a number")))?,
-        ),
-    };
-    Ok(LoopSettings {
-        direct_io,
-        read_ahead_kib,
-    })
-}
-
-/// The settings recorded on an image. An attribute that cannot be read, or holds
-/// nonsense, is an error: taken for "not set", the volume would be served without
-/// what was asked for it.
-fn recorded_settings(image: &Path) -> Result<LoopSettings> {
-    let mut values = BTreeMap::new();
-    for key in [DIRECT_IO, READ_AHEAD] {
-        let raw = xattr::get(image, &attr_name(key))
-            .context(|| format!("reading the {key} attribute of {}", image.display()))?;
-        if let Some(raw) = raw {
-            let text = String::from_utf8(raw).map_err(|_| {
-                Error::internal(format!(
-                    "the {key} attribute of {} is not text",
-                    image.display()
-                ))
-            })?;
-            values.insert(key.to_string(), text);
+        match before
+            .iter()
+            .try_for_each(|(dev, _)| self.apply_settings(dev, wanted))
+        {
+            Ok(()) => Ok(before),
+            Err(e) => Err(e.with_cleanup(self.restore_live(&before))),
         }
     }
-    parse_settings(&values).map_err(|e| {
-        Error::internal(format!(
-            "the attributes of {} are damaged: {e}",
-            image.display()
-        ))
-    })
+
+    fn restore_live(&self, before: &DevicesBefore) -> Result<()> {
+        let mut result = Ok(());
+        for (dev, settings) in before {
+            result = result.and(self.apply_settings(dev, *settings));
+        }
+        result
+    }
 }
 
 fn make_dir(path: &Path) -> Result<()> {

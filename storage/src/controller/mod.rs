@@ -1,0 +1,132 @@
+//! The controller domain: volumes, snapshots, group snapshots, snapshot metadata
+//! and the freezes that keep copies of live volumes consistent.
+//!
+//! The domain owns `<state>/controller` (the volume, snapshot and group snapshot
+//! records) and never reads the node's records. What it must agree on with the
+//! node goes through the volume's lock in the shared state: a copy, a delete or a
+//! change of settings holds it, so the node cannot stage, unstage or unmount the
+//! volume meanwhile, and the node's staged mark tells whether a volume is in use.
+
+pub mod freeze;
+pub mod metadata;
+pub mod snapshots;
+pub mod volumes;
+
+use std::collections::BTreeMap;
+use std::ops::Deref;
+use std::sync::{Arc, OnceLock};
+
+use crate::core::Core;
+use crate::error::Result;
+use crate::locks::Locks;
+use crate::model::{GroupSnapshotRecord, SnapshotRecord, VolumeRecord};
+use crate::settings::LiveDevices;
+use crate::state::{Domain, OwnerLock};
+use crate::store::Store;
+
+/// The controller domain of a process.
+pub struct Controller {
+    core: Arc<Core>,
+    pub(crate) volumes: Store<VolumeRecord>,
+    pub(crate) snapshots: Store<SnapshotRecord>,
+    pub(crate) groups: Store<GroupSnapshotRecord>,
+    pub(crate) locks: Locks,
+    /// The node domain of this process, if it runs one (`--mode all`): only it
+    /// reaches loop devices.
+    live: OnceLock<Arc<dyn LiveDevices>>,
+    _owner: OwnerLock,
+}
+
+impl Deref for Controller {
+    type Target = Core;
+    fn deref(&self) -> &Core {
+        &self.core
+    }
+}
+
+impl Controller {
+    /// Claims the controller's part of the state (refused while another process
+    /// holds it), thaws what a crash of this domain left frozen, loads the records
+    /// and repairs what a crash left half-done.
+    pub fn open(core: Arc<Core>) -> Result<Controller> {
+        let owner = core.state.claim(Domain::Controller)?;
+        let dir = core.state.domain(Domain::Controller);
+        let c = Controller {
+            volumes: Store::open(&dir.join("volumes"))?,
+            snapshots: Store::open(&dir.join("snapshots"))?,
+            groups: Store::open(&dir.join("groups"))?,
+            locks: Locks::default(),
+            live: OnceLock::new(),
+            _owner: owner,
+            core,
+        };
+        c.recover()?;
+        Ok(c)
+    }
+
+    /// Lets the controller change the loop devices of staged volumes through the
+    /// node domain of the same process.
+    pub(crate) fn set_live_devices(&self, live: Arc<dyn LiveDevices>) {
+        let _ = self.live.set(live);
+    }
+
+    pub(crate) fn live_devices(&self) -> Option<&Arc<dyn LiveDevices>> {
+        self.live.get()
+    }
+
+    fn recover(&self) -> Result<()> {
+        self.thaw_left_frozen();
+        for pool in self.pools.values() {
+            if pool.is_btrfs() {
+                if let Err(e) = csi_sys::btrfs::quota_enable(&pool.root) {
+                    tracing::warn!(pool = %pool.name, error = %e,
+                        "btrfs quotas could not be enabled: dir volume sizes are not enforced");
+                }
+            }
+        }
+        self.recover_volumes()?;
+        self.recover_snapshots()?;
+        self.sweep_volume_locks();
+        Ok(())
+    }
+
+    /// Removes the lock files of volumes that are gone (a crash of a delete
+    /// between the record and the lock leaves one).
+    fn sweep_volume_locks(&self) {
+        let staged = self.state.staged_ids();
+        for id in self.state.locked_ids() {
+            let known = self.volumes.get(id).is_some()
+                || self.volumes.is_quarantined(&id.to_string())
+                || staged.contains(&id);
+            if known {
+                continue;
+            }
+            // Taken first: an operation of the node may hold it right now.
+            if let Ok(lock) = self.state.lock_volume(id) {
+                let _ = lock.remove();
+            }
+        }
+    }
+
+    pub fn volume_count(&self) -> usize {
+        self.volumes.len()
+    }
+
+    pub fn snapshot_count(&self) -> usize {
+        self.snapshots.len()
+    }
+
+    /// Volume and snapshot records per pool (every configured pool, zeros
+    /// included), for metrics.
+    pub fn objects_by_pool(&self) -> BTreeMap<String, (usize, usize)> {
+        let mut out: BTreeMap<String, (usize, usize)> =
+            self.pools.keys().map(|k| (k.clone(), (0, 0))).collect();
+        for v in self.volumes.all() {
+            out.entry(v.pool).or_default().0 += 1;
+        }
+        for s in self.snapshots.all() {
+            out.entry(s.pool).or_default().1 += 1;
+        }
+        out
+    }
+}

@@ -1,0 +1,119 @@
+//! Pool data and the mount table, as both domains see them: removing a volume's
+//! or snapshot's data, sweeping what no record accounts for, telling which mounts
+//! are of a block device; and small helpers of requests.
+
+use std::os::unix::fs::MetadataExt;
+use std::path::Path;
+
+use csi_sys::{btrfs, file, MountEntry};
+
+use crate::core::Core;
+use crate::error::{Context, Error, Result};
+use crate::ids::VolumeId;
+use crate::model::Backing;
+use crate::pool::Pool;
+
+/// (major, minor) of a device node.
+pub(crate) fn device_numbers(dev: &Path) -> Option<(u32, u32)> {
+    let rdev = std::fs::metadata(dev).ok()?.rdev();
+    let major = ((rdev >> 8) & 0xfff) | ((rdev >> 32) & !0xfff);
+    let minor = (rdev & 0xff) | ((rdev >> 12) & !0xff);
+    Some((major as u32, minor as u32))
+}
+
+/// Whether a mount is of a block device: by device numbers, or by source, since
+/// btrfs reports an anonymous device number (0:N) for its mounts.
+pub(crate) fn is_mount_of(m: &MountEntry, dev: &Path) -> bool {
+    Path::new(&m.source) == dev || device_numbers(dev).is_some_and(|n| (m.major, m.minor) == n)
+}
+
+/// The mounts of a block device.
+pub(crate) fn mounts_of<'a>(mounts: &'a [MountEntry], dev: &Path) -> Vec<&'a MountEntry> {
+    mounts.iter().filter(|m| is_mount_of(m, dev)).collect()
+}
+
+/// A caller's string cut to a length fit for a message.
+pub(crate) fn shorten(s: &str) -> String {
+    match s.char_indices().nth(64) {
+        Some((i, _)) => format!("{}...", &s[..i]),
+        None => s.to_string(),
+    }
+}
+
+/// Parses a pagination token: empty is the start, anything we did not issue is ABORTED.
+pub(crate) fn parse_token<T>(token: &str, parse: impl Fn(&str) -> Option<T>) -> Result<Option<T>> {
+    if token.is_empty() {
+        return Ok(None);
+    }
+    parse(token).map(Some).ok_or_else(|| {
+        Error::Aborted(format!(
+            "starting_token {token:?} was not issued by this driver"
+        ))
+    })
+}
+
+/// Removes a file, directory tree or btrfs subvolume; absent is fine.
+pub(crate) fn remove_data(path: &Path) -> Result<()> {
+    let meta = match std::fs::symlink_metadata(path) {
+        Ok(m) => m,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(Error::internal(format!("{}: {e}", path.display()))),
+    };
+    let at = || format!("removing {}", path.display());
+    if meta.is_dir() {
+        if btrfs::is_subvolume(path) {
+            btrfs::subvolume_delete(path).context(at)?;
+        } else {
+            file::remove_tree(path).context(at)?;
+        }
+    } else {
+        file::remove_file_if_exists(path).context(at)?;
+    }
+    if let Some(parent) = path.parent() {
+        file::fsync_dir(parent).context(at)?;
+    }
+    Ok(())
+}
+
+impl Core {
+    /// Removes whatever data a volume id has in any pool.
+    pub(crate) fn remove_volume_data(&self, id: VolumeId, ephemeral: bool) -> Result<()> {
+        for pool in self.pools.values() {
+            for backing in [Backing::Image, Backing::Directory] {
+                let path = pool.volume_path(id, backing, ephemeral);
+                remove_data(&path)?;
+                remove_data(&Pool::tmp_path(&path))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Removes entries of a pool directory that `known` does not account for, and
+    /// every leftover temporary.
+    pub(crate) fn remove_orphans(&self, dir: &Path, known: impl Fn(&str) -> bool) -> Result<()> {
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            return Ok(());
+        };
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let stem = name.strip_suffix(".img").unwrap_or(&name);
+            let temp = name.starts_with('.');
+            if temp || !known(stem) {
+                let path = entry.path();
+                if !temp && name.ends_with(".img") {
+                    // An image still attached is in use by something: leave it and say so.
+                    if let Ok(devs) = self.sys.loops.find(&path) {
+                        if !devs.is_empty() {
+                            tracing::warn!(path = %path.display(),
+                                "image has no record but is attached to a loop device; kept");
+                            continue;
+                        }
+                    }
+                }
+                tracing::warn!(path = %path.display(), "removing pool data no record accounts for");
+                remove_data(&path)?;
+            }
+        }
+        Ok(())
+    }
+}

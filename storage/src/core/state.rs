@@ -1,0 +1,396 @@
+//! The state directory. Each domain owns a subdirectory whose records it alone
+//! writes, guarded by an owner lock that a second process of the same domain
+//! cannot take. What the two domains must agree on (who acts on a volume now,
+//! whether the node has it staged, which filesystems a copy keeps frozen) lives
+//! in `shared/`, one small file per volume or freeze, and changes only under the
+//! volume's lock. All of it goes through the filesystem and `flock`, never
+//! through memory, so it holds whether the domains run in one process
+//! (`--mode all`) or in two (the central deployment).
+//!
+//! ```text
+//! <state>/controller/owner.lock       held by the one process of the controller domain
+//! <state>/controller/volumes/ snapshots/ groups/
+//! <state>/node/owner.lock             held by the one process of the node domain
+//! <state>/node/staged/ ephemeral/ ephemeral-staging/
+//! <state>/shared/locks/<volume-id>    held by whoever acts on the volume right now
+//! <state>/shared/staged/<volume-id>   present while the node has the volume staged
+//! <state>/shared/frozen/<id>.json     a freeze in progress, naming its owner
+//! ```
+//!
+//! An older layout kept every store at the top (`volumes/`, `node/*.json`, ...);
+//! each domain moves its own records once, when it first claims the new layout.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use csi_sys::file;
+use csi_sys::flock::LockFile;
+
+use crate::error::{Context, Error, Result};
+use crate::ids::VolumeId;
+
+/// The two owners of state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Domain {
+    Controller,
+    Node,
+}
+
+impl Domain {
+    pub fn name(self) -> &'static str {
+        match self {
+            Domain::Controller => "controller",
+            Domain::Node => "node",
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct StateDir {
+    root: PathBuf,
+}
+
+/// A domain's claim on its part of the state: held for the life of the process.
+#[derive(Debug)]
+pub struct OwnerLock {
+    _lock: LockFile,
+}
+
+/// A freeze in progress: which filesystems, for which volumes, and who froze them
+/// (only that domain, or its next start, thaws them).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FreezeMarker {
+    pub owner: Domain,
+    pub pid: u32,
+    pub volumes: Vec<VolumeId>,
+    pub mountpoints: Vec<PathBuf>,
+}
+
+impl StateDir {
+    pub fn open(root: &Path) -> Result<StateDir> {
+        let s = StateDir {
+            root: root.to_path_buf(),
+        };
+        for dir in [s.locks_dir(), s.staged_dir(), s.frozen_dir()] {
+            file::mkdir_p_mode(&dir, 0o700).context(|| format!("making {}", dir.display()))?;
+        }
+        Ok(s)
+    }
+
+    /// The directory a domain alone writes.
+    pub fn domain(&self, d: Domain) -> PathBuf {
+        self.root.join(d.name())
+    }
+
+    fn shared(&self) -> PathBuf {
+        self.root.join("shared")
+    }
+    fn locks_dir(&self) -> PathBuf {
+        self.shared().join("locks")
+    }
+    fn staged_dir(&self) -> PathBuf {
+        self.shared().join("staged")
+    }
+    pub(crate) fn frozen_dir(&self) -> PathBuf {
+        self.shared().join("frozen")
+    }
+
+    /// Takes a domain's part of the state for this process, or refuses when
+    /// another process holds it; then moves the domain's records of the old
+    /// layout into place.
+    pub fn claim(&self, d: Domain) -> Result<OwnerLock> {
+        let dir = self.domain(d);
+        file::mkdir_p_mode(&dir, 0o700).context(|| format!("making {}", dir.display()))?;
+        let path = dir.join("owner.lock");
+        let mut lock = LockFile::try_exclusive(&path)
+            .context(|| format!("locking {}", path.display()))?
+            .ok_or_else(|| {
+                let holder = LockFile::holder(&path)
+                    .map(|h| format!(" ({h})"))
+                    .unwrap_or_default();
+                Error::StateInUse(format!(
+                    "another csi-driver process{holder} serves the {} of state dir {}; \
+                     one process per mode and state dir",
+                    d.name(),
+                    self.root.display()
+                ))
+            })?;
+        let holder = format!("pid {}, --mode {}", std::process::id(), d.name());
+        lock.set_holder(&holder)
+            .context(|| format!("writing {}", path.display()))?;
+        self.migrate(d)?;
+        Ok(OwnerLock { _lock: lock })
+    }
+
+    /// Takes a volume's lock, for the time of one operation; ABORTED when another
+    /// operation, in this process or the other, holds it.
+    pub fn lock_volume(&self, id: VolumeId) -> Result<VolumeLock> {
+        let path = self.locks_dir().join(id.to_string());
+        let lock = LockFile::try_exclusive(&path)
+            .context(|| format!("locking volume {id}"))?
+            .ok_or_else(|| {
+                Error::Aborted(format!(
+                    "an operation on volume {id} is already in progress; retry later"
+                ))
+            })?;
+        Ok(VolumeLock {
+            lock,
+            staged: self.staged_dir().join(id.to_string()),
+        })
+    }
+
+    /// Ids with a lock file (for the sweep of locks of volumes that are gone).
+    pub fn locked_ids(&self) -> Vec<VolumeId> {
+        list_ids(&self.locks_dir())
+    }
+
+    /// Ids the node has staged.
+    pub fn staged_ids(&self) -> Vec<VolumeId> {
+        list_ids(&self.staged_dir())
+    }
+
+    /// Every freeze marker, with its path.
+    pub fn freeze_markers(&self) -> Vec<(PathBuf, FreezeMarker)> {
+        let Ok(entries) = std::fs::read_dir(self.frozen_dir()) else {
+            return Vec::new();
+        };
+        let mut out = Vec::new();
+        for entry in entries.flatten() {
+            let path = entry.path();
+            if entry.file_name().to_string_lossy().starts_with('.') {
+                continue;
+            }
+            match std::fs::read(&path)
+                .ok()
+                .and_then(|b| serde_json::from_slice(&b).ok())
+            {
+                Some(m) => out.push((path, m)),
+                None => tracing::warn!(path = %path.display(), "unreadable freeze marker; kept"),
+            }
+        }
+        out
+    }
+
+    /// A freeze of `id` in progress, or left by a process that died frozen.
+    pub fn freeze_of(&self, id: VolumeId) -> Option<FreezeMarker> {
+        self.freeze_markers()
+            .into_iter()
+            .map(|(_, m)| m)
+            .find(|m| m.volumes.contains(&id))
+    }
+
+    /// Moves a domain's records of the old layout (every store at the top of the
+    /// state dir) into its own directory.
+    fn migrate(&self, d: Domain) -> Result<()> {
+        let own = self.domain(d);
+        match d {
+            Domain::Controller => {
+                for name in ["volumes", "snapshots", "groups"] {
+                    move_dir(&self.root.join(name), &own.join(name))?;
+                }
+                self.migrate_freeze_markers()?;
+            }
+            Domain::Node => {
+                // The old node records lay directly in <state>/node, now the domain's
+                // own directory.
+                let staged = own.join("staged");
+                for entry in std::fs::read_dir(&own).into_iter().flatten().flatten() {
+                    let name = entry.file_name().to_string_lossy().into_owned();
+                    if name.ends_with(".json") || name.ends_with(".corrupt") {
+                        file::mkdir_p_mode(&staged, 0o700)
+                            .context(|| format!("making {}", staged.display()))?;
+                        rename(&entry.path(), &staged.join(&name))?;
+                    }
+                }
+                for name in ["ephemeral", "ephemeral-staging"] {
+                    move_dir(&self.root.join(name), &own.join(name))?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Markers of the old layout listed only mount points: they were the
+    /// controller's (only copies freeze), and become its markers.
+    fn migrate_freeze_markers(&self) -> Result<()> {
+        let old = self.root.join("frozen");
+        let Ok(entries) = std::fs::read_dir(&old) else {
+            return Ok(());
+        };
+        for entry in entries.flatten() {
+            let path = entry.path();
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let Some(stem) = name.strip_suffix(".json") else {
+                continue;
+            };
+            let mountpoints: Vec<PathBuf> = std::fs::read(&path)
+                .ok()
+                .and_then(|b| serde_json::from_slice(&b).ok())
+                .unwrap_or_default();
+            let marker = FreezeMarker {
+                owner: Domain::Controller,
+                pid: 0,
+                volumes: VolumeId::parse(stem).into_iter().collect(),
+                mountpoints,
+            };
+            self.write_freeze_marker(&self.frozen_dir().join(&name), &marker)?;
+            let _ = std::fs::remove_file(&path);
+        }
+        let _ = std::fs::remove_dir(&old);
+        Ok(())
+    }
+
+    pub(crate) fn write_freeze_marker(&self, path: &Path, m: &FreezeMarker) -> Result<()> {
+        let body = serde_json::to_vec(m).unwrap_or_default();
+        file::write_atomic(path, &body).context(|| "writing the freeze marker".into())
+    }
+}
+
+/// One volume's lock. While it is held, whether the node has the volume staged
+/// can be read and changed without a race.
+#[derive(Debug)]
+pub struct VolumeLock {
+    lock: LockFile,
+    staged: PathBuf,
+}
+
+impl VolumeLock {
+    pub fn is_staged(&self) -> bool {
+        self.staged.exists()
+    }
+
+    /// Records that the node has (or no longer has) the volume staged.
+    pub fn set_staged(&self, staged: bool) -> Result<()> {
+        let at = || format!("marking {} staged={staged}", self.staged.display());
+        if staged {
+            if !self.staged.exists() {
+                file::write_atomic(&self.staged, b"").context(at)?;
+            }
+        } else {
+            file::remove_file_if_exists(&self.staged).context(at)?;
+            if let Some(dir) = self.staged.parent() {
+                file::fsync_dir(dir).context(at)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Removes the lock file of a volume that is gone.
+    pub fn remove(self) -> Result<()> {
+        let path = self.lock.path().to_path_buf();
+        self.lock
+            .remove()
+            .context(|| format!("removing {}", path.display()))
+    }
+}
+
+fn list_ids(dir: &Path) -> Vec<VolumeId> {
+    std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| VolumeId::parse(&e.file_name().to_string_lossy()))
+        .collect()
+}
+
+fn rename(from: &Path, to: &Path) -> Result<()> {
+    std::fs::rename(from, to).map_err(|e| {
+        Error::internal(format!(
+            "moving {} to {}: {e}",
+            from.display(),
+            to.display()
+        ))
+    })
+}
+
+/// Moves a directory of the old layout to its new place: whole when the new one
+/// does not exist yet, else entry by entry.
+fn move_dir(old: &Path, new: &Path) -> Result<()> {
+    if !old.is_dir() {
+        return Ok(());
+    }
+    tracing::info!(from = %old.display(), to = %new.display(), "moving records of the old state layout");
+    if !new.exists() {
+        rename(old, new)?;
+    } else {
+        for entry in std::fs::read_dir(old).into_iter().flatten().flatten() {
+            let to = new.join(entry.file_name());
+            if !to.exists() {
+                rename(&entry.path(), &to)?;
+            }
+        }
+        let _ = std::fs::remove_dir(old);
+    }
+    for dir in [old.parent(), new.parent()].into_iter().flatten() {
+        file::fsync_dir(dir).context(|| format!("syncing {}", dir.display()))?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_domain_is_claimed_once() {
+        let tmp = tempfile::tempdir().unwrap();
+        let s = StateDir::open(tmp.path()).unwrap();
+        let c = s.claim(Domain::Controller).unwrap();
+        let n = s.claim(Domain::Node).expect("the other domain is free");
+        let again = s.claim(Domain::Controller).unwrap_err();
+        assert!(matches!(again, Error::StateInUse(_)), "{again}");
+        assert!(again.to_string().contains("--mode controller"), "{again}");
+        drop(c);
+        drop(n);
+        s.claim(Domain::Controller).expect("free again once let go");
+    }
+
+    #[test]
+    fn a_volume_lock_excludes_and_carries_the_staged_mark() {
+        let tmp = tempfile::tempdir().unwrap();
+        let s = StateDir::open(tmp.path()).unwrap();
+        let id = VolumeId::for_name("v");
+        let l = s.lock_volume(id).unwrap();
+        assert!(matches!(s.lock_volume(id), Err(Error::Aborted(_))));
+        assert!(!l.is_staged());
+        l.set_staged(true).unwrap();
+        drop(l);
+        let l = s.lock_volume(id).unwrap();
+        assert!(l.is_staged());
+        assert_eq!(s.staged_ids(), vec![id]);
+        l.set_staged(false).unwrap();
+        l.remove().unwrap();
+        assert!(s.locked_ids().is_empty() && s.staged_ids().is_empty());
+    }
+
+    #[test]
+    fn old_layout_records_move_to_their_domain() {
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path();
+        let id = VolumeId::for_name("v");
+        std::fs::create_dir_all(root.join("volumes")).unwrap();
+        std::fs::write(root.join("volumes").join(format!("{id}.json")), "{}").unwrap();
+        std::fs::create_dir_all(root.join("node")).unwrap();
+        std::fs::write(root.join("node").join(format!("{id}.json")), "{}").unwrap();
+        std::fs::create_dir_all(root.join("frozen")).unwrap();
+        std::fs::write(
+            root.join("frozen").join(format!("{id}.json")),
+            "[\"/mnt/x\"]",
+        )
+        .unwrap();
+        let s = StateDir::open(root).unwrap();
+        let _c = s.claim(Domain::Controller).unwrap();
+        let _n = s.claim(Domain::Node).unwrap();
+        assert!(root.join(format!("controller/volumes/{id}.json")).is_file());
+        assert!(!root.join("volumes").exists());
+        assert!(root.join(format!("node/staged/{id}.json")).is_file());
+        assert!(!root.join(format!("node/{id}.json")).exists());
+        let m = s
+            .freeze_of(id)
+            .expect("the old marker, now the controller's");
+        assert_eq!(m.owner, Domain::Controller);
+        assert_eq!(m.mountpoints, vec![PathBuf::from("/mnt/x")]);
+    }
+}

@@ -1,0 +1,124 @@
+//! Advisory file locks (flock). Two driver processes on one node (the controller
+//! and the node plugin of the central deployment) agree through them on who owns
+//! a piece of state and who may act on a volume right now. The kernel drops a
+//! lock when its holder exits, so a killed process never leaves one held; and
+//! since a lock belongs to an open file, two threads of one process that each
+//! take it exclude each other as two processes would.
+
+use std::fs::{File, OpenOptions};
+use std::io::{Read, Seek, Write};
+use std::os::unix::fs::{MetadataExt, OpenOptionsExt};
+use std::path::{Path, PathBuf};
+
+use nix::errno::Errno;
+use nix::fcntl::{Flock, FlockArg};
+
+use crate::error::{Result, SysError};
+
+/// An exclusive lock on a file, held until dropped.
+#[derive(Debug)]
+pub struct LockFile {
+    file: Flock<File>,
+    path: PathBuf,
+}
+
+impl LockFile {
+    /// Takes the exclusive lock of `path` (made, mode 0600, if missing) without
+    /// waiting; None when someone else holds it.
+    pub fn try_exclusive(path: &Path) -> Result<Option<LockFile>> {
+        loop {
+            let file = OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .mode(0o600)
+                .open(path)
+                .map_err(|e| SysError::io("open lock file", path, e))?;
+            let file = match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
+                Ok(f) => f,
+                Err((_, Errno::EWOULDBLOCK)) => return Ok(None),
+                Err((_, e)) => return Err(SysError::errno("flock", path, e as i32)),
+            };
+            // The holder before us may have removed the file between our open and
+            // our lock: a lock on a removed file guards nothing, so take the new one.
+            let held = file
+                .metadata()
+                .map_err(|e| SysError::io("fstat lock file", path, e))?;
+            match std::fs::metadata(path) {
+                Ok(m) if (m.dev(), m.ino()) == (held.dev(), held.ino()) => {
+                    return Ok(Some(LockFile {
+                        file,
+                        path: path.to_path_buf(),
+                    }))
+                }
+                Ok(_) => continue,
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
+                Err(e) => return Err(SysError::io("stat lock file", path, e)),
+            }
+        }
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Replaces the file's content (who holds it, for the message a second
+    /// process prints).
+    pub fn set_holder(&mut self, text: &str) -> Result<()> {
+        let f: &mut File = &mut self.file;
+        f.set_len(0)
+            .and_then(|()| f.rewind())
+            .and_then(|()| f.write_all(text.as_bytes()))
+            .map_err(|e| SysError::io("write lock file", &self.path, e))
+    }
+
+    /// What the holder of `path` wrote into it, if anything.
+    pub fn holder(path: &Path) -> Option<String> {
+        let mut s = String::new();
+        File::open(path).ok()?.read_to_string(&mut s).ok()?;
+        let s = s.trim().to_string();
+        (!s.is_empty()).then_some(s)
+    }
+
+    /// Removes the file, then lets the lock go. Whoever waited on it finds it
+    /// gone and makes a new one.
+    pub fn remove(self) -> Result<()> {
+        match std::fs::remove_file(&self.path) {
+            Ok(()) => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(SysError::io("remove lock file", &self.path, e)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_second_holder_is_refused_until_the_first_lets_go() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("x.lock");
+        let mut a = LockFile::try_exclusive(&path).unwrap().expect("first");
+        a.set_holder("pid 1").unwrap();
+        assert!(LockFile::try_exclusive(&path).unwrap().is_none());
+        assert_eq!(LockFile::holder(&path).as_deref(), Some("pid 1"));
+        drop(a);
+        assert!(LockFile::try_exclusive(&path).unwrap().is_some());
+    }
+
+    #[test]
+    fn a_removed_lock_file_is_made_anew() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("y.lock");
+        let a = LockFile::try_exclusive(&path).unwrap().expect("first");
+        a.remove().unwrap();
+        assert!(!path.exists());
+        let b = LockFile::try_exclusive(&path)
+            .unwrap()
+            .expect("after remove");
+        assert!(path.exists());
+        drop(b);
+    }
+}
