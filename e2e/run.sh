@@ -22,8 +22,9 @@
 # --helm installs each flavor with the Helm chart (deploy/helm/example-csi)
 # instead of kustomize, and checks that `helm uninstall` leaves nothing behind.
 #
-# --suite also runs Kubernetes' own "External Storage" suite against the
-# central flavor (e2e/testdriver.yaml; see docs/e2e.md).
+# --suite builds Kubernetes' e2e test binary and agnhost for its "External
+# Storage" suite (e2e/testdriver.yaml); running the suite is not written yet,
+# and --suite says so as a failed check.
 set -euo pipefail
 E2E_DIR=$(cd "$(dirname "$0")" && pwd)
 . "$E2E_DIR/versions.sh"
@@ -359,8 +360,9 @@ for flavor in "${FLAVORS[@]}"; do
 done
 
 if [ "$SUITE" = 1 ]; then
-    . "$E2E_DIR/lib/suite.sh"
-    run_suite
+    # e2e.test and agnhost are built (e2e/build.sh --suite) and e2e/testdriver.yaml
+    # declares the driver, but the suite's runner is not written yet: say so.
+    fail "Kubernetes' External Storage suite: not run (its runner is not written yet)"
 fi
 
 echo
