@@ -98,8 +98,9 @@ ${5:-}
 EOF
 }
 
-# pod NAME CLAIM COMMAND [security context lines]: busybox with the claim at /data.
-pod() {
+# app_pod NAME CLAIM COMMAND USE [spec lines]: a busybox pod running COMMAND
+# with the claim, used as USE (its volumeMounts or volumeDevices line).
+app_pod() {
     apply <<EOF
 apiVersion: v1
 kind: Pod
@@ -108,40 +109,24 @@ metadata:
   labels: {e2e: "true"}
 spec:
   terminationGracePeriodSeconds: 1
-${4:-}
+${5:-}
   containers:
     - name: app
       image: $BUSYBOX_IMAGE
       imagePullPolicy: Never
       command: ["sh", "-c", "$3"]
-      volumeMounts: [{name: data, mountPath: /data}]
+      $4
   volumes:
     - name: data
       persistentVolumeClaim: {claimName: $2}
 EOF
 }
 
+# pod NAME CLAIM COMMAND [spec lines]: the claim mounted at /data.
+pod() { app_pod "$1" "$2" "$3" "volumeMounts: [{name: data, mountPath: /data}]" "${4:-}"; }
+
 # block_pod NAME CLAIM COMMAND: the claim as the raw device /dev/xvda.
-block_pod() {
-    apply <<EOF
-apiVersion: v1
-kind: Pod
-metadata:
-  name: $1
-  labels: {e2e: "true"}
-spec:
-  terminationGracePeriodSeconds: 1
-  containers:
-    - name: app
-      image: $BUSYBOX_IMAGE
-      imagePullPolicy: Never
-      command: ["sh", "-c", "$3"]
-      volumeDevices: [{name: data, devicePath: /dev/xvda}]
-  volumes:
-    - name: data
-      persistentVolumeClaim: {claimName: $2}
-EOF
-}
+block_pod() { app_pod "$1" "$2" "$3" "volumeDevices: [{name: data, devicePath: /dev/xvda}]"; }
 
 delete_pod() { kc -n "$NS" delete pod "$@" --wait=true --timeout=120s >/dev/null 2>&1 || true; }
 
