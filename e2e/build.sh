@@ -15,7 +15,9 @@
 set -euo pipefail
 . "$(dirname "$0")/versions.sh"
 export PATH="$PATH:/usr/local/go/bin:$HOME/go/bin"
-export GOFLAGS=-buildvcs=false CGO_ENABLED=0
+# -mod=mod: the wrapper modules and the copied sidecar modules record their
+# go.sum as they build
+export GOFLAGS="-mod=mod -buildvcs=false" CGO_ENABLED=0
 
 log() { echo "e2e/build: $*" >&2; }
 SNAPSHOTTER_CLIENT=github.com/kubernetes-csi/external-snapshotter/client/v8
@@ -33,7 +35,7 @@ go_module_dir() {
     echo "$copy"
 }
 
-# done_marker DIR: true when DIR holds a finished build.
+# built DIR: true when DIR holds a finished build.
 built() { [ -f "$1/.complete" ]; }
 
 # A throw-away module that requires k8s.io/kubernetes and pins every staging
@@ -57,7 +59,7 @@ kubernetes_module() {
             for m in $staging; do echo "replace $m => $m $minor"; done
         } >"$dir/go.mod"
         printf 'package k8sbuild\n' >"$dir/doc.go"
-        (cd "$dir" && go mod download k8s.io/kubernetes && GOFLAGS=-mod=mod go list -deps k8s.io/kubernetes/cmd/kubelet >/dev/null)
+        (cd "$dir" && go mod download k8s.io/kubernetes && go list -deps k8s.io/kubernetes/cmd/kubelet >/dev/null)
     fi
     echo "$dir"
 }
@@ -80,7 +82,7 @@ build_kubernetes() {
     log "building Kubernetes $KUBERNETES_VERSION (about 12 minutes on 2 cores)"
     local mod; mod=$(kubernetes_module)
     mkdir -p "$out"
-    (cd "$mod" && GOFLAGS="-mod=mod -buildvcs=false" go build -trimpath -ldflags "$(kubernetes_ldflags)" -o "$out/" \
+    (cd "$mod" && go build -trimpath -ldflags "$(kubernetes_ldflags)" -o "$out/" \
         k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager \
         k8s.io/kubernetes/cmd/kube-scheduler k8s.io/kubernetes/cmd/kubelet k8s.io/kubernetes/cmd/kubectl)
     touch "$out/.complete"
@@ -92,8 +94,8 @@ build_suite() {
     log "building Kubernetes' e2e test binary and agnhost $KUBERNETES_VERSION"
     local mod; mod=$(kubernetes_module)
     mkdir -p "$out"
-    (cd "$mod" && GOFLAGS="-mod=mod -buildvcs=false" go test -c -trimpath -ldflags "$(kubernetes_ldflags)" -o "$out/e2e.test" k8s.io/kubernetes/test/e2e)
-    (cd "$mod" && GOFLAGS="-mod=mod -buildvcs=false" go build -trimpath -o "$out/agnhost" k8s.io/kubernetes/test/images/agnhost)
+    (cd "$mod" && go test -c -trimpath -ldflags "$(kubernetes_ldflags)" -o "$out/e2e.test" k8s.io/kubernetes/test/e2e)
+    (cd "$mod" && go build -trimpath -o "$out/agnhost" k8s.io/kubernetes/test/images/agnhost)
     touch "$out/.complete"
 }
 
@@ -122,7 +124,7 @@ import (
 
 func main() { etcdmain.Main(os.Args) }
 GO
-    (cd "$dir" && GOFLAGS="-mod=mod -buildvcs=false" go build -trimpath -o "$out/etcd" .)
+    (cd "$dir" && go build -trimpath -o "$out/etcd" .)
     touch "$out/.complete"
 }
 
@@ -141,7 +143,7 @@ build_sidecar() {
     fi
     local pkg
     for pkg in "$@"; do
-        (cd "$dir" && GOFLAGS="-mod=mod -buildvcs=false" go build -trimpath -ldflags "-s -w -X main.version=$version" -o "$out/" "./$pkg")
+        (cd "$dir" && go build -trimpath -ldflags "-s -w -X main.version=$version" -o "$out/" "./$pkg")
     done
     if [ "$name" = snapshotter ]; then
         local client; client=$(go mod download -json "$SNAPSHOTTER_CLIENT@$version" | sed -n 's/^\t"Dir": "\(.*\)",$/\1/p')

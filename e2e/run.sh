@@ -209,8 +209,8 @@ helm_install() {
 driver_objects() {
     kc get all,serviceaccounts,roles,rolebindings -n "$DRIVER_NS" -o name 2>/dev/null \
         | grep -v -e '^serviceaccount/default$' -e 'configmap/kube-root-ca.crt'
-    kc get csidrivers,clusterroles,clusterrolebindings -o name 2>/dev/null | grep example-csi
-    kc get csidrivers -o name | grep example.csi
+    kc get clusterroles,clusterrolebindings -o name 2>/dev/null | grep example-csi
+    kc get csidrivers -o name 2>/dev/null | grep example.csi
 }
 
 helm_uninstall() {

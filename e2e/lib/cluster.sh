@@ -215,7 +215,6 @@ node_ready() {
 # plane and etcd, by the PIDs recorded at start.
 stop_cluster() {
     [ -f "$W/pids" ] || return 0
-    local name
     # the kubelets first, so that nothing restarts what is being stopped
     stop_pids kubelet
     for sock in "$W"/containerd-*/containerd.sock; do

@@ -41,18 +41,14 @@ hoststate_restore() {
     done <"$dir/sysctl"
     # nft tables and chains made by the kubelet and CNI go with the restore of
     # the whole ruleset as it was.
-    if [ -s "$dir/iptables" ]; then
-        iptables-restore <"$dir/iptables" 2>/dev/null || true
-    else
-        local t
-        for t in filter nat mangle raw; do iptables -t "$t" -F 2>/dev/null; iptables -t "$t" -X 2>/dev/null; done
-    fi
-    if [ -s "$dir/ip6tables" ]; then
-        ip6tables-restore <"$dir/ip6tables" 2>/dev/null || true
-    else
-        local t
-        for t in filter nat mangle raw; do ip6tables -t "$t" -F 2>/dev/null; ip6tables -t "$t" -X 2>/dev/null; done
-    fi
+    local tool t
+    for tool in iptables ip6tables; do
+        if [ -s "$dir/$tool" ]; then
+            "$tool-restore" <"$dir/$tool" 2>/dev/null || true
+        else
+            for t in filter nat mangle raw; do "$tool" -t "$t" -F 2>/dev/null; "$tool" -t "$t" -X 2>/dev/null; done
+        fi
+    done
     # links the CNI made (bridge, veths), network namespaces
     local l
     for l in $(ip -o link show | awk -F': ' '{print $2}' | sed 's/@.*//' | sort | comm -13 "$dir/links" -); do

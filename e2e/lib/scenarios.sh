@@ -70,7 +70,7 @@ scenario_provision() {
 scenario_snapshot_restore_clone() {
     scenario "snapshot, restore and clone"
     [ -n "${SUM:-}" ] || { fail "no data from the provision scenario"; return; }
-    kc -n "$NS" apply -f - >/dev/null <<EOF
+    apply <<EOF
 apiVersion: snapshot.storage.k8s.io/v1
 kind: VolumeSnapshot
 metadata: {name: snap}
@@ -236,7 +236,7 @@ scenario_group_snapshot() {
     PVC_LABELS='group: pair' pvc g1 1Gi e2e-immediate
     PVC_LABELS='group: pair' pvc g2 1Gi e2e-immediate
     eventually 60 "both claims bound" all_of "pvc_bound g1" "pvc_bound g2" || return
-    kc -n "$NS" apply -f - >/dev/null <<EOF
+    apply <<EOF
 apiVersion: groupsnapshot.storage.k8s.io/v1
 kind: VolumeGroupSnapshot
 metadata: {name: pair}

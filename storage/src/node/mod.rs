@@ -198,6 +198,25 @@ impl Node {
 
     /// Checks a path given by the CO: absolute, no `..`, no NUL, outside the
     /// driver's own directories and the system's.
+    /// What every stage and publish request is checked for first, in this order:
+    /// a volume id, the path (see [`Self::check_path`]), a capability.
+    fn check_request(
+        &self,
+        volume_id: &str,
+        what: &str,
+        path: &str,
+        has_capability: bool,
+    ) -> Result<PathBuf> {
+        if volume_id.is_empty() {
+            return Err(Error::invalid("volume_id is required"));
+        }
+        let path = self.check_path(what, path)?;
+        if !has_capability {
+            return Err(Error::invalid("volume_capability is required"));
+        }
+        Ok(path)
+    }
+
     fn check_path(&self, what: &str, p: &str) -> Result<PathBuf> {
         if p.is_empty() {
             return Err(Error::invalid(format!("{what} is required")));
@@ -420,13 +439,12 @@ impl Node {
     }
 
     pub fn node_stage(&self, req: Stage) -> Result<()> {
-        if req.volume_id.is_empty() {
-            return Err(Error::invalid("volume_id is required"));
-        }
-        let staging = self.check_path("staging_target_path", &req.staging_path)?;
-        if req.capability.is_none() {
-            return Err(Error::invalid("volume_capability is required"));
-        }
+        let staging = self.check_request(
+            &req.volume_id,
+            "staging_target_path",
+            &req.staging_path,
+            req.capability.is_some(),
+        )?;
         let (id, loc) = self.located(&req.volume_id)?;
         let cap = Self::check_capability(req.capability.as_ref(), &loc)?;
         let _guard = self.locks.try_lock([format!("node:{id}")])?;
@@ -873,13 +891,12 @@ impl Node {
     }
 
     pub fn node_publish(&self, req: Publish) -> Result<()> {
-        if req.volume_id.is_empty() {
-            return Err(Error::invalid("volume_id is required"));
-        }
-        let target = self.check_path("target_path", &req.target_path)?;
-        if req.capability.is_none() {
-            return Err(Error::invalid("volume_capability is required"));
-        }
+        let target = self.check_request(
+            &req.volume_id,
+            "target_path",
+            &req.target_path,
+            req.capability.is_some(),
+        )?;
         if req.volume_context.get(EPHEMERAL_KEY).map(String::as_str) == Some("true") {
             return self.publish_ephemeral(&req, &target);
         }
