@@ -601,26 +601,41 @@ impl Loops for LinuxLoops {
         Ok(out)
     }
 
-    /// The devices attached to `backing`: same canonical path and, when the
-    /// kernel tells, the same inode (a file deleted and re-created under the same
-    /// name is not the attached one).
+    /// The devices attached to `backing`. The kernel reports a device's backing
+    /// file by the path it has from the reader's root, which is not the path it
+    /// was attached by when the attacher ran in another mount namespace (a node
+    /// plugin's container that has since been replaced shows `/volumes/<id>.img`
+    /// once the mount it was attached through is gone). So a device matches when
+    /// its backing file is the same file (device and inode, as the kernel keeps
+    /// them) under the same file name; when the file's identity cannot be read,
+    /// only the same canonical path matches. A file deleted and re-created under
+    /// the same name is not the attached one. A match reports `backing` as seen
+    /// from here.
     fn find(&self, backing: &Path) -> Result<Vec<LoopDevice>> {
         let want = std::fs::canonicalize(backing).unwrap_or_else(|_| backing.to_path_buf());
         let identity = std::fs::metadata(&want).ok().map(|m| (m.dev(), m.ino()));
+        let name = want.file_name();
         // Only the backing file of each device is read; the rest of a device's
-        // attributes only for a match (a node may have hundreds of loop devices).
+        // attributes only for a candidate (a node may have hundreds of loop devices).
         let mut numbers: Vec<u32> = loop_numbers()?
             .into_iter()
-            .filter(|n| read_backing(*n).is_some_and(|b| b == want))
+            .filter(|n| {
+                read_backing(*n).is_some_and(|b| {
+                    b == want || (identity.is_some() && name.is_some() && b.file_name() == name)
+                })
+            })
             .collect();
         numbers.sort_unstable();
         Ok(numbers
             .into_iter()
             .filter_map(read_loop)
-            .filter(|d| d.backing_file == want)
             .filter(|d| match (identity, backing_identity(&d.device)) {
                 (Some(a), Some(b)) => a == b,
-                _ => true,
+                _ => d.backing_file == want,
+            })
+            .map(|d| LoopDevice {
+                backing_file: want.clone(),
+                ..d
             })
             .collect())
     }

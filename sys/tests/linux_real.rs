@@ -529,3 +529,46 @@ fn root_fs_type_names() {
     assert!(file::probe_reflink(pool.path()));
     assert!(file::statvfs(pool.path()).unwrap().total_bytes > 200 * MIB);
 }
+
+/// A device attached through a mount that is gone (a replaced container's view
+/// of the pool) is reported by the kernel under another path; it is still found
+/// by the file's own path, and a different file of the same name is not.
+#[test]
+#[ignore = "needs root: loop devices and mounts"]
+fn root_loop_found_after_the_attaching_mount_is_gone() {
+    require_root();
+    let tmp = tempfile::tempdir().unwrap();
+    let pool = tmp.path().join("pool");
+    let other = tmp.path().join("other");
+    let view = tmp.path().join("view");
+    for d in [&pool, &other, &view] {
+        std::fs::create_dir(d).unwrap();
+    }
+    let img = image(&pool, "vol.img", 16 * MIB);
+    let twin = image(&other, "vol.img", 16 * MIB);
+    common::sh(
+        "mount",
+        &[
+            "--bind",
+            pool.to_str().unwrap(),
+            view.to_str().unwrap(),
+        ],
+    );
+    let a = Attached::new(&view.join("vol.img"), LoopOptions::default());
+    // The mount the device was attached through goes away; the loop device
+    // keeps it alive, detached, so the kernel reports a path from its root.
+    nix::mount::umount2(&view, nix::mount::MntFlags::MNT_DETACH).unwrap();
+    let reported = std::fs::read_to_string(format!(
+        "/sys/block/{}/loop/backing_file",
+        a.path().file_name().unwrap().to_str().unwrap()
+    ))
+    .unwrap();
+    assert_eq!(reported.trim(), "/vol.img", "the kernel's view changed");
+
+    let loops = LinuxLoops::default();
+    let found = loops.find(&img).unwrap();
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert_eq!(found[0].device, a.dev.device);
+    assert_eq!(found[0].backing_file, std::fs::canonicalize(&img).unwrap());
+    assert!(loops.find(&twin).unwrap().is_empty());
+}
