@@ -291,6 +291,7 @@ run_flavor() {
     scenario_modify
     scenario_group_snapshot
     scenario_fsgroup
+    scenario_node_restart
     scenario_churn
     scenario_cleanup
     kc delete namespace "$NS" --wait=true --timeout=120s >/dev/null 2>&1 || true

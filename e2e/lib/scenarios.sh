@@ -272,6 +272,50 @@ scenario_fsgroup() {
     delete_pod second
 }
 
+# The node plugin's pod replaced while a pod uses a volume: the new container
+# sees the pool and the kubelet's directories by other mounts than the one
+# that staged the volume, and must still expand, unpublish and unstage it.
+scenario_node_restart() {
+    scenario "node plugin restarted while a volume is in use"
+    pvc steady 1Gi e2e-xfs
+    pod steady steady "$WRITE_DATA"
+    eventually 120 "pod on the claim running" pod_running steady || return
+    eventually 60 "pod wrote its data" in_pod steady test -s /data/file.sum
+    local sum vol image; sum=$(in_pod steady cat /data/file.sum)
+    vol=$(volume_of steady); image=$(pool_file_of "$vol")
+    local old; old=$(node_plugin_pods)
+    kc -n "$DRIVER_NS" delete pod -l app.kubernetes.io/component=node --wait=true --timeout=120s >/dev/null
+    eventually 180 "a new node plugin is ready" node_plugin_replaced "$old" || return
+    check_eq "the pod still reads its data" "$sum" "$(in_pod steady sha256sum /data/file | cut -c1-64)"
+    kc -n "$NS" patch pvc steady -p '{"spec":{"resources":{"requests":{"storage":"2Gi"}}}}' >/dev/null
+    eventually 120 "the claim grows to 2Gi through the new node plugin" field_is pvc/steady '{.status.capacity.storage}' 2Gi
+    eventually 60 "the running pod sees about 2 GiB" df_over steady /data $((1900 << 10))
+    kc -n "$NS" delete pod steady --wait=false >/dev/null
+    eventually 120 "the pod is deleted (its volume unpublished)" gone pod/steady
+    eventually 60 "its volume unstaged: no loop device on the image" count_is 0 loops_of "$image"
+    pod steady-again steady "$READ_DATA"
+    eventually 120 "a new pod on the claim running" pod_running steady-again || return
+    check_eq "the data is intact" "$sum" "$(in_pod steady-again cat /tmp/now.sum)"
+    delete_pod steady-again
+    kc -n "$NS" delete pvc steady --wait=true --timeout=120s >/dev/null
+    eventually 60 "the volume deleted from the pool" not test -e "$image"
+}
+
+node_plugin_pods() {
+    kc -n "$DRIVER_NS" get pod -l app.kubernetes.io/component=node -o jsonpath='{range .items[*]}{.metadata.name}{"\n"}{end}' | sort
+}
+# node_plugin_replaced OLD: node plugin pods other than OLD's, all ready.
+node_plugin_replaced() {
+    local now; now=$(node_plugin_pods)
+    [ -n "$now" ] && [ -z "$(comm -12 <(echo "$1") <(echo "$now"))" ] || return 1
+    kc -n "$DRIVER_NS" wait pod -l app.kubernetes.io/component=node --for=condition=Ready --timeout=5s >/dev/null
+}
+# loops_of FILE: loop devices attached to FILE (by its device and inode).
+loops_of() {
+    local id; id=$(stat -c '%Hd:%Ld %i' "$1" 2>/dev/null) || return 0
+    losetup -n -O NAME,BACK-MAJ:MIN,BACK-INO 2>/dev/null | awk -v id="$id" '$2 " " $3 == id {print $1}'
+}
+
 scenario_churn() {
     scenario "20 claims at once while the controller pod is deleted"
     local before i

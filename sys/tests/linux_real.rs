@@ -548,11 +548,7 @@ fn root_loop_found_after_the_attaching_mount_is_gone() {
     let twin = image(&other, "vol.img", 16 * MIB);
     common::sh(
         "mount",
-        &[
-            "--bind",
-            pool.to_str().unwrap(),
-            view.to_str().unwrap(),
-        ],
+        &["--bind", pool.to_str().unwrap(), view.to_str().unwrap()],
     );
     let a = Attached::new(&view.join("vol.img"), LoopOptions::default());
     // The mount the device was attached through goes away; the loop device
