@@ -88,14 +88,22 @@ build_kubernetes() {
     touch "$out/.complete"
 }
 
+# The External Storage suite: the e2e test binary, agnhost (static: it runs in
+# a busybox image) and the ginkgo command that runs the binary in parallel, all
+# at the versions the release's own go.mod asks for.
 build_suite() {
     local out="$E2E_CACHE/suite-$KUBERNETES_VERSION"
-    built "$out" && return 0
-    log "building Kubernetes' e2e test binary and agnhost $KUBERNETES_VERSION"
+    built "$out" && [ -x "$out/ginkgo" ] && return 0
+    log "building Kubernetes' e2e test binary, agnhost and ginkgo $KUBERNETES_VERSION"
     local mod; mod=$(kubernetes_module)
     mkdir -p "$out"
-    (cd "$mod" && go test -c -trimpath -ldflags "$(kubernetes_ldflags)" -o "$out/e2e.test" k8s.io/kubernetes/test/e2e)
-    (cd "$mod" && go build -trimpath -o "$out/agnhost" k8s.io/kubernetes/test/images/agnhost)
+    [ -x "$out/e2e.test" ] ||
+        (cd "$mod" && go test -c -trimpath -ldflags "$(kubernetes_ldflags)" -o "$out/e2e.test" k8s.io/kubernetes/test/e2e)
+    if [ ! -x "$out/agnhost" ] || ldd "$out/agnhost" >/dev/null 2>&1; then
+        (cd "$mod" && CGO_ENABLED=0 go build -trimpath -o "$out/agnhost" k8s.io/kubernetes/test/images/agnhost)
+    fi
+    [ -x "$out/ginkgo" ] ||
+        (cd "$mod" && GOFLAGS=-mod=mod go build -trimpath -o "$out/ginkgo" github.com/onsi/ginkgo/v2/ginkgo)
     touch "$out/.complete"
 }
 

@@ -3,7 +3,8 @@
 # upstream sources runs the driver from deploy/, and workloads use it as users
 # do. Run as root:
 #
-#   e2e/run.sh [--flavor central|central-attach|distributed]... [--helm] [--suite]
+#   e2e/run.sh [--flavor central|central-attach|distributed]... [--helm]
+#              [--suite | --suite-only] [--single-node]
 #              [--registrar-bin PATH] [--livenessprobe-bin PATH] [--keep]
 #
 # It builds or reuses (e2e/build.sh, cache in ~/.cache/example-csi-e2e) the
@@ -22,9 +23,13 @@
 # --helm installs each flavor with the Helm chart (deploy/helm/example-csi)
 # instead of kustomize, and checks that `helm uninstall` leaves nothing behind.
 #
-# --suite builds Kubernetes' e2e test binary and agnhost for its "External
-# Storage" suite (e2e/testdriver.yaml); running the suite is not written yet,
-# and --suite says so as a failed check.
+# The distributed flavor runs last, and for its per-node scenario a second
+# kubelet starts (in a mount namespace of its own, with its own pools);
+# --single-node leaves it out.
+#
+# --suite also runs Kubernetes' own storage e2e suite, "External Storage"
+# (e2e/lib/suite.sh, e2e/testdriver.yaml, skips in e2e/skips.md), against the
+# central flavor after the scenarios; --suite-only runs the suite alone.
 set -euo pipefail
 E2E_DIR=$(cd "$(dirname "$0")" && pwd)
 . "$E2E_DIR/versions.sh"
@@ -34,10 +39,13 @@ E2E_DIR=$(cd "$(dirname "$0")" && pwd)
 . "$E2E_DIR/lib/images.sh"
 . "$E2E_DIR/lib/checks.sh"
 . "$E2E_DIR/lib/scenarios.sh"
+. "$E2E_DIR/lib/suite.sh"
 export PATH="$PATH:/usr/local/go/bin:$HOME/go/bin:/usr/sbin:/sbin:$HOME/.cargo/bin"
 
 FLAVORS=()
 SUITE=0
+SCENARIOS=1
+SINGLE_NODE=0
 INSTALLER=kustomize
 KEEP=0
 TEARDOWN_ONLY=0
@@ -47,6 +55,8 @@ while [ $# -gt 0 ]; do
     case $1 in
         --flavor) FLAVORS+=("$2"); shift 2 ;;
         --suite) SUITE=1; shift ;;
+        --suite-only) SUITE=1; SCENARIOS=0; shift ;;
+        --single-node) SINGLE_NODE=1; shift ;;
         --helm) INSTALLER=helm; shift ;;
         --keep) KEEP=1; shift ;;
         --teardown-only) TEARDOWN_ONLY=1; shift ;;
@@ -57,11 +67,18 @@ while [ $# -gt 0 ]; do
     esac
 done
 [ ${#FLAVORS[@]} -gt 0 ] || FLAVORS=(central central-attach distributed)
+[ "$SCENARIOS" = 1 ] || FLAVORS=()
+# distributed last: its second node stays until the end
+ordered=()
+for f in "${FLAVORS[@]}"; do [ "$f" = distributed ] || ordered+=("$f"); done
+for f in "${FLAVORS[@]}"; do [ "$f" = distributed ] && { ordered+=("$f"); break; }; done
+FLAVORS=("${ordered[@]}")
 [ "$(id -u)" = 0 ] || { echo "e2e/run.sh: run as root" >&2; exit 2; }
 
 W=${E2E_WORK:-/tmp/example-csi-e2e}
 NODE=localhost
 NODES=("$NODE")
+[ "$SINGLE_NODE" = 0 ] && [[ " ${FLAVORS[*]} " == *" distributed "* ]] && NODES+=(node2)
 NS=e2e
 DRIVER_NS=example-csi
 POOL_ROOT=/var/lib/example-csi
@@ -229,8 +246,9 @@ snapshot_infrastructure() {
         || die "snapshot-controller not ready"
 }
 
+# csinode_has_driver [NODE]
 csinode_has_driver() {
-    kc get csinode "$NODE" -o jsonpath='{.spec.drivers[*].name}' 2>/dev/null | grep -qw example.csi.k8s.io
+    kc get csinode "${1:-$NODE}" -o jsonpath='{.spec.drivers[*].name}' 2>/dev/null | grep -qw example.csi.k8s.io
 }
 
 deploy_flavor() {
@@ -293,6 +311,7 @@ run_flavor() {
     scenario_fsgroup
     scenario_node_restart
     scenario_churn
+    [ "$flavor" = distributed ] && [ ${#NODES[@]} -gt 1 ] && scenario_two_nodes
     scenario_cleanup
     kc delete namespace "$NS" --wait=true --timeout=120s >/dev/null 2>&1 || true
     undeploy_flavor "$flavor"
@@ -350,6 +369,7 @@ trap 'exit 130' INT TERM
 
 log "building the images"
 build_images
+[ "$SUITE" = 1 ] && suite_images
 make_pools
 start_control_plane
 start_node 0 "$NODE"
@@ -360,16 +380,14 @@ for flavor in "${FLAVORS[@]}"; do
     run_flavor "$flavor"
 done
 
-if [ "$SUITE" = 1 ]; then
-    # e2e.test and agnhost are built (e2e/build.sh --suite) and e2e/testdriver.yaml
-    # declares the driver, but the suite's runner is not written yet: say so.
-    fail "Kubernetes' External Storage suite: not run (its runner is not written yet)"
-fi
+[ "$SUITE" = 1 ] && run_suite
 
 echo
 if [ ${#E2E_FAILURES[@]} -gt 0 ]; then
     echo "failed checks:"
     printf '  - %s\n' "${E2E_FAILURES[@]}"
 fi
-echo "e2e ($(IFS=,; echo "${FLAVORS[*]}"); Kubernetes $KUBERNETES_VERSION; $((SECONDS - STARTED))s): $E2E_PASSED passed, $E2E_FAILED failed"
+label=$(IFS=,; echo "${FLAVORS[*]}")
+[ "$SUITE" = 1 ] && label="${label:+$label,}suite"
+echo "e2e ($label; Kubernetes $KUBERNETES_VERSION; $((SECONDS - STARTED))s): $E2E_PASSED passed, $E2E_FAILED failed"
 [ "$E2E_FAILED" = 0 ]

@@ -152,8 +152,12 @@ pool_loops() {
     [ -n "$devs" ] || { echo "no pool loop device found"; return; }
     losetup -n -O NAME,BACK-MAJ:MIN 2>/dev/null | awk -v devs=" $(echo $devs) " 'index(devs, " " $2 " ") {print $1}'
 }
+# volume_mounts: mounts of volumes under the kubelets' directories, in this
+# mount namespace and in those of the other nodes.
 volume_mounts() {
-    awk '{print $5}' /proc/self/mountinfo \
+    local ns=(/proc/self/mountinfo) f
+    for f in "$W"/node-*/mntns.pid; do [ -f "$f" ] && ns+=("/proc/$(cat "$f")/mountinfo"); done
+    awk '{print $5}' "${ns[@]}" 2>/dev/null \
         | grep -E '/var/lib/kubelet/(pods/.*/volumes/kubernetes.io~csi|plugins/kubernetes.io/csi/)'
 }
 # same_list TEXT CMD...: CMD prints exactly TEXT's lines (in sorted order)

@@ -96,10 +96,18 @@ start_control_plane() {
 }
 
 # start_node INDEX NAME: a containerd and a kubelet for node NAME. The first node
-# uses /var/lib/kubelet (the path deploy/ mounts); another gets its own root dir.
+# runs in the machine's mount namespace; another runs in a namespace of its own
+# (node_namespace), where the paths deploy/ mounts are that node's own.
 start_node() {
     local i=$1 name=$2
     local cdir=$W/containerd-$name
+    local in_ns=() cgroup_root=/
+    if [ "$i" -gt 0 ]; then
+        node_namespace "$name"
+        in_ns=(nsenter -t "$(cat "$W/node-$name/mntns.pid")" -m --)
+        cgroup_root=/e2e-$name
+        node_cgroups "$name"
+    fi
     mkdir -p "$cdir" "$W/cni-$name/net.d" "$W/cni-$name/cache"
     cat >"$W/cni-$name/net.d/10-e2e.conflist" <<EOF
 {
@@ -149,17 +157,17 @@ state = "$cdir/state"
     conf_dir = "$W/cni-$name/net.d"
 EOF
     log "starting containerd for node $name"
-    start_bg "containerd-$name" containerd --config "$cdir/config.toml"
+    start_bg "containerd-$name" "${in_ns[@]}" containerd --config "$cdir/config.toml"
     wait_for 60 "containerd of $name" ctr --address "$cdir/containerd.sock" version \
         || die "containerd did not start (logs/containerd-$name.log)"
     import_images "$cdir/containerd.sock"
 
     local root=/var/lib/kubelet
-    [ "$i" -gt 0 ] && root=$W/kubelet-$name
     mkdir -p "$root"
     # Bidirectional mount propagation (the node plugin's mounts reaching the
-    # pods) needs the kubelet's directory to be a shared mount.
-    if ! awk -v p="$root" '$5 == p' /proc/self/mountinfo | grep -q shared:; then
+    # pods) needs the kubelet's directory to be a shared mount (node_namespace
+    # makes it so for the other nodes).
+    if [ "$i" = 0 ] && ! awk -v p="$root" '$5 == p' /proc/self/mountinfo | grep -q shared:; then
         mount --bind "$root" "$root"
         mount --make-rshared "$root"
     fi
@@ -173,6 +181,7 @@ healthzBindAddress: 127.0.0.1
 healthzPort: $((10248 + i * 10))
 readOnlyPort: 0
 cgroupDriver: cgroupfs
+cgroupRoot: $cgroup_root
 failCgroupV1: false
 failSwapOn: false
 tlsCertFile: $pki/kubelet-serving-$name.crt
@@ -200,11 +209,53 @@ volumeStatsAggPeriod: 10s
 syncFrequency: 10s
 EOF
     log "starting kubelet $name (root $root)"
-    start_bg "kubelet-$name" "$BIN_K8S/kubelet" \
+    start_bg "kubelet-$name" "${in_ns[@]}" "$BIN_K8S/kubelet" \
         --config="$W/kubelet-$name.yaml" --kubeconfig="$W/kubelet-$name.kubeconfig" \
         --hostname-override="$name" --node-ip="$HOST_IP" --root-dir="$root" \
         --cert-dir="$W/kubelet-$name-certs" --v=2
     wait_for 120 "node $name Ready" node_ready "$name" || die "node $name not Ready (logs/kubelet-$name.log)"
+}
+
+# node_namespace NAME: the mount namespace of a second node on this machine.
+# deploy/ mounts /var/lib/kubelet and /var/lib/example-csi on every node; here
+# they are the node's own directories under $W/node-NAME, with pools of its
+# own (xfs images in $W/pools, mounted on the host at $W/node-NAME/example-csi,
+# so that the checks see them). The namespace is held by a process recorded
+# for teardown; its containerd and kubelet enter it.
+node_namespace() {
+    local name=$1 dir=$W/node-$1 p
+    mkdir -p "$dir/kubelet" "$dir/example-csi"
+    for p in pool ssd; do
+        truncate -s 64G "$W/pools/$name-$p.img"
+        mkfs.xfs -q -f -m reflink=1 "$W/pools/$name-$p.img"
+        mkdir -p "$dir/example-csi/$p"
+        mount -o loop "$W/pools/$name-$p.img" "$dir/example-csi/$p"
+    done
+    start_bg "mntns-$name" unshare --mount --propagation private sleep infinity
+    local pid; pid=$(awk -v n="mntns-$name" '$2 == n {p = $1} END {print p}' "$W/pids")
+    wait_for 10 "the mount namespace of $name" not_my_mntns "$pid" || die "no mount namespace for $name"
+    nsenter -t "$pid" -m -- sh -ec "
+        mount --bind '$dir/kubelet' /var/lib/kubelet
+        mount --make-rshared /var/lib/kubelet
+        mount --rbind '$dir/example-csi' /var/lib/example-csi
+        mount --make-rshared /var/lib/example-csi" || die "cannot set up the mounts of $name"
+    echo "$pid" >"$dir/mntns.pid"
+}
+
+not_my_mntns() { [ "$(readlink "/proc/$1/ns/mnt")" != "$(readlink /proc/self/ns/mnt)" ]; }
+
+# node_cgroups NAME: the cgroup the node's kubelet puts its pods under, in
+# every hierarchy (cgroup v1), so that two kubelets do not share kubepods.
+node_cgroups() {
+    local h
+    for h in /sys/fs/cgroup/*/; do
+        [ -L "${h%/}" ] && continue
+        mkdir -p "$h/e2e-$1"
+        if [ -f "$h/cpuset.cpus" ]; then
+            cat "$h/cpuset.cpus" >"$h/e2e-$1/cpuset.cpus"
+            cat "$h/cpuset.mems" >"$h/e2e-$1/cpuset.mems"
+        fi
+    done
 }
 
 node_ready() {

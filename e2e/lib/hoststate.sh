@@ -29,7 +29,7 @@ hoststate_save() {
     ls /run/netns 2>/dev/null | sort >"$dir/netns" || true
     losetup -n -O NAME 2>/dev/null | sort >"$dir/loops" || true
     awk '{print $5}' /proc/self/mountinfo | sort >"$dir/mounts"
-    find /sys/fs/cgroup -maxdepth 2 -name kubepods\* 2>/dev/null | sort >"$dir/cgroups" || true
+    find /sys/fs/cgroup -maxdepth 2 \( -name 'kubepods*' -o -name 'e2e-*' \) 2>/dev/null | sort >"$dir/cgroups" || true
 }
 
 hoststate_restore() {
@@ -59,7 +59,7 @@ hoststate_restore() {
         umount "/run/netns/$n" 2>/dev/null; rm -f "/run/netns/$n"
     done
     local c
-    for c in $(find /sys/fs/cgroup -maxdepth 2 -name kubepods\* 2>/dev/null | sort | comm -13 "$dir/cgroups" -); do
+    for c in $(find /sys/fs/cgroup -maxdepth 2 \( -name 'kubepods*' -o -name 'e2e-*' \) 2>/dev/null | sort | comm -13 "$dir/cgroups" -); do
         find "$c" -depth -type d -exec rmdir {} \; 2>/dev/null || true
     done
     local p

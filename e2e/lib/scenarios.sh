@@ -316,6 +316,82 @@ loops_of() {
     losetup -n -O NAME,BACK-MAJ:MIN,BACK-INO 2>/dev/null | awk -v id="$id" '$2 " " $3 == id {print $1}'
 }
 
+# Two nodes, each with its own pools and node plugin (the distributed flavor):
+# the second kubelet starts now, the driver registers there with its own
+# topology, the provisioner publishes capacity per node, claims are made in
+# the pool of the node their pod is on, and a pod that names no node goes to
+# where its volume is.
+scenario_two_nodes() {
+    scenario "two nodes: per-node provisioning, capacity and scheduling"
+    local second=${NODES[1]}
+    if ! kc get node "$second" >/dev/null 2>&1; then
+        start_node 1 "$second"
+        POOL_DIRS+=("$W/node-$second/example-csi/pool" "$W/node-$second/example-csi/ssd")
+    fi
+    eventually 180 "the node plugin runs on both nodes" node_plugin_on_nodes 2 || return
+    eventually 120 "the kubelet of $second registered the driver" csinode_has_driver "$second" || return
+    check_eq "$second carries its own topology label" "$second" \
+        "$(kc get node "$second" -o jsonpath='{.metadata.labels.topology\.example\.csi/node}')"
+    local n
+    for n in "${NODES[@]}"; do
+        eventually 120 "CSIStorageCapacity of the ssd class for $n" capacity_for example-csi "$n"
+    done
+    local pool0=$POOL_ROOT/pool pool1=$W/node-$second/example-csi/pool i
+    local -a pools=("$pool0" "$pool1")
+    for i in 0 1; do
+        n=${NODES[$i]}
+        pvc "on-$i" 1Gi e2e-xfs
+        pod "on-$i" "on-$i" "$WRITE_DATA" "  nodeSelector: {kubernetes.io/hostname: $n}"
+    done
+    for i in 0 1; do
+        n=${NODES[$i]}
+        eventually 120 "pod pinned to $n running" pod_running "on-$i" || return
+        eventually 60 "pod on $n wrote its data" in_pod "on-$i" test -s /data/file.sum
+        local pv vol; pv=$(jp "pvc/on-$i" '{.spec.volumeName}'); vol=$(volume_of "on-$i")
+        check_eq "the PV of the claim used on $n is pinned to $n" "$n" \
+            "$(kc get pv "$pv" -o jsonpath='{.spec.nodeAffinity.required.nodeSelectorTerms[0].matchExpressions[?(@.key=="topology.example.csi/node")].values[0]}')"
+        check "its image is in the pool of $n" test -f "${pools[$i]}/volumes/$vol.img"
+        check "and not in the other node's pool" not test -e "${pools[$((1 - i))]}/volumes/$vol.img"
+    done
+    local -a sums=("$(in_pod on-0 cat /data/file.sum)" "$(in_pod on-1 cat /data/file.sum)")
+    delete_pod on-0 on-1
+    for i in 0 1; do
+        pod "again-$i" "on-$i" "$READ_DATA"
+    done
+    for i in 0 1; do
+        n=${NODES[$i]}
+        eventually 120 "a pod naming no node, on the claim made on $n, running" pod_running "again-$i" || continue
+        check_eq "it was scheduled to where its volume is" "$n" "$(jp "pod/again-$i" '{.spec.nodeName}')"
+        check_eq "it reads the data written there" "${sums[$i]}" "$(in_pod "again-$i" cat /tmp/now.sum)"
+    done
+    local images; images="${pools[0]}/volumes/$(volume_of on-0).img ${pools[1]}/volumes/$(volume_of on-1).img"
+    delete_pod again-0 again-1
+    kc -n "$NS" delete pvc on-0 on-1 --wait=true --timeout=120s >/dev/null
+    # shellcheck disable=SC2086
+    eventually 60 "both volumes deleted from their node's pool" not ls $images
+}
+
+# node_plugin_on_nodes N: the node plugin's pods ready on N nodes.
+node_plugin_on_nodes() {
+    [ "$(kc -n "$DRIVER_NS" get pod -l app.kubernetes.io/component=node \
+        -o jsonpath='{range .items[?(@.status.phase=="Running")]}{.spec.nodeName}{"\n"}{end}' | sort -u | grep -c .)" = "$1" ] \
+        && kc -n "$DRIVER_NS" wait pod -l app.kubernetes.io/component=node --for=condition=Ready --timeout=5s >/dev/null
+}
+
+# capacity_for CLASS NODE: a CSIStorageCapacity of CLASS for NODE's topology,
+# with some capacity.
+capacity_for() {
+    kc get csistoragecapacity -A -o json | python3 -c '
+import json, sys
+cls, node = sys.argv[1], sys.argv[2]
+ok = any(
+    c.get("storageClassName") == cls
+    and (c.get("nodeTopology") or {}).get("matchLabels", {}).get("topology.example.csi/node") == node
+    and c.get("capacity") not in (None, "0")
+    for c in json.load(sys.stdin)["items"])
+sys.exit(0 if ok else 1)' "$1" "$2"
+}
+
 scenario_churn() {
     scenario "20 claims at once while the controller pod is deleted"
     local before i
@@ -367,5 +443,5 @@ scenario_cleanup() {
         || losetup -n -O NAME,BACK-MAJ:MIN,BACK-FILE | sed 's/^/        /'
     eventually 60 "no mount of a volume under the kubelet's directory" count_is 0 volume_mounts
     eventually 60 "no staging directory left" count_is 0 find /var/lib/kubelet/plugins/kubernetes.io/csi \
-        -mindepth 2 -maxdepth 4 -type d -name globalmount
+        "$W"/node-*/kubelet/plugins/kubernetes.io/csi -mindepth 2 -maxdepth 4 -type d -name globalmount
 }

@@ -1,0 +1,74 @@
+# shellcheck shell=bash
+# Kubernetes' own storage e2e suite, "External Storage": the e2e test binary of
+# the cluster's release, given e2e/testdriver.yaml, runs every test pattern of
+# every storage test suite against the driver as the central overlay deploys
+# it. The suite skips on its own what the test-driver file says the driver
+# cannot do; e2e/skips.md lists, with reasons, the patterns this runner skips
+# on top of that. The result (counts, every failure, the suite's own skip
+# reasons) is in $W/suite/summary.txt and printed.
+#
+# Needs: E2E_ROOT, E2E_CACHE, W, KUBERNETES_VERSION, kc, deploy_flavor,
+# undeploy_flavor, the checks of checks.sh.
+
+SUITE_PROCS=${SUITE_PROCS:-4}
+SUITE_TIMEOUT=${SUITE_TIMEOUT:-3h}
+SUITE_FOCUS='External.Storage \[Driver: example\.csi\.k8s\.io\]'
+
+# The skip patterns: the first column of e2e/skips.md's table, `PATTERN`.
+suite_skip_patterns() {
+    sed -n 's/^| `\([^`]*\)` |.*$/\1/p' "$E2E_ROOT/e2e/skips.md"
+}
+
+# The test images the suite's storage tests run, under the names this release
+# asks for: busybox as for the scenarios, agnhost built from the release's
+# sources on the same busybox layer (the tests run shell commands in it too).
+# Made after build_images, before the nodes start (they import every image).
+suite_images() {
+    local bin=$E2E_CACHE/suite-$KUBERNETES_VERSION dir=$W/images
+    local busybox agnhost
+    busybox=$("$bin/e2e.test" --list-images | grep '/e2e-test-images/busybox:' | head -1)
+    agnhost=$("$bin/e2e.test" --list-images | grep '/e2e-test-images/agnhost:' | tail -1)
+    [ -n "$busybox" ] && [ -n "$agnhost" ] || die "the suite does not name its busybox and agnhost images"
+    rm -rf "$dir/agnhost"; cp -a "$dir/busybox" "$dir/agnhost"
+    cp "$bin/agnhost" "$dir/agnhost/agnhost"
+    python3 "$E2E_ROOT/e2e/lib/mkimage.py" "$dir/suite-busybox.tar" "$busybox" --layer "$dir/busybox" --cmd '["sh"]'
+    python3 "$E2E_ROOT/e2e/lib/mkimage.py" "$dir/suite-agnhost.tar" "$agnhost" --layer "$dir/agnhost" --entrypoint '["/agnhost"]'
+    log "suite images: $busybox, $agnhost"
+}
+
+run_suite() {
+    local bin=$E2E_CACHE/suite-$KUBERNETES_VERSION out=$W/suite
+    FLAVOR=central
+    CONTROLLER_COMPONENT=controller
+    set +e
+    deploy_flavor central || { undeploy_flavor central; set -e; return; }
+    scenario "Kubernetes' External Storage suite ($KUBERNETES_VERSION, $SUITE_PROCS processes)"
+    mkdir -p "$out"
+    local skip start=$SECONDS
+    skip=$(suite_skip_patterns | paste -sd'|')
+    log "External Storage suite: logs/suite.log (takes long)"
+    (cd "$E2E_ROOT" && "$bin/ginkgo" --procs="$SUITE_PROCS" --timeout="$SUITE_TIMEOUT" \
+        --focus="$SUITE_FOCUS" ${skip:+--skip="$skip"} --no-color \
+        --output-dir="$out" --junit-report=junit.xml --json-report=report.json \
+        "$bin/e2e.test" -- \
+        -kubeconfig="$W/admin.kubeconfig" -provider=skeleton -repo-root="$E2E_ROOT" \
+        -storage.testdriver=e2e/testdriver.yaml -report-dir="$out" \
+        -node-os-distro=debian -allowed-not-ready-nodes=0 \
+    ) >"$W/logs/suite.log" 2>&1
+    local rc=$?
+    local took=$((SECONDS - start))
+    if python3 "$E2E_ROOT/e2e/lib/suite_summary.py" "$out/report.json" "$took" >"$out/summary.txt"; then
+        sed 's/^/  /' "$out/summary.txt"
+        local failed passed
+        passed=$(sed -n 's/^passed: //p' "$out/summary.txt")
+        failed=$(sed -n 's/^failed: //p' "$out/summary.txt")
+        check_eq "suite: no test failed ($passed passed in ${took}s)" 0 "$failed"
+        check "suite: at least one test ran" test "${passed:-0}" -gt 0
+    else
+        fail "suite: no report (ginkgo exited $rc; logs/suite.log)"
+    fi
+    # what the suite left behind
+    eventually 300 "suite: no PersistentVolume left" count_is 0 kc get pv -o name
+    undeploy_flavor central
+    set -e
+}
