@@ -538,6 +538,11 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     res
 }
 
+/// fsync a file by its path, making its data and attributes (xattrs) durable.
+pub fn sync_path(path: &Path) -> Result<()> {
+    fsync(&open_read(path)?, path)
+}
+
 /// fsync a directory, making the creation, removal or rename of its entries durable.
 pub fn fsync_dir(dir: &Path) -> Result<()> {
     let d = open_read(dir)?;
@@ -693,7 +698,7 @@ fn magic_name(magic: u64) -> String {
     name.to_string()
 }
 
-/// Create `path` and its missing parents; each folder created here gets
+/// Create `path` and its missing parents, durably; each folder created here gets
 /// exactly `mode` (whatever the umask). Existing folders are left as they are.
 pub fn mkdir_p_mode(path: &Path, mode: u32) -> Result<()> {
     let mut missing = Vec::new();
@@ -733,6 +738,9 @@ pub fn mkdir_p_mode(path: &Path, mode: u32) -> Result<()> {
             Err(e) if e.kind() == io::ErrorKind::AlreadyExists && dir.is_dir() => {}
             Err(e) => return Err(SysError::io("create directory", dir, e)),
         }
+        // The new entry is durable only once its parent is synced; without this a
+        // power loss can take the folder, and every record later synced inside it.
+        fsync_dir(parent_dir(dir))?;
     }
     Ok(())
 }
