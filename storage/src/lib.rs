@@ -27,3 +27,5 @@ pub use driver::Driver;
 pub use error::{Error, Result};
 #[cfg(test)]
 mod decisions;
+#[cfg(test)]
+mod power_loss;

@@ -42,7 +42,6 @@ pub struct FakeCounters {
     pub detach: u32,
     pub refresh_capacity: u32,
     pub set_direct_io: u32,
-    pub set_read_only: u32,
     pub probe: u32,
     pub mkfs: u32,
     pub check: u32,
@@ -151,7 +150,7 @@ impl FakeState {
 
     /// Make the next call of `op` fail with the error `make` returns. `op` is the
     /// trait method's name: "mount", "bind", "unmount", "mounts", "list", "attach",
-    /// "detach", "refresh_capacity", "set_direct_io", "set_read_only",
+    /// "detach", "refresh_capacity", "set_direct_io",
     /// "set_read_ahead_kib", "read_ahead_kib", "probe",
     /// "mkfs", "check", "fs_size", "grow", "new_uuid", "freeze", "thaw", "stats",
     /// "device_size".
@@ -485,17 +484,6 @@ impl Loops for FakeLoops {
         let n = attached(&inner, device)?;
         if let Some(d) = inner.loops.get_mut(&n) {
             d.direct_io = on;
-        }
-        Ok(())
-    }
-
-    fn set_read_only(&self, device: &Path, read_only: bool) -> Result<()> {
-        let mut inner = self.0.lock();
-        inner.counters.set_read_only += 1;
-        inner.take_failure("set_read_only")?;
-        let n = attached(&inner, device)?;
-        if let Some(d) = inner.loops.get_mut(&n) {
-            d.read_only = read_only;
         }
         Ok(())
     }

@@ -19,6 +19,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::error::{Result, SysError};
+use crate::fsrecord::{note, FsOp};
 use crate::FsStats;
 
 /// FICLONE = _IOW(0x94, 9, int): share all extents of the source file.
@@ -61,6 +62,29 @@ fn create_new(path: &Path, mode: u32) -> Result<File> {
         .custom_flags(libc::O_CLOEXEC)
         .open(path)
         .map_err(|e| SysError::io("create", path, e))
+        .inspect(|_| {
+            note(|| FsOp::Create {
+                path: path.into(),
+                truncate: false,
+            })
+        })
+}
+
+fn fsync(file: &File, path: &Path) -> Result<()> {
+    file.sync_all()
+        .map_err(|e| SysError::io("fsync", path, e))?;
+    note(|| FsOp::Fsync { path: path.into() });
+    Ok(())
+}
+
+fn set_len(file: &File, path: &Path, len: u64) -> Result<()> {
+    file.set_len(len)
+        .map_err(|e| SysError::io("set size of", path, e))?;
+    note(|| FsOp::SetLen {
+        path: path.into(),
+        len,
+    });
+    Ok(())
 }
 
 fn open_read(path: &Path) -> Result<File> {
@@ -75,11 +99,11 @@ where
 {
     let file = create_new(path, mode)?;
     let res = fill(&file)
-        .and_then(|()| file.sync_all().map_err(|e| SysError::io("fsync", path, e)))
+        .and_then(|()| fsync(&file, path))
         .and_then(|()| fsync_dir(parent_dir(path)));
     if res.is_err() {
         drop(file);
-        let _ = fs::remove_file(path);
+        let _ = remove_file_if_exists(path);
     }
     res
 }
@@ -87,10 +111,7 @@ where
 /// Create a new sparse file of `size` bytes (mode 0600). Fails with an Io error of
 /// kind AlreadyExists when `path` exists.
 pub fn create_sparse(path: &Path, size: u64) -> Result<()> {
-    create_with(path, 0o600, |f| {
-        f.set_len(size)
-            .map_err(|e| SysError::io("set size of", path, e))
-    })
+    create_with(path, 0o600, |f| set_len(f, path, size))
 }
 
 /// Grow the file at `path` to `size` bytes; a file already that large is left as
@@ -108,8 +129,8 @@ pub fn grow(path: &Path, size: u64) -> Result<()> {
     if len >= size {
         return Ok(());
     }
-    f.set_len(size).map_err(|e| SysError::io("grow", path, e))?;
-    f.sync_all().map_err(|e| SysError::io("fsync", path, e))
+    set_len(&f, path, size)?;
+    fsync(&f, path)
 }
 
 /// Make `dst` (which must not exist) a reflink copy of `src` with FICLONE: O(1) in
@@ -122,6 +143,10 @@ pub fn reflink(src: &Path, dst: &Path) -> Result<()> {
         // the source fd as its integer argument.
         let r = unsafe { libc::ioctl(d.as_raw_fd(), FICLONE as _, s.as_raw_fd()) };
         if r == 0 {
+            note(|| FsOp::CopyData {
+                src: src.into(),
+                dst: dst.into(),
+            });
             return Ok(());
         }
         let e = io::Error::last_os_error();
@@ -150,8 +175,7 @@ pub fn sparse_copy(src: &Path, dst: &Path) -> Result<()> {
         .len();
     create_with(dst, 0o600, |d| {
         // Size first: everything not written below is a hole of the right length.
-        d.set_len(len)
-            .map_err(|e| SysError::io("set size of", dst, e))?;
+        set_len(d, dst, len)?;
         let mut copier = RangeCopier {
             src: &s,
             dst: d,
@@ -179,6 +203,10 @@ pub fn sparse_copy(src: &Path, dst: &Path) -> Result<()> {
             copier.copy(data, hole)?;
             pos = hole;
         }
+        note(|| FsOp::CopyData {
+            src: src.into(),
+            dst: dst.into(),
+        });
         Ok(())
     })
 }
@@ -335,6 +363,10 @@ pub fn copy_tree(src_dir: &Path, dst_dir: &Path) -> Result<()> {
                 let target = fs::read_link(&sp).map_err(|e| SysError::io("read link", &sp, e))?;
                 std::os::unix::fs::symlink(&target, &dp)
                     .map_err(|e| SysError::io("create symlink", &dp, e))?;
+                note(|| FsOp::Other {
+                    what: "a symlink",
+                    path: dp.clone(),
+                });
                 apply_metadata(&dp, &m)?;
             } else if ft.is_fifo() || ft.is_char_device() || ft.is_block_device() {
                 let c = cpath(&dp)?;
@@ -349,6 +381,10 @@ pub fn copy_tree(src_dir: &Path, dst_dir: &Path) -> Result<()> {
                 if r != 0 {
                     return Err(SysError::io("mknod", &dp, io::Error::last_os_error()));
                 }
+                note(|| FsOp::Other {
+                    what: "a device node",
+                    path: dp.clone(),
+                });
                 apply_metadata(&dp, &m)?;
             } else {
                 // A socket is only meaningful to the process that bound it.
@@ -365,6 +401,9 @@ pub fn copy_tree(src_dir: &Path, dst_dir: &Path) -> Result<()> {
     if unsafe { libc::syncfs(dir.as_raw_fd()) } != 0 {
         return Err(SysError::io("syncfs", dst_dir, io::Error::last_os_error()));
     }
+    note(|| FsOp::SyncFs {
+        path: dst_dir.into(),
+    });
     Ok(())
 }
 
@@ -400,7 +439,10 @@ fn resolve_maybe_missing(path: &Path) -> Result<PathBuf> {
 
 fn make_dir(path: &Path) -> Result<()> {
     match fs::DirBuilder::new().mode(0o700).create(path) {
-        Ok(()) => Ok(()),
+        Ok(()) => {
+            note(|| FsOp::Mkdir { path: path.into() });
+            Ok(())
+        }
         Err(e) if e.kind() == io::ErrorKind::AlreadyExists && path.is_dir() => Ok(()),
         Err(e) => Err(SysError::io("create directory", path, e)),
     }
@@ -471,29 +513,52 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
             .custom_flags(libc::O_CLOEXEC)
             .open(&tmp)
             .map_err(|e| SysError::io("create", &tmp, e))?;
+        note(|| FsOp::Create {
+            path: tmp.clone(),
+            truncate: true,
+        });
         f.write_all(bytes)
             .map_err(|e| SysError::io("write", &tmp, e))?;
-        f.sync_all().map_err(|e| SysError::io("fsync", &tmp, e))?;
+        note(|| FsOp::Write {
+            path: tmp.clone(),
+            offset: 0,
+            data: bytes.to_vec(),
+        });
+        fsync(&f, &tmp)?;
         fs::rename(&tmp, path).map_err(|e| SysError::io("rename over", path, e))?;
+        note(|| FsOp::Rename {
+            from: tmp.clone(),
+            to: path.into(),
+        });
         fsync_dir(parent_dir(path))
     })();
     if res.is_err() {
-        let _ = fs::remove_file(&tmp);
+        let _ = remove_file_if_exists(&tmp);
     }
     res
+}
+
+/// fsync a file by its path, making its data and attributes (xattrs) durable.
+pub fn sync_path(path: &Path) -> Result<()> {
+    fsync(&open_read(path)?, path)
 }
 
 /// fsync a directory, making the creation, removal or rename of its entries durable.
 pub fn fsync_dir(dir: &Path) -> Result<()> {
     let d = open_read(dir)?;
     d.sync_all()
-        .map_err(|e| SysError::io("fsync directory", dir, e))
+        .map_err(|e| SysError::io("fsync directory", dir, e))?;
+    note(|| FsOp::Fsync { path: dir.into() });
+    Ok(())
 }
 
 /// Remove a file (or symlink); a missing one is Ok(false).
 pub fn remove_file_if_exists(path: &Path) -> Result<bool> {
     match fs::remove_file(path) {
-        Ok(()) => Ok(true),
+        Ok(()) => {
+            note(|| FsOp::Unlink { path: path.into() });
+            Ok(true)
+        }
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(false),
         Err(e) => Err(SysError::io("remove", path, e)),
     }
@@ -526,7 +591,10 @@ pub fn remove_tree(path: &Path) -> Result<()> {
     }
     // std's remove_dir_all does not follow symlinks (it removes the link).
     match fs::remove_dir_all(path) {
-        Ok(()) => Ok(()),
+        Ok(()) => {
+            note(|| FsOp::RemoveTree { path: path.into() });
+            Ok(())
+        }
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(()),
         Err(e) => Err(SysError::io("remove tree", path, e)),
     }
@@ -554,11 +622,17 @@ pub fn probe_reflink(dir: &Path) -> bool {
     let b = dir.join(format!(".csi-reflink-probe-{}-{n}.b", std::process::id()));
     let ok = create_with(&a, 0o600, |f| {
         f.write_all_at(&[0x5a; 4096], 0)
-            .map_err(|e| SysError::io("write", &a, e))
+            .map_err(|e| SysError::io("write", &a, e))?;
+        note(|| FsOp::Write {
+            path: a.clone(),
+            offset: 0,
+            data: vec![0x5a; 4096],
+        });
+        Ok(())
     })
     .and_then(|()| reflink(&a, &b));
-    let _ = fs::remove_file(&a);
-    let _ = fs::remove_file(&b);
+    let _ = remove_file_if_exists(&a);
+    let _ = remove_file_if_exists(&b);
     match ok {
         Ok(()) => true,
         Err(e) => {
@@ -624,8 +698,8 @@ fn magic_name(magic: u64) -> String {
     name.to_string()
 }
 
-/// Create `path` and its missing parents; each folder created here gets exactly
-/// `mode` (whatever the umask). Existing folders are left as they are.
+/// Create `path` and its missing parents, durably; each folder created here gets
+/// exactly `mode` (whatever the umask). Existing folders are left as they are.
 pub fn mkdir_p_mode(path: &Path, mode: u32) -> Result<()> {
     let mut missing = Vec::new();
     let mut cur = path;
@@ -655,12 +729,18 @@ pub fn mkdir_p_mode(path: &Path, mode: u32) -> Result<()> {
     }
     for dir in missing.into_iter().rev() {
         match fs::DirBuilder::new().mode(mode).create(dir) {
-            Ok(()) => fs::set_permissions(dir, fs::Permissions::from_mode(mode))
-                .map_err(|e| SysError::io("chmod", dir, e))?,
+            Ok(()) => {
+                note(|| FsOp::Mkdir { path: dir.into() });
+                fs::set_permissions(dir, fs::Permissions::from_mode(mode))
+                    .map_err(|e| SysError::io("chmod", dir, e))?
+            }
             // Another thread made it meanwhile: fine.
             Err(e) if e.kind() == io::ErrorKind::AlreadyExists && dir.is_dir() => {}
             Err(e) => return Err(SysError::io("create directory", dir, e)),
         }
+        // The new entry is durable only once its parent is synced; without this a
+        // power loss can take the folder, and every record later synced inside it.
+        fsync_dir(parent_dir(dir))?;
     }
     Ok(())
 }

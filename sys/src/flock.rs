@@ -14,6 +14,7 @@ use nix::errno::Errno;
 use nix::fcntl::{Flock, FlockArg};
 
 use crate::error::{Result, SysError};
+use crate::fsrecord::{note, FsOp};
 
 /// An exclusive lock on a file, held until dropped.
 #[derive(Debug)]
@@ -35,6 +36,10 @@ impl LockFile {
                 .mode(0o600)
                 .open(path)
                 .map_err(|e| SysError::io("open lock file", path, e))?;
+            note(|| FsOp::Create {
+                path: path.into(),
+                truncate: false,
+            });
             let file = match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
                 Ok(f) => f,
                 Err((_, Errno::EWOULDBLOCK)) => return Ok(None),
@@ -70,7 +75,17 @@ impl LockFile {
         f.set_len(0)
             .and_then(|()| f.rewind())
             .and_then(|()| f.write_all(text.as_bytes()))
-            .map_err(|e| SysError::io("write lock file", &self.path, e))
+            .map_err(|e| SysError::io("write lock file", &self.path, e))?;
+        note(|| FsOp::SetLen {
+            path: self.path.clone(),
+            len: 0,
+        });
+        note(|| FsOp::Write {
+            path: self.path.clone(),
+            offset: 0,
+            data: text.as_bytes().to_vec(),
+        });
+        Ok(())
     }
 
     /// What the holder of `path` wrote into it, if anything.
@@ -85,7 +100,12 @@ impl LockFile {
     /// gone and makes a new one.
     pub fn remove(self) -> Result<()> {
         match std::fs::remove_file(&self.path) {
-            Ok(()) => Ok(()),
+            Ok(()) => {
+                note(|| FsOp::Unlink {
+                    path: self.path.clone(),
+                });
+                Ok(())
+            }
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
             Err(e) => Err(SysError::io("remove lock file", &self.path, e)),
         }

@@ -15,6 +15,7 @@ pub mod extents;
 pub mod fake;
 pub mod file;
 pub mod flock;
+pub mod fsrecord;
 pub mod linux;
 pub mod mountinfo;
 pub mod xattr;
@@ -86,8 +87,6 @@ pub trait Loops: Send + Sync {
     /// Re-read the backing file's size (LOOP_SET_CAPACITY).
     fn refresh_capacity(&self, device: &Path) -> Result<()>;
     fn set_direct_io(&self, device: &Path, on: bool) -> Result<()>;
-    /// Make the block device read-only or read-write (BLKROSET).
-    fn set_read_only(&self, device: &Path, read_only: bool) -> Result<()>;
     /// Set the device's read-ahead in KiB (`/sys/block/loopN/queue/read_ahead_kb`).
     fn set_read_ahead_kib(&self, device: &Path, kib: u32) -> Result<()> {
         let attr = read_ahead_attr(device)?;

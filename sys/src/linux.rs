@@ -228,9 +228,8 @@ const LOOP_CTL_GET_FREE: u64 = 0x4C82;
 const LO_FLAGS_READ_ONLY: u32 = 1;
 const LO_FLAGS_DIRECT_IO: u32 = 16;
 
-/// BLKROSET = _IO(0x12, 93), BLKROGET = _IO(0x12, 94), BLKGETSIZE64 = _IOR(0x12, 114, u64).
+/// BLKROSET = _IO(0x12, 93), BLKGETSIZE64 = _IOR(0x12, 114, u64).
 const BLKROSET: u64 = 0x125D;
-const BLKROGET: u64 = 0x125E;
 const BLKGETSIZE64: u64 = 0x8008_1272;
 
 /// How many free devices attach tries when another process grabs the one it got.
@@ -500,6 +499,21 @@ fn backing_identity(device: &Path) -> Option<(u64, u64)> {
 }
 
 impl LinuxLoops {
+    /// Makes the block device read-only (BLKROSET), for a read-only attach.
+    fn set_read_only(&self, device: &Path, read_only: bool) -> Result<()> {
+        let dev = open_device(device, false, false)?;
+        let value: libc::c_int = read_only.into();
+        ioctl_errno(&dev, BLKROSET, &value as *const libc::c_int)
+            .map(|_| ())
+            .map_err(|e| {
+                SysError::syscall(
+                    format!("set read-only={read_only} on {}", device.display()),
+                    device,
+                    e,
+                )
+            })
+    }
+
     fn attach_locked(&self, backing: &Path, opts: LoopOptions) -> Result<LoopDevice> {
         let real =
             std::fs::canonicalize(backing).map_err(|e| SysError::io("resolve", backing, e))?;
@@ -728,29 +742,6 @@ impl Loops for LinuxLoops {
                 )
             })
     }
-
-    fn set_read_only(&self, device: &Path, read_only: bool) -> Result<()> {
-        let dev = open_device(device, false, false)?;
-        let value: libc::c_int = read_only.into();
-        ioctl_errno(&dev, BLKROSET, &value as *const libc::c_int)
-            .map(|_| ())
-            .map_err(|e| {
-                SysError::syscall(
-                    format!("set read-only={read_only} on {}", device.display()),
-                    device,
-                    e,
-                )
-            })
-    }
-}
-
-/// Whether the block device is read-only (BLKROGET).
-pub fn block_read_only(device: &Path) -> Result<bool> {
-    let dev = open_device(device, false, false)?;
-    let mut value: libc::c_int = 0;
-    ioctl_errno(&dev, BLKROGET, &mut value as *mut libc::c_int)
-        .map_err(|e| SysError::syscall(format!("BLKROGET on {}", device.display()), device, e))?;
-    Ok(value != 0)
 }
 
 // ---------------------------------------------------------------------------

@@ -7,6 +7,7 @@ use std::os::unix::ffi::OsStrExt;
 use std::path::Path;
 
 use crate::error::{Result, SysError};
+use crate::fsrecord::{note, FsOp};
 
 fn cpath(path: &Path) -> Result<CString> {
     CString::new(path.as_os_str().as_bytes()).map_err(|_| SysError::Io {
@@ -41,6 +42,11 @@ pub fn set(path: &Path, name: &str, value: &[u8]) -> Result<()> {
     if rc != 0 {
         return Err(io_err("setxattr", path));
     }
+    note(|| FsOp::SetXattr {
+        path: path.into(),
+        name: name.into(),
+        value: value.to_vec(),
+    });
     Ok(())
 }
 
@@ -83,6 +89,10 @@ pub fn remove(path: &Path, name: &str) -> Result<()> {
             source: err,
         });
     }
+    note(|| FsOp::RemoveXattr {
+        path: path.into(),
+        name: name.into(),
+    });
     Ok(())
 }
 

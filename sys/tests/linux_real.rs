@@ -9,7 +9,7 @@ use std::path::Path;
 use std::time::Duration;
 
 use common::{image, mountpoint, require_root, Attached, LoopMountedPool, Mounted, MIB};
-use csi_sys::linux::{self, LinuxFilesystems, LinuxLoops, LinuxMounter};
+use csi_sys::linux::{LinuxFilesystems, LinuxLoops, LinuxMounter};
 use csi_sys::{file, mountinfo, Filesystems, LoopOptions, Loops, MountOptions, Mounter};
 
 fn sysfs(dev: &Path, attr: &str) -> String {
@@ -50,12 +50,6 @@ fn root_loop_attach_find_resize_flags_detach() {
         loops.refresh_capacity(a.path()).unwrap();
         assert_eq!(fs.device_size(a.path()).unwrap(), 96 * MIB);
         assert_eq!(loops.find(&img).unwrap()[0].size, 96 * MIB);
-
-        loops.set_read_only(a.path(), true).unwrap();
-        assert!(linux::block_read_only(a.path()).unwrap());
-        assert!(loops.find(&img).unwrap()[0].read_only);
-        loops.set_read_only(a.path(), false).unwrap();
-        assert!(!loops.find(&img).unwrap()[0].read_only);
 
         loops.set_direct_io(a.path(), true).unwrap();
         assert!(loops.find(&img).unwrap()[0].direct_io);

@@ -132,7 +132,7 @@ impl Freeze {
                 st.phase = Phase::Closed;
             }
             if !st.thaw_failed {
-                let _ = std::fs::remove_file(&self.marker);
+                let _ = file::remove_file_if_exists(&self.marker);
             }
             cut
         };
@@ -337,7 +337,7 @@ impl Controller {
                     Err(e) => tracing::debug!(path = %mp.display(), error = %e, "thaw at start"),
                 }
             }
-            let _ = std::fs::remove_file(&path);
+            let _ = file::remove_file_if_exists(&path);
         }
     }
 }

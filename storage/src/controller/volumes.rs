@@ -513,6 +513,10 @@ impl Controller {
                     .context(|| format!("recording {k} on {}", path.display()))?,
             }
         }
+        if !m.is_empty() && backing != Backing::Subvolume {
+            // The record written next must not outlive the attributes it names.
+            file::sync_path(path).context(|| format!("syncing {}", path.display()))?;
+        }
         Ok(())
     }
 
@@ -989,10 +993,16 @@ impl Controller {
             attributes,
             devices: Vec::new(),
         };
-        let recorded = values.iter().try_for_each(|(key, v)| {
-            xattr::set(image, &attr_name(key), v.as_bytes())
-                .context(|| format!("recording {key}={v} on {}", image.display()))
-        });
+        let recorded = values
+            .iter()
+            .try_for_each(|(key, v)| {
+                xattr::set(image, &attr_name(key), v.as_bytes())
+                    .context(|| format!("recording {key}={v} on {}", image.display()))
+            })
+            // Durable before the record that names them is written.
+            .and_then(|()| {
+                file::sync_path(image).context(|| format!("syncing {}", image.display()))
+            });
         let applied = recorded.and_then(|()| match live {
             Some(live) if attached => live.apply_live(image, wanted),
             _ => Ok(Vec::new()),

@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use csi_sys::xattr;
+use csi_sys::{file, xattr};
 
 use crate::error::{Context, Error, Result};
 
@@ -82,6 +82,7 @@ const SIZE: &str = "size";
 /// Records a plain directory volume's size on it.
 pub fn record_size(dir: &Path, size: u64) -> Result<()> {
     xattr::set(dir, &attr_name(SIZE), size.to_string().as_bytes())
+        .and_then(|()| file::sync_path(dir))
         .context(|| format!("recording the size of {}", dir.display()))
 }
 

@@ -121,7 +121,26 @@ impl StateDir {
         lock.set_holder(&holder)
             .context(|| format!("writing {}", path.display()))?;
         self.migrate(d)?;
+        self.remove_interrupted_writes(d);
         Ok(OwnerLock { _lock: lock })
+    }
+
+    /// Removes the temporary files of shared marks whose write a crash cut short:
+    /// only in the folder whose marks this domain alone writes (the node its staged
+    /// marks, the controller its freeze markers), so a write of the other process
+    /// is never cut.
+    fn remove_interrupted_writes(&self, d: Domain) {
+        let dir = match d {
+            Domain::Node => self.staged_dir(),
+            Domain::Controller => self.frozen_dir(),
+        };
+        for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if name.starts_with('.') && name.ends_with(".tmp") {
+                let _ = file::remove_file_if_exists(&entry.path());
+                tracing::info!(path = %entry.path().display(), "removed an interrupted mark write");
+            }
+        }
     }
 
     /// Takes a volume's lock, for the time of one operation; ABORTED when another
@@ -266,13 +285,15 @@ impl VolumeLock {
         let at = || format!("marking {} staged={staged}", self.staged.display());
         if staged {
             if !self.staged.exists() {
-                file::write_atomic(&self.staged, b"").context(at)?;
+                return file::write_atomic(&self.staged, b"").context(at);
             }
         } else {
             file::remove_file_if_exists(&self.staged).context(at)?;
-            if let Some(dir) = self.staged.parent() {
-                file::fsync_dir(dir).context(at)?;
-            }
+        }
+        // Also when there was nothing to change: an earlier attempt that died
+        // before its sync may have made the change.
+        if let Some(dir) = self.staged.parent() {
+            file::fsync_dir(dir).context(at)?;
         }
         Ok(())
     }

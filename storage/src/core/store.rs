@@ -100,13 +100,10 @@ impl<R: Record> Store<R> {
     /// Removes the record durably.
     pub fn remove(&self, id: R::Id) -> Result<()> {
         let path = self.path(id);
-        match std::fs::remove_file(&path) {
-            Ok(()) => {
-                file::fsync_dir(&self.dir).context(|| format!("syncing {}", self.dir.display()))?
-            }
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(Error::internal(format!("removing {}: {e}", path.display()))),
-        }
+        file::remove_file_if_exists(&path).context(|| format!("removing {}", path.display()))?;
+        // Also when the file was already gone: the remove may be an earlier
+        // attempt's that died before this sync.
+        file::fsync_dir(&self.dir).context(|| format!("syncing {}", self.dir.display()))?;
         self.write().remove(&id);
         Ok(())
     }

@@ -1,0 +1,669 @@
+//! A record of the file-system operations the helpers of [`crate::file`],
+//! [`crate::flock`] and [`crate::xattr`] issue, and a model of what a power loss
+//! could leave of them on disk.
+//!
+//! Only tests turn it on (cargo feature `fs-recording`); without the feature every
+//! `note` compiles to nothing. A test records a workload under one directory,
+//! then asks the [`Model`] for every on-disk state a power loss at each operation
+//! boundary could leave, rebuilds each state and starts the driver's recovery on it.
+//!
+//! The model's rules (docs/reliability.md repeats them):
+//! 1. A file's data, length and extended attributes reach the disk at an fsync of
+//!    that file. Until then a crash leaves the state of its last fsync (empty for a
+//!    file never synced), the current state, or the current length with the data
+//!    written since the fsync missing (the old bytes, zeros beyond them).
+//! 2. A directory's entries (create, mkdir, rename, unlink) reach the disk at an
+//!    fsync of that directory, never by the fsync of a file in it. Until then a crash
+//!    leaves the changes since its last fsync applied up to some point, in order
+//!    (the journals of ext4 and xfs keep the order; a rename within a directory is
+//!    atomic).
+//! 3. A directory whose own entry did not reach the disk takes its contents with it.
+//! 4. syncfs makes everything durable.
+
+use std::path::PathBuf;
+
+/// One operation, with the path it was issued on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FsOp {
+    /// open with O_CREAT: a new empty file when absent; emptied when `truncate`.
+    Create {
+        path: PathBuf,
+        truncate: bool,
+    },
+    Write {
+        path: PathBuf,
+        offset: u64,
+        data: Vec<u8>,
+    },
+    SetLen {
+        path: PathBuf,
+        len: u64,
+    },
+    /// `dst`'s data becomes `src`'s (a reflink or a copy).
+    CopyData {
+        src: PathBuf,
+        dst: PathBuf,
+    },
+    SetXattr {
+        path: PathBuf,
+        name: String,
+        value: Vec<u8>,
+    },
+    RemoveXattr {
+        path: PathBuf,
+        name: String,
+    },
+    /// fsync of a file or a directory.
+    Fsync {
+        path: PathBuf,
+    },
+    Rename {
+        from: PathBuf,
+        to: PathBuf,
+    },
+    Unlink {
+        path: PathBuf,
+    },
+    Mkdir {
+        path: PathBuf,
+    },
+    RemoveTree {
+        path: PathBuf,
+    },
+    SyncFs {
+        path: PathBuf,
+    },
+    /// Anything the model does not know (a symlink, a device node): a recording
+    /// holding one cannot be replayed.
+    Other {
+        what: &'static str,
+        path: PathBuf,
+    },
+    /// A point the test marks between operations (an acknowledged call).
+    Mark(String),
+}
+
+#[cfg(feature = "fs-recording")]
+impl FsOp {
+    fn path(&self) -> Option<&std::path::Path> {
+        match self {
+            FsOp::Create { path, .. }
+            | FsOp::Write { path, .. }
+            | FsOp::SetLen { path, .. }
+            | FsOp::SetXattr { path, .. }
+            | FsOp::RemoveXattr { path, .. }
+            | FsOp::Fsync { path }
+            | FsOp::Unlink { path }
+            | FsOp::Mkdir { path }
+            | FsOp::RemoveTree { path }
+            | FsOp::SyncFs { path }
+            | FsOp::Other { path, .. } => Some(path),
+            FsOp::CopyData { dst, .. } => Some(dst),
+            FsOp::Rename { to, .. } => Some(to),
+            FsOp::Mark(_) => None,
+        }
+    }
+}
+
+#[cfg(not(feature = "fs-recording"))]
+#[inline(always)]
+pub(crate) fn note(_op: impl FnOnce() -> FsOp) {}
+
+#[cfg(feature = "fs-recording")]
+pub(crate) use recording::note;
+#[cfg(feature = "fs-recording")]
+pub use recording::{read_tree, Data, Model, Recording, Tree};
+
+#[cfg(feature = "fs-recording")]
+mod recording {
+    use std::collections::{BTreeMap, BTreeSet};
+    use std::ffi::OsString;
+    use std::fs;
+    use std::io::Read;
+    use std::os::unix::fs::FileExt;
+    use std::path::{Path, PathBuf};
+    use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+    use std::sync::Mutex;
+
+    use super::FsOp;
+
+    static ACTIVE: AtomicUsize = AtomicUsize::new(0);
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    static LOGS: Mutex<Vec<(u64, PathBuf, Vec<FsOp>)>> = Mutex::new(Vec::new());
+
+    fn logs() -> std::sync::MutexGuard<'static, Vec<(u64, PathBuf, Vec<FsOp>)>> {
+        LOGS.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(crate) fn note(op: impl FnOnce() -> FsOp) {
+        if ACTIVE.load(Ordering::Acquire) == 0 {
+            return;
+        }
+        let op = op();
+        let Some(path) = op.path() else { return };
+        for (_, root, ops) in logs().iter_mut() {
+            if path.starts_with(root) {
+                ops.push(op.clone());
+            }
+        }
+    }
+
+    /// The operations issued below one directory while it lives.
+    pub struct Recording {
+        id: u64,
+        root: PathBuf,
+    }
+
+    impl Recording {
+        pub fn start(root: &Path) -> Recording {
+            let id = NEXT.fetch_add(1, Ordering::Relaxed);
+            logs().push((id, root.to_path_buf(), Vec::new()));
+            ACTIVE.fetch_add(1, Ordering::Release);
+            Recording {
+                id,
+                root: root.to_path_buf(),
+            }
+        }
+
+        pub fn mark(&self, label: &str) {
+            self.with(|ops| ops.push(FsOp::Mark(label.to_string())));
+        }
+
+        /// Writes `data` into an existing file and fsyncs it, as a user of a
+        /// volume would, recording both.
+        pub fn write_durably(&self, path: &Path, offset: u64, data: &[u8]) {
+            let f = fs::OpenOptions::new().write(true).open(path).unwrap();
+            f.write_all_at(data, offset).unwrap();
+            f.sync_all().unwrap();
+            self.with(|ops| {
+                ops.push(FsOp::Write {
+                    path: path.to_path_buf(),
+                    offset,
+                    data: data.to_vec(),
+                });
+                ops.push(FsOp::Fsync {
+                    path: path.to_path_buf(),
+                });
+            });
+        }
+
+        pub fn ops(&self) -> Vec<FsOp> {
+            let mut out = Vec::new();
+            self.with(|ops| out = ops.clone());
+            out
+        }
+
+        pub fn root(&self) -> &Path {
+            &self.root
+        }
+
+        fn with(&self, f: impl FnOnce(&mut Vec<FsOp>)) {
+            if let Some((_, _, ops)) = logs().iter_mut().find(|(id, _, _)| *id == self.id) {
+                f(ops);
+            }
+        }
+    }
+
+    impl Drop for Recording {
+        fn drop(&mut self) {
+            logs().retain(|(id, _, _)| *id != self.id);
+            ACTIVE.fetch_sub(1, Ordering::Release);
+        }
+    }
+
+    /// A file's content as the model knows it: the first bytes, the length (the
+    /// rest reads as zeros) and the extended attributes.
+    #[derive(Debug, Clone, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+    pub struct Data {
+        pub bytes: Vec<u8>,
+        pub len: u64,
+        pub xattrs: BTreeMap<String, Vec<u8>>,
+    }
+
+    /// A whole tree below the root: relative path to a file's data, or None for a
+    /// directory.
+    pub type Tree = BTreeMap<PathBuf, Option<Data>>;
+
+    type Ino = usize;
+
+    #[derive(Debug, Clone)]
+    enum Change {
+        Put(OsString, Ino),
+        Del(OsString),
+        Move(OsString, OsString, Ino),
+    }
+
+    #[derive(Debug, Clone)]
+    struct Dir {
+        entries: BTreeMap<OsString, Ino>,
+        durable: BTreeMap<OsString, Ino>,
+        pending: Vec<Change>,
+    }
+
+    #[derive(Debug, Clone)]
+    enum Inode {
+        File { cur: Data, synced: Data },
+        Dir(Dir),
+    }
+
+    /// The files below a root, as the operations left them and as the disk has them.
+    #[derive(Debug, Clone)]
+    pub struct Model {
+        root: PathBuf,
+        inodes: Vec<Inode>,
+    }
+
+    /// More states than this at one crash point means the workload is too large
+    /// for an exhaustive check.
+    const MAX_STATES: usize = 100_000;
+
+    impl Model {
+        /// The tree below `root` as it is now, taken as durable.
+        pub fn scan(root: &Path) -> Model {
+            let mut m = Model {
+                root: root.to_path_buf(),
+                inodes: Vec::new(),
+            };
+            m.scan_dir(root);
+            m
+        }
+
+        fn scan_dir(&mut self, dir: &Path) -> Ino {
+            let ino = self.inodes.len();
+            self.inodes.push(Inode::Dir(Dir {
+                entries: BTreeMap::new(),
+                durable: BTreeMap::new(),
+                pending: Vec::new(),
+            }));
+            let mut entries = BTreeMap::new();
+            for e in fs::read_dir(dir).unwrap().flatten() {
+                let path = e.path();
+                let child = if e.file_type().unwrap().is_dir() {
+                    self.scan_dir(&path)
+                } else {
+                    let data = read_data(&path);
+                    self.inodes.push(Inode::File {
+                        cur: data.clone(),
+                        synced: data,
+                    });
+                    self.inodes.len() - 1
+                };
+                entries.insert(e.file_name(), child);
+            }
+            self.inodes[ino] = Inode::Dir(Dir {
+                durable: entries.clone(),
+                entries,
+                pending: Vec::new(),
+            });
+            ino
+        }
+
+        fn lookup(&self, path: &Path) -> Option<Ino> {
+            let rel = path.strip_prefix(&self.root).ok()?;
+            let mut ino = 0;
+            for c in rel.components() {
+                match &self.inodes[ino] {
+                    Inode::Dir(d) => ino = *d.entries.get(c.as_os_str())?,
+                    Inode::File { .. } => return None,
+                }
+            }
+            Some(ino)
+        }
+
+        fn parent(&self, path: &Path) -> (Ino, OsString) {
+            let parent = path.parent().expect("a path with a parent");
+            let ino = self.lookup(parent).unwrap_or_else(|| {
+                panic!(
+                    "recording incomplete: {} does not exist in the model",
+                    parent.display()
+                )
+            });
+            (ino, path.file_name().unwrap().to_os_string())
+        }
+
+        fn dir(&mut self, ino: Ino) -> &mut Dir {
+            match &mut self.inodes[ino] {
+                Inode::Dir(d) => d,
+                Inode::File { .. } => panic!("not a directory in the model"),
+            }
+        }
+
+        fn file(&mut self, path: &Path) -> &mut Data {
+            let ino = self.lookup(path).unwrap_or_else(|| {
+                panic!(
+                    "recording incomplete: {} does not exist in the model",
+                    path.display()
+                )
+            });
+            match &mut self.inodes[ino] {
+                Inode::File { cur, .. } => cur,
+                Inode::Dir(_) => panic!("{} is a directory in the model", path.display()),
+            }
+        }
+
+        fn add(&mut self, path: &Path, inode: Inode) {
+            let (p, name) = self.parent(path);
+            let ino = self.inodes.len();
+            self.inodes.push(inode);
+            let d = self.dir(p);
+            d.entries.insert(name.clone(), ino);
+            d.pending.push(Change::Put(name, ino));
+        }
+
+        fn sync(&mut self, ino: Ino) {
+            match &mut self.inodes[ino] {
+                Inode::File { cur, synced } => *synced = cur.clone(),
+                Inode::Dir(d) => {
+                    d.durable = d.entries.clone();
+                    d.pending.clear();
+                }
+            }
+        }
+
+        /// Applies one operation (paths outside the root are ignored).
+        pub fn apply(&mut self, op: &FsOp) {
+            if op.path().is_none_or(|p| !p.starts_with(&self.root)) {
+                return;
+            }
+            match op {
+                FsOp::Create { path, truncate } => match self.lookup(path) {
+                    Some(_) if *truncate => {
+                        let d = self.file(path);
+                        d.bytes.clear();
+                        d.len = 0;
+                    }
+                    Some(_) => {}
+                    None => self.add(
+                        path,
+                        Inode::File {
+                            cur: Data::default(),
+                            synced: Data::default(),
+                        },
+                    ),
+                },
+                FsOp::Write { path, offset, data } => {
+                    let d = self.file(path);
+                    let end = *offset as usize + data.len();
+                    if d.bytes.len() < end {
+                        d.bytes.resize(end, 0);
+                    }
+                    d.bytes[*offset as usize..end].copy_from_slice(data);
+                    d.len = d.len.max(end as u64);
+                }
+                FsOp::SetLen { path, len } => {
+                    let d = self.file(path);
+                    d.len = *len;
+                    d.bytes.truncate(*len as usize);
+                }
+                FsOp::CopyData { src, dst } => {
+                    let s = self.file(src).clone();
+                    let d = self.file(dst);
+                    d.bytes = s.bytes;
+                    d.len = s.len;
+                }
+                FsOp::SetXattr { path, name, value } => {
+                    self.file(path).xattrs.insert(name.clone(), value.clone());
+                }
+                FsOp::RemoveXattr { path, name } => {
+                    self.file(path).xattrs.remove(name);
+                }
+                FsOp::Fsync { path } => {
+                    let ino = self.lookup(path).expect("fsync of a path the model knows");
+                    self.sync(ino);
+                }
+                FsOp::Rename { from, to } => {
+                    let (fp, fname) = self.parent(from);
+                    let (tp, tname) = self.parent(to);
+                    let ino = self
+                        .dir(fp)
+                        .entries
+                        .remove(&fname)
+                        .expect("rename of a path the model knows");
+                    if fp == tp {
+                        let d = self.dir(fp);
+                        d.entries.insert(tname.clone(), ino);
+                        d.pending.push(Change::Move(fname, tname, ino));
+                    } else {
+                        self.dir(fp).pending.push(Change::Del(fname));
+                        let d = self.dir(tp);
+                        d.entries.insert(tname.clone(), ino);
+                        d.pending.push(Change::Put(tname, ino));
+                    }
+                }
+                FsOp::Unlink { path } | FsOp::RemoveTree { path } => {
+                    let (p, name) = self.parent(path);
+                    let d = self.dir(p);
+                    if d.entries.remove(&name).is_some() {
+                        d.pending.push(Change::Del(name));
+                    }
+                }
+                FsOp::Mkdir { path } => self.add(
+                    path,
+                    Inode::Dir(Dir {
+                        entries: BTreeMap::new(),
+                        durable: BTreeMap::new(),
+                        pending: Vec::new(),
+                    }),
+                ),
+                FsOp::SyncFs { .. } => {
+                    for ino in 0..self.inodes.len() {
+                        self.sync(ino);
+                    }
+                }
+                FsOp::Other { what, path } => {
+                    panic!("the model does not know {what} (at {})", path.display())
+                }
+                FsOp::Mark(_) => {}
+            }
+        }
+
+        /// The tree as the operations left it (what a reader sees before a crash).
+        pub fn current(&self) -> Tree {
+            let mut out = Tree::new();
+            self.walk_current(0, PathBuf::new(), &mut out);
+            out
+        }
+
+        fn walk_current(&self, ino: Ino, at: PathBuf, out: &mut Tree) {
+            match &self.inodes[ino] {
+                Inode::File { cur, .. } => {
+                    out.insert(at, Some(cur.clone()));
+                }
+                Inode::Dir(d) => {
+                    if !at.as_os_str().is_empty() {
+                        out.insert(at.clone(), None);
+                    }
+                    for (name, child) in &d.entries {
+                        self.walk_current(*child, at.join(name), out);
+                    }
+                }
+            }
+        }
+
+        /// Every distinct tree a power loss now could leave on disk.
+        pub fn crash_states(&self) -> Vec<Tree> {
+            let mut seen = BTreeSet::new();
+            self.states_of(0, &PathBuf::new(), &mut Vec::new())
+                .into_iter()
+                .filter(|t| seen.insert(t.clone()))
+                .collect()
+        }
+
+        /// The trees the directory `ino` at `at` could leave; `open` holds the
+        /// directories above it, so that a cycle can never recurse.
+        fn states_of(&self, ino: Ino, at: &Path, open: &mut Vec<Ino>) -> Vec<Tree> {
+            let Inode::Dir(d) = &self.inodes[ino] else {
+                unreachable!("states_of a file");
+            };
+            let mut listings: Vec<BTreeMap<OsString, Ino>> = Vec::new();
+            let mut entries = d.durable.clone();
+            listings.push(entries.clone());
+            for change in &d.pending {
+                match change {
+                    Change::Put(name, ino) => {
+                        entries.insert(name.clone(), *ino);
+                    }
+                    Change::Del(name) => {
+                        entries.remove(name);
+                    }
+                    Change::Move(from, to, ino) => {
+                        entries.remove(from);
+                        entries.insert(to.clone(), *ino);
+                    }
+                }
+                if !listings.contains(&entries) {
+                    listings.push(entries.clone());
+                }
+            }
+            open.push(ino);
+            let mut out = Vec::new();
+            for listing in listings {
+                let mut trees = vec![Tree::new()];
+                if !at.as_os_str().is_empty() {
+                    trees[0].insert(at.to_path_buf(), None);
+                }
+                for (name, child) in &listing {
+                    let path = at.join(name);
+                    let options: Vec<Tree> = match &self.inodes[*child] {
+                        _ if open.contains(child) => continue,
+                        Inode::File { cur, synced } => file_variants(cur, synced)
+                            .into_iter()
+                            .map(|d| Tree::from([(path.clone(), Some(d))]))
+                            .collect(),
+                        Inode::Dir(_) => self.states_of(*child, &path, open),
+                    };
+                    let mut next = Vec::with_capacity(trees.len() * options.len());
+                    for t in &trees {
+                        for o in &options {
+                            let mut t = t.clone();
+                            t.extend(o.iter().map(|(k, v)| (k.clone(), v.clone())));
+                            next.push(t);
+                        }
+                    }
+                    assert!(
+                        next.len() <= MAX_STATES,
+                        "more than {MAX_STATES} crash states below {}",
+                        at.display()
+                    );
+                    trees = next;
+                }
+                out.extend(trees);
+            }
+            open.pop();
+            out
+        }
+    }
+
+    /// Rule 1: what a crash may leave of a file.
+    fn file_variants(cur: &Data, synced: &Data) -> Vec<Data> {
+        if cur == synced {
+            return vec![cur.clone()];
+        }
+        let mut bytes = synced.bytes.clone();
+        bytes.truncate(cur.len as usize);
+        let lost_data = Data {
+            bytes,
+            len: cur.len,
+            xattrs: synced.xattrs.clone(),
+        };
+        let mut v = vec![synced.clone(), cur.clone()];
+        if !v.contains(&lost_data) {
+            v.push(lost_data);
+        }
+        v
+    }
+
+    /// Makes `tree` real below `root`, which must be empty.
+    pub fn materialize(root: &Path, tree: &Tree) {
+        for (rel, data) in tree {
+            let path = root.join(rel);
+            match data {
+                None => fs::create_dir(&path).unwrap(),
+                Some(d) => {
+                    let f = fs::File::create(&path).unwrap();
+                    f.write_all_at(&d.bytes, 0).unwrap();
+                    f.set_len(d.len).unwrap();
+                    for (k, v) in &d.xattrs {
+                        crate::xattr::set(&path, k, v).unwrap();
+                    }
+                }
+            }
+        }
+    }
+
+    /// Reads the tree below `root` as it is on disk, in the model's terms: the
+    /// bytes up to the last one that is not zero (at most the first MiB).
+    pub fn read_tree(root: &Path) -> Tree {
+        let mut out = Tree::new();
+        let mut stack = vec![root.to_path_buf()];
+        while let Some(dir) = stack.pop() {
+            for e in fs::read_dir(&dir).unwrap().flatten() {
+                let path = e.path();
+                let rel = path.strip_prefix(root).unwrap().to_path_buf();
+                if e.file_type().unwrap().is_dir() {
+                    out.insert(rel, None);
+                    stack.push(path);
+                } else {
+                    out.insert(rel, Some(read_data(&path)));
+                }
+            }
+        }
+        out
+    }
+
+    fn read_data(path: &Path) -> Data {
+        let f = fs::File::open(path).unwrap();
+        let len = f.metadata().unwrap().len();
+        let mut bytes = Vec::new();
+        f.take(1 << 20).read_to_end(&mut bytes).unwrap();
+        Data {
+            bytes,
+            len,
+            xattrs: user_xattrs(path),
+        }
+    }
+
+    /// The `user.` extended attributes of a file, without the prefix.
+    fn user_xattrs(path: &Path) -> BTreeMap<String, Vec<u8>> {
+        let c = crate::file::cpath(path).unwrap();
+        let mut names = vec![0u8; 4096];
+        // SAFETY: c is a valid path and names is writable for its length.
+        let n = unsafe { libc::llistxattr(c.as_ptr(), names.as_mut_ptr().cast(), names.len()) };
+        let mut out = BTreeMap::new();
+        if n <= 0 {
+            return out;
+        }
+        for name in names[..n as usize].split(|b| *b == 0) {
+            let name = String::from_utf8_lossy(name);
+            if let Some(short) = name.strip_prefix("user.") {
+                if let Ok(Some(v)) = crate::xattr::get(path, short) {
+                    out.insert(short.to_string(), v);
+                }
+            }
+        }
+        out
+    }
+
+    impl Data {
+        /// The same content, with the trailing zeros of `bytes` dropped, so that
+        /// "written as zeros" and "never written" compare equal.
+        pub fn normalized(&self) -> Data {
+            let mut d = self.clone();
+            while d.bytes.last() == Some(&0) {
+                d.bytes.pop();
+            }
+            d
+        }
+    }
+
+    impl Model {
+        /// Makes `tree` real below the root (emptied first).
+        pub fn rebuild(&self, tree: &Tree) {
+            if self.root.exists() {
+                fs::remove_dir_all(&self.root).unwrap();
+            }
+            fs::create_dir(&self.root).unwrap();
+            materialize(&self.root, tree);
+        }
+    }
+}
