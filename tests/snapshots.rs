@@ -1762,20 +1762,12 @@ async fn root_snapshots_live_on_the_node_that_took_them() {
     let driver = Driver::start(&pool, &[]);
     let mut c = driver.clients().await;
 
-    let advertised = c
-        .identity
-        .get_plugin_capabilities(csi::GetPluginCapabilitiesRequest {})
-        .await
-        .unwrap()
-        .into_inner()
-        .capabilities;
-    let wanted = csi::plugin_capability::service::Type::SnapshotAccessibilityConstraints as i32;
     assert!(
-        advertised.iter().any(|c| matches!(
-            &c.r#type,
-            Some(csi::plugin_capability::Type::Service(s)) if s.r#type == wanted
-        )),
-        "SNAPSHOT_ACCESSIBILITY_CONSTRAINTS advertised: {advertised:?}"
+        advertises_service(
+            &mut c,
+            csi::plugin_capability::service::Type::SnapshotAccessibilityConstraints
+        )
+        .await
     );
     let here = c
         .node

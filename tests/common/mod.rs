@@ -546,3 +546,18 @@ pub async fn controller_health(c: &mut Clients, id: &str) -> csi::VolumeHealth {
         .volume_health
         .expect("volume_health is set")
 }
+
+/// Whether GetPluginCapabilities advertises the service capability `t`.
+pub async fn advertises_service(c: &mut Clients, t: csi::plugin_capability::service::Type) -> bool {
+    c.identity
+        .get_plugin_capabilities(csi::GetPluginCapabilitiesRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .capabilities
+        .iter()
+        .any(|cap| {
+            matches!(&cap.r#type, Some(csi::plugin_capability::Type::Service(s))
+                if s.r#type == t as i32)
+        })
+}
