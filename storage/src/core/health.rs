@@ -13,7 +13,7 @@ use csi_sys::health::{self, LoopBacking};
 use csi_sys::{btrfs, file, MountEntry};
 
 use crate::core::Core;
-use crate::model::Backing;
+use crate::model::{Backing, KIB, MIB};
 use crate::pool::Pool;
 
 /// How bad a volume's problem is (CSI's VolumeHealthErrorType).
@@ -149,8 +149,13 @@ pub(crate) fn data_problems(path: &Path, backing: Backing, size: Option<u64>) ->
             format!("the btrfs subvolume {shown} is missing"),
         ),
         Backing::Subvolume => {
+            // btrfs refuses a write that would cross the limit, so a full
+            // subvolume stays a few blocks below it.
+            let full = |limit: &u64, used: u64| {
+                limit.saturating_sub(used) < (limit / 100).clamp(64 * KIB, MIB)
+            };
             if let Ok(q) = btrfs::qgroup_info(path) {
-                if let Some(limit) = q.max_referenced.filter(|l| q.referenced >= *l) {
+                if let Some(limit) = q.max_referenced.filter(|l| full(l, q.referenced)) {
                     out.push(
                         Severity::Degraded,
                         "QuotaExceeded",
@@ -238,7 +243,7 @@ pub(crate) fn filesystem_problems(m: &MountEntry, what: &str) -> Problems {
                         "FilesystemErrors",
                         format!(
                             "{what} ({}, ext4) has recorded {} error(s); first in {}, last in \
-                             {}; run e2fsck on it while it is not mounted",
+                             {}; e2fsck repairs it (an image volume is checked at each stage)",
                             m.source,
                             errors.count,
                             site(&errors.first),
@@ -311,13 +316,21 @@ impl Core {
                 message: format!("pool {} ({}): {message}", pool.name, pool.root.display()),
             })
         };
-        if !pool.root.join("volumes").is_dir() {
-            push(
+        match std::fs::metadata(pool.root.join("volumes")) {
+            Ok(m) if m.is_dir() => {}
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => push(
                 PoolSeverity::Unreachable,
-                "PoolMissing",
-                "its directory is missing (is its filesystem mounted?)".into(),
-            );
-            return out;
+                "PoolUnreadable",
+                format!("its directory cannot be read: {e}"),
+            ),
+            _ => {
+                push(
+                    PoolSeverity::Unreachable,
+                    "PoolMissing",
+                    "its directory is missing (is its filesystem mounted?)".into(),
+                );
+                return out;
+            }
         }
         let holder = mount_of(mounts, &pool.root);
         let stats = file::statvfs(&pool.root);

@@ -112,8 +112,10 @@ impl Node {
                 let device = device_of(m);
                 match probe::loop_backing(&device, &loc.path) {
                     LoopBacking::Current => true,
+                    // The image's file, even moved or deleted since: its name
+                    // starts with the volume id.
                     LoopBacking::Deleted { served } | LoopBacking::Replaced { served }
-                        if served.file_name() == loc.path.file_name() =>
+                        if same_volume(&served, &loc.path) =>
                     {
                         out.extend(loop_problems(&device, &loc.path));
                         true
@@ -199,6 +201,18 @@ fn device_of(m: &MountEntry) -> PathBuf {
     } else {
         PathBuf::from(&m.source)
     }
+}
+
+/// Whether `served` is a name the image `image` has had: the volume id its
+/// name starts with is unique.
+fn same_volume(served: &Path, image: &Path) -> bool {
+    let (Some(name), Some(stem)) = (
+        served.file_name().and_then(|n| n.to_str()),
+        image.file_stem().and_then(|n| n.to_str()),
+    ) else {
+        return false;
+    };
+    name.starts_with(stem)
 }
 
 fn optional_path(what: &str, p: &str) -> Result<Option<PathBuf>> {
