@@ -136,6 +136,12 @@ pub struct Cli {
           value_parser = clap::value_parser!(u64).range(1..=3600))]
     pub freeze_timeout: u64,
 
+    /// Percent of a pool's filesystem in use at which NodeGetStorageHealth reports
+    /// the pool as nearly full (0: never).
+    #[arg(long, env = "CSI_POOL_FULL_PERCENT", default_value_t = 90,
+          value_parser = clap::value_parser!(u8).range(0..=100))]
+    pub pool_full_percent: u8,
+
     /// Seconds to let running RPCs finish after SIGTERM/SIGINT.
     #[arg(long, env = "CSI_SHUTDOWN_TIMEOUT", default_value_t = 30)]
     pub shutdown_timeout: u64,

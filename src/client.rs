@@ -189,6 +189,28 @@ pub enum Call {
         #[arg(long, default_value = "")]
         staging: String,
     },
+    /// Volume health: ControllerGetVolumeHealth of one volume, NodeGetVolumeHealth
+    /// with --node, or without an id ControllerListVolumeHealth (the volumes with
+    /// a problem; one page with --max, all pages without).
+    VolumeHealth {
+        volume_id: Option<String>,
+        /// Ask the node service (what this node sees: mounts, loop device,
+        /// filesystem errors).
+        #[arg(long, requires = "volume_id")]
+        node: bool,
+        /// With --node: the published path to check (default: all it knows).
+        #[arg(long, default_value = "", requires = "node")]
+        path: String,
+        /// With --node: the staging path to check (default: the one it knows).
+        #[arg(long, default_value = "", requires = "node")]
+        staging: String,
+        #[arg(long, default_value_t = 0, conflicts_with = "volume_id")]
+        max: i32,
+        #[arg(long, default_value = "", conflicts_with = "volume_id")]
+        token: String,
+    },
+    /// NodeGetStorageHealth: the problems of this node's pools.
+    StorageHealth,
 }
 
 /// Parses `1Gi`, `100M`, `4096`.
@@ -428,7 +450,6 @@ async fn run(endpoint: &str, call: &Call) -> Result<Value, Failure> {
                 "volume": r.volume.as_ref().map(volume),
                 "status": r.status.map(|s| json!({
                     "published_node_ids": s.published_node_ids,
-                    "volume_condition": s.volume_condition.map(|c| json!({"abnormal": c.abnormal, "message": c.message})),
                 })),
             })
         }
@@ -447,10 +468,6 @@ async fn run(endpoint: &str, call: &Call) -> Result<Value, Failure> {
                     let mut v = e.volume.as_ref().map(volume).unwrap_or(Value::Null);
                     if let Some(s) = e.status {
                         v["published_node_ids"] = json!(s.published_node_ids);
-                        if let Some(c) = s.volume_condition {
-                            v["volume_condition"] =
-                                json!({"abnormal": c.abnormal, "message": c.message});
-                        }
                     }
                     entries.push(v);
                 }
@@ -648,10 +665,83 @@ async fn run(endpoint: &str, call: &Call) -> Result<Value, Failure> {
                     })
                 })
                 .collect();
-            json!({
-                "usage": usage,
-                "volume_condition": r.volume_condition.map(|c| json!({"abnormal": c.abnormal, "message": c.message})),
-            })
+            json!({ "usage": usage })
+        }
+        Call::VolumeHealth {
+            volume_id: Some(volume_id),
+            node: true,
+            path,
+            staging,
+            ..
+        } => {
+            let r = node
+                .node_get_volume_health(csi::NodeGetVolumeHealthRequest {
+                    volume_id: volume_id.clone(),
+                    volume_publish_path: path.clone(),
+                    staging_target_path: staging.clone(),
+                })
+                .await?
+                .into_inner();
+            json!({ "volume_health": r.volume_health.as_ref().map(volume_health) })
+        }
+        Call::VolumeHealth {
+            volume_id: Some(volume_id),
+            ..
+        } => {
+            let r = ctl
+                .controller_get_volume_health(csi::ControllerGetVolumeHealthRequest {
+                    volume_id: volume_id.clone(),
+                    ..Default::default()
+                })
+                .await?
+                .into_inner();
+            json!({ "volume_health": r.volume_health.as_ref().map(volume_health) })
+        }
+        Call::VolumeHealth {
+            volume_id: None,
+            max,
+            token,
+            ..
+        } => {
+            let mut entries = Vec::new();
+            let mut token = token.clone();
+            loop {
+                let r = ctl
+                    .controller_list_volume_health(csi::ControllerListVolumeHealthRequest {
+                        max_entries: *max,
+                        starting_token: token.clone(),
+                        ..Default::default()
+                    })
+                    .await?
+                    .into_inner();
+                entries.extend(r.entries.iter().map(volume_health));
+                token = r.next_token;
+                if token.is_empty() || *max > 0 {
+                    break;
+                }
+            }
+            let mut out = json!({ "unhealthy_volumes": entries });
+            if !token.is_empty() {
+                out["next_token"] = json!(token);
+            }
+            out
+        }
+        Call::StorageHealth => {
+            let r = node
+                .node_get_storage_health(csi::NodeGetStorageHealthRequest::default())
+                .await?
+                .into_inner();
+            let problems: Vec<Value> = r
+                .backend_health
+                .iter()
+                .map(|b| {
+                    let status = csi::StorageHealthErrorType::try_from(b.status)
+                        .map(|x| x.as_str_name())
+                        .map_err(|_| b.status);
+                    finding(status, &b.reason, &b.message)
+                })
+                .collect();
+            json!({ "backend_health": problems })
         }
     })
 }
@@ -795,7 +885,29 @@ fn snapshot(s: &csi::Snapshot) -> Value {
         "ready_to_use": s.ready_to_use,
         "creation_time": s.creation_time.as_ref().map(|t| t.seconds),
         "group_snapshot_id": s.group_snapshot_id,
+        "accessible_topology": s.accessible_topology.iter().map(|t| sorted(&t.segments)).collect::<Vec<_>>(),
     })
+}
+
+fn volume_health(h: &csi::VolumeHealth) -> Value {
+    let statuses: Vec<Value> = h
+        .health_statuses
+        .iter()
+        .map(|e| {
+            let status = csi::VolumeHealthErrorType::try_from(e.status)
+                .map(|x| x.as_str_name())
+                .map_err(|_| e.status);
+            finding(status, &e.reason, &e.message)
+        })
+        .collect();
+    json!({ "volume_id": h.volume_id, "health_statuses": statuses })
+}
+
+/// One health finding: its status by name (by number when this client does not
+/// know it), its reason and its message.
+fn finding(status: Result<&'static str, i32>, reason: &str, message: &str) -> Value {
+    let status = status.map_or_else(|n| json!(n.to_string()), |s| json!(s));
+    json!({ "status": status, "reason": reason, "message": message })
 }
 
 fn sorted(m: &HashMap<String, String>) -> Value {

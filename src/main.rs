@@ -111,6 +111,7 @@ fn main() -> ExitCode {
     cfg.heavy_operations = cli.heavy_operations as usize;
     cfg.cleanup_orphans = cli.cleanup_orphans;
     cfg.freeze_timeout = Duration::from_secs(cli.freeze_timeout);
+    cfg.pool_full_percent = cli.pool_full_percent;
 
     let (_, blocking_threads) = limits(cfg.heavy_operations);
     let runtime = match tokio::runtime::Builder::new_multi_thread()

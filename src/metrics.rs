@@ -43,7 +43,7 @@ fn new_histogram() -> Histogram {
     Histogram::new(BUCKETS.iter().copied())
 }
 
-/// The RPC names of CSI v1.12.0: a label value is one of these or "other", so a
+/// The RPC names of CSI v1.13.0: a label value is one of these or "other", so a
 /// client sending made-up paths cannot grow the label set without bound.
 const CSI_SERVICES: [&str; 5] = [
     "Identity",
@@ -71,6 +71,8 @@ const CSI_METHODS: &[&str] = &[
     "ControllerExpandVolume",
     "ControllerGetVolume",
     "ControllerModifyVolume",
+    "ControllerListVolumeHealth",
+    "ControllerGetVolumeHealth",
     "GroupControllerGetCapabilities",
     "CreateVolumeGroupSnapshot",
     "DeleteVolumeGroupSnapshot",
@@ -85,6 +87,8 @@ const CSI_METHODS: &[&str] = &[
     "NodeExpandVolume",
     "NodeGetCapabilities",
     "NodeGetInfo",
+    "NodeGetVolumeHealth",
+    "NodeGetStorageHealth",
 ];
 
 /// gRPC code names as the Go implementation (and so the CSI sidecars' own

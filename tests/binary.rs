@@ -537,7 +537,7 @@ async fn root_secrets_never_reach_the_logs() {
                 source_volume_id: vol.volume_id.clone(),
                 name: format!("snap-secret-{fmt}"),
                 secrets: secrets(),
-                parameters: Default::default(),
+                ..Default::default()
             })
             .await;
         let _ = c
@@ -546,7 +546,7 @@ async fn root_secrets_never_reach_the_logs() {
                 source_volume_id: "no-such-volume".into(),
                 name: String::new(),
                 secrets: secrets(),
-                parameters: Default::default(),
+                ..Default::default()
             })
             .await;
         c.node

@@ -3,7 +3,7 @@
 //! ControllerModifyVolume on an xfs image pool and a btrfs subvolume pool; orphan
 //! removal at start; 32 concurrent clients on 100 names; a table of bad inputs with
 //! the codes of the CSI spec v1.12.0 and a check that nothing changed; real capacity;
-//! name idempotency, GetCapacity, VOLUME_CONDITION, expansion, pagination and
+//! name idempotency, GetCapacity, volume health, expansion, pagination and
 //! ModifyVolume applied to a live loop device.
 
 mod common;
@@ -1342,7 +1342,7 @@ async fn root_64_mib_image_refuses_the_65th_mib() {
 
 #[tokio::test]
 #[ignore = "needs root: loop devices and mounts"]
-async fn root_names_capacity_condition_expand_list_modify() {
+async fn root_names_capacity_health_expand_list_modify() {
     require_root();
     let pool = Pool::new("xfs");
     let mut d = Driver::start(&pool, &[]);
@@ -1435,8 +1435,7 @@ async fn root_names_capacity_condition_expand_list_modify() {
         .into_inner();
     assert_eq!(other.available_capacity, 0);
 
-    // VOLUME_CONDITION: abnormal when the image is deleted or truncated behind the
-    // driver's back.
+    // Volume health: the image deleted or truncated behind the driver's back.
     let gone = c
         .controller
         .create_volume(create("gone", 32 * MIB))
@@ -1449,15 +1448,21 @@ async fn root_names_capacity_condition_expand_list_modify() {
         .await
         .unwrap();
     let short = short.into_inner().volume.unwrap().volume_id;
-    let cond = |r: csi::ControllerGetVolumeResponse| r.status.unwrap().volume_condition.unwrap();
-    let healthy = cond(
-        c.controller
-            .controller_get_volume(get_req(&gone))
-            .await
-            .unwrap()
-            .into_inner(),
-    );
-    assert!(!healthy.abnormal, "{}", healthy.message);
+    let healthy = controller_health(&mut c, &gone).await;
+    assert_eq!(healthy.volume_id, gone);
+    assert_eq!(health_reasons(&healthy), vec![]);
+    let list_health = |max: i32, token: &str| csi::ControllerListVolumeHealthRequest {
+        max_entries: max,
+        starting_token: token.to_string(),
+        ..Default::default()
+    };
+    let none = c
+        .controller
+        .controller_list_volume_health(list_health(0, ""))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(none.entries.is_empty(), "{none:?}");
     std::fs::remove_file(pool.path.join("volumes").join(format!("{gone}.img"))).unwrap();
     sh(
         "truncate",
@@ -1471,38 +1476,53 @@ async fn root_names_capacity_condition_expand_list_modify() {
                 .unwrap(),
         ],
     );
-    for id in [&gone, &short] {
-        let cnd = cond(
-            c.controller
-                .controller_get_volume(get_req(id))
-                .await
-                .unwrap()
-                .into_inner(),
-        );
-        assert!(cnd.abnormal, "{id}: {}", cnd.message);
-        assert!(cnd.message.contains(id.as_str()), "{}", cnd.message);
+    use csi::VolumeHealthErrorType as H;
+    let expected = BTreeMap::from([
+        (
+            gone.clone(),
+            vec![(H::Inaccessible, "ImageMissing".to_string())],
+        ),
+        (
+            short.clone(),
+            vec![(H::DataLoss, "ImageTruncated".to_string())],
+        ),
+    ]);
+    for (id, reasons) in &expected {
+        let h = controller_health(&mut c, id).await;
+        assert_eq!(&health_reasons(&h), reasons, "{h:?}");
+        assert!(h.health_statuses[0].message.contains(id.as_str()), "{h:?}");
     }
-    let listed = c
-        .controller
-        .list_volumes(list_req(0, ""))
-        .await
-        .unwrap()
-        .into_inner();
-    let abnormal: BTreeSet<String> = listed
-        .entries
-        .iter()
-        .filter(|e| {
-            e.status
-                .as_ref()
-                .unwrap()
-                .volume_condition
-                .as_ref()
-                .unwrap()
-                .abnormal
-        })
-        .map(|e| e.volume.as_ref().unwrap().volume_id.clone())
-        .collect();
-    assert_eq!(abnormal, BTreeSet::from([gone.clone(), short.clone()]));
+    // ControllerListVolumeHealth lists exactly those, one page at a time.
+    let mut listed = BTreeMap::new();
+    let mut token = String::new();
+    let mut pages = 0;
+    loop {
+        let page = c
+            .controller
+            .controller_list_volume_health(list_health(1, &token))
+            .await
+            .unwrap()
+            .into_inner();
+        assert!(page.entries.len() <= 1, "{page:?}");
+        for e in &page.entries {
+            listed.insert(e.volume_id.clone(), health_reasons(e));
+        }
+        pages += 1;
+        token = page.next_token;
+        if token.is_empty() {
+            break;
+        }
+    }
+    assert_eq!(listed, expected);
+    assert_eq!(pages, 2);
+    assert_eq!(
+        c.controller
+            .controller_list_volume_health(list_health(0, "not-a-token"))
+            .await
+            .unwrap_err()
+            .code(),
+        Code::Aborted
+    );
     for id in [&gone, &short] {
         c.controller.delete_volume(delete_req(id)).await.unwrap();
     }

@@ -544,6 +544,11 @@ fn generate(rpc: &str, seed: u64, d: &Dict) -> Input {
             name: g.name("fs"),
             secrets: g.secrets(),
             parameters: g.map(&["x", "csi.storage.k8s.io/volumesnapshot/name"]),
+            // Drawn last, so that saved seeds keep the rest of their request.
+            accessibility_requirements: g.chance(0.2).then(|| csi::TopologyRequirement {
+                requisite: vec![g.topology()],
+                preferred: vec![g.topology()],
+            }),
         }),
         "DeleteSnapshot" => Input::DeleteSnapshot(csi::DeleteSnapshotRequest {
             snapshot_id: g.id(1),

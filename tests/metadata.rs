@@ -451,17 +451,11 @@ async fn root_identity_advertises_snapshot_metadata() {
         async move {
             let d = Driver::start(pool, &[mode]);
             let mut c = d.clients().await;
-            let caps = c
-                .identity
-                .get_plugin_capabilities(csi::GetPluginCapabilitiesRequest {})
-                .await
-                .unwrap()
-                .into_inner()
-                .capabilities;
-            caps.iter().any(|cap| {
-                matches!(&cap.r#type, Some(plugin_capability::Type::Service(s))
-                    if s.r#type == plugin_capability::service::Type::SnapshotMetadataService as i32)
-            })
+            advertises_service(
+                &mut c,
+                plugin_capability::service::Type::SnapshotMetadataService,
+            )
+            .await
         }
     };
     assert!(has("--mode=all").await);

@@ -593,7 +593,7 @@ async fn root_volume_mount_group_gives_group_and_setgid() {
 
 #[tokio::test]
 #[ignore = "needs root: loop devices and mounts"]
-async fn root_stats_match_df_and_report_vanished_mounts() {
+async fn root_stats_match_df_and_refuse_vanished_mounts() {
     require_root();
     let mut fx = fixture("xfs", &[]).await;
     let cap = mount_cap("ext4", writer());
@@ -652,17 +652,9 @@ async fn root_stats_match_df_and_report_vanished_mounts() {
         vec![inodes.total, inodes.used, inodes.available],
         "df -i: {dfi}"
     );
-    let cond = s.volume_condition.unwrap();
-    assert!(!cond.abnormal, "{cond:?}");
+    assert_eq!(health_reasons(&node_health(&mut fx.c, &id).await), vec![]);
     // The staging path answers too.
-    assert!(
-        !fx.stats(&id, &staging)
-            .await
-            .unwrap()
-            .volume_condition
-            .unwrap()
-            .abnormal
-    );
+    fx.stats(&id, &staging).await.unwrap();
     // A path that is no published path of the volume: NOT_FOUND.
     let other = fx.pool.scratch("other");
     assert_eq!(
@@ -676,33 +668,13 @@ async fn root_stats_match_df_and_report_vanished_mounts() {
             .code(),
         Code::NotFound
     );
-    // The filesystem turns read-only under a read-write publish (as ext4's
-    // errors=remount-ro does): abnormal.
-    sh("mount", &["-o", "remount,ro", staging.to_str().unwrap()]);
-    let cond = fx
-        .stats(&id, &target)
-        .await
-        .unwrap()
-        .volume_condition
-        .unwrap();
-    sh("mount", &["-o", "remount,rw", staging.to_str().unwrap()]);
-    assert!(
-        cond.abnormal && cond.message.contains("read-only"),
-        "{cond:?}"
-    );
-    let cond = fx
-        .stats(&id, &target)
-        .await
-        .unwrap()
-        .volume_condition
-        .unwrap();
-    assert!(!cond.abnormal, "{cond:?}");
-    // The mount vanishes behind the driver's back: abnormal, with a message.
+    // The mount vanishes behind the driver's back: no figures of the volume are
+    // there (NodeGetVolumeHealth tells what happened).
     umount(&target);
-    let s = fx.stats(&id, &target).await.unwrap();
-    let cond = s.volume_condition.unwrap();
-    assert!(cond.abnormal, "{cond:?}");
-    assert!(!cond.message.is_empty());
+    assert_eq!(
+        fx.stats(&id, &target).await.unwrap_err().code(),
+        Code::NotFound
+    );
     fx.unpublish(&id, &target).await.unwrap();
     fx.unstage(&id, &staging).await.unwrap();
     fx.delete(&id).await;
@@ -774,7 +746,6 @@ async fn root_stats_of_a_btrfs_dir_volume_are_its_qgroup() {
         );
         // statvfs would have told the pool's 8 GiB.
         assert!(fs_bytes(&target) > 1024 * 1024 * 1024);
-        assert!(!s.volume_condition.unwrap().abnormal);
     }
     // The staging path answers the same.
     let s = fx.stats(&id, &staging).await.unwrap();
@@ -1113,8 +1084,11 @@ async fn root_ephemeral_inline_volume_lives_and_dies_with_the_pod() {
     assert_eq!(fx.volume_loops().len(), 1);
     let eph = fx.pool.path.join("ephemeral");
     assert_eq!(std::fs::read_dir(&eph).unwrap().count(), 1);
-    let s = fx.stats("csi-0123456789abcdef", &target).await.unwrap();
-    assert!(!s.volume_condition.unwrap().abnormal);
+    fx.stats("csi-0123456789abcdef", &target).await.unwrap();
+    assert_eq!(
+        health_reasons(&node_health(&mut fx.c, "csi-0123456789abcdef").await),
+        vec![]
+    );
     fx.unpublish("csi-0123456789abcdef", &target).await.unwrap();
     assert!(!target.exists());
     assert!(fx.volume_loops().is_empty(), "no loop device is left");
@@ -1589,9 +1563,20 @@ async fn reboot(vol_fs: &str, size: i64) {
         .unwrap();
     write_synced(&target.join("d"), &data);
     simulate_reboot(&mut fx, &[&target, &staging]).await;
-    // Stats before kubelet's retries: the volume is abnormal, not an error.
-    let s = fx.stats(&id, &target).await.unwrap();
-    assert!(s.volume_condition.unwrap().abnormal);
+    // Health before kubelet's retries: both mounts are gone.
+    assert_eq!(
+        health_reasons(&node_health(&mut fx.c, &id).await),
+        vec![
+            (
+                csi::VolumeHealthErrorType::Inaccessible,
+                "PublishMountMissing".to_string()
+            ),
+            (
+                csi::VolumeHealthErrorType::Inaccessible,
+                "StagingMountMissing".to_string()
+            ),
+        ]
+    );
     fx.stage(&id, &staging, &cap).await.unwrap();
     fx.publish(&id, &staging, &target, &cap, false)
         .await
@@ -1746,10 +1731,11 @@ async fn root_node_info_and_capabilities() {
     for t in [
         T::StageUnstageVolume,
         T::GetVolumeStats,
-        T::VolumeCondition,
         T::ExpandVolume,
         T::SingleNodeMultiWriter,
         T::VolumeMountGroup,
+        T::GetVolumeHealth,
+        T::GetStorageHealth,
     ] {
         assert!(caps.contains(&(t as i32)), "{t:?} advertised");
     }

@@ -4,6 +4,7 @@ use std::sync::Arc;
 
 use csi_glue::{
     bytes, call, capabilities, capacity, hash_map, map, optional_capability, timestamp, topology,
+    volume_health,
 };
 use csi_proto::csi::{
     self, controller_server::Controller, controller_service_capability, volume_content_source,
@@ -51,17 +52,7 @@ fn volume(d: &Domain, v: &VolumeInfo) -> csi::Volume {
     }
 }
 
-fn condition(v: &VolumeInfo) -> csi::VolumeCondition {
-    csi::VolumeCondition {
-        abnormal: v.condition.is_some(),
-        message: v
-            .condition
-            .clone()
-            .unwrap_or_else(|| "volume is healthy".into()),
-    }
-}
-
-pub(crate) fn snapshot(s: &csi_storage::model::SnapshotRecord) -> csi::Snapshot {
+pub(crate) fn snapshot(d: &Domain, s: &csi_storage::model::SnapshotRecord) -> csi::Snapshot {
     csi::Snapshot {
         size_bytes: bytes(s.size),
         snapshot_id: s.id.to_string(),
@@ -69,6 +60,9 @@ pub(crate) fn snapshot(s: &csi_storage::model::SnapshotRecord) -> csi::Snapshot 
         creation_time: Some(timestamp(s.created)),
         ready_to_use: true,
         group_snapshot_id: s.group.map(|g| g.to_string()).unwrap_or_default(),
+        // A snapshot is in a pool of the node that took it: only volumes made
+        // there can be restored from it.
+        accessible_topology: vec![topology(d)],
     }
 }
 
@@ -236,7 +230,6 @@ impl Controller for ControllerService {
                     volume: Some(volume(&d, v)),
                     status: Some(csi::list_volumes_response::VolumeStatus {
                         published_node_ids: v.record.published.keys().cloned().collect(),
-                        volume_condition: Some(condition(v)),
                     }),
                 })
                 .collect();
@@ -284,10 +277,11 @@ impl Controller for ControllerService {
                 T::CreateDeleteSnapshot,
                 T::ListSnapshots,
                 T::CloneVolume,
-                T::VolumeCondition,
                 T::GetVolume,
                 T::SingleNodeMultiWriter,
                 T::GetSnapshot,
+                T::GetVolumeHealth,
+                T::ListVolumeHealth,
             ];
             if cfg.enable_attach {
                 caps.extend([
@@ -318,8 +312,18 @@ impl Controller for ControllerService {
         let d = self.controller.clone();
         let rr = r.clone();
         let s = call("CreateSnapshot", &r.source_volume_id, &r, move || {
-            d.create_snapshot(&rr.name, &rr.source_volume_id, &map(&rr.parameters))
-                .map(|s| snapshot(&s))
+            let requisite: Vec<_> = rr
+                .accessibility_requirements
+                .iter()
+                .flat_map(|a| a.requisite.iter().map(|t| map(&t.segments)))
+                .collect();
+            d.create_snapshot_within(
+                &rr.name,
+                &rr.source_volume_id,
+                &map(&rr.parameters),
+                &requisite,
+            )
+            .map(|s| snapshot(&d, &s))
         })
         .await?;
         Ok(Response::new(csi::CreateSnapshotResponse {
@@ -359,7 +363,7 @@ impl Controller for ControllerService {
                 entries: snapshots
                     .iter()
                     .map(|s| csi::list_snapshots_response::Entry {
-                        snapshot: Some(snapshot(s)),
+                        snapshot: Some(snapshot(&d, s)),
                     })
                     .collect(),
                 next_token: next_token.unwrap_or_default(),
@@ -409,7 +413,6 @@ impl Controller for ControllerService {
                 volume: Some(volume(&d, &v)),
                 status: Some(csi::controller_get_volume_response::VolumeStatus {
                     published_node_ids: v.record.published.keys().cloned().collect(),
-                    volume_condition: Some(condition(&v)),
                 }),
             })
         })
@@ -442,11 +445,45 @@ impl Controller for ControllerService {
         let d = self.controller.clone();
         let id = r.snapshot_id.clone();
         let s = call("GetSnapshot", "", &r, move || {
-            d.get_snapshot(&id).map(|s| snapshot(&s))
+            d.get_snapshot(&id).map(|s| snapshot(&d, &s))
         })
         .await?;
         Ok(Response::new(csi::GetSnapshotResponse {
             snapshot: Some(s),
+        }))
+    }
+
+    async fn controller_list_volume_health(
+        &self,
+        req: Request<csi::ControllerListVolumeHealthRequest>,
+    ) -> Result<Response<csi::ControllerListVolumeHealthResponse>, Status> {
+        let r = req.into_inner();
+        let d = self.controller.clone();
+        let rr = r.clone();
+        let resp = call("ControllerListVolumeHealth", "", &r, move || {
+            let page = d.list_volume_health(rr.max_entries, &rr.starting_token)?;
+            Ok(csi::ControllerListVolumeHealthResponse {
+                entries: page.volumes.iter().map(volume_health).collect(),
+                next_token: page.next_token.unwrap_or_default(),
+            })
+        })
+        .await?;
+        Ok(Response::new(resp))
+    }
+
+    async fn controller_get_volume_health(
+        &self,
+        req: Request<csi::ControllerGetVolumeHealthRequest>,
+    ) -> Result<Response<csi::ControllerGetVolumeHealthResponse>, Status> {
+        let r = req.into_inner();
+        let d = self.controller.clone();
+        let id = r.volume_id.clone();
+        let h = call("ControllerGetVolumeHealth", &r.volume_id, &r, move || {
+            d.volume_health(&id)
+        })
+        .await?;
+        Ok(Response::new(csi::ControllerGetVolumeHealthResponse {
+            volume_health: Some(volume_health(&h)),
         }))
     }
 }

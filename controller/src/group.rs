@@ -22,10 +22,10 @@ impl GroupControllerService {
     }
 }
 
-fn group(g: &GroupSnapshot) -> csi::VolumeGroupSnapshot {
+fn group(d: &Domain, g: &GroupSnapshot) -> csi::VolumeGroupSnapshot {
     csi::VolumeGroupSnapshot {
         group_snapshot_id: g.group.id.to_string(),
-        snapshots: g.members.iter().map(snapshot).collect(),
+        snapshots: g.members.iter().map(|s| snapshot(d, s)).collect(),
         creation_time: Some(timestamp(g.group.created)),
         ready_to_use: true,
     }
@@ -62,7 +62,7 @@ impl GroupController for GroupControllerService {
         let rr = r.clone();
         let g = call("CreateVolumeGroupSnapshot", "", &r, move || {
             d.create_group_snapshot(&rr.name, &rr.source_volume_ids, &map(&rr.parameters))
-                .map(|g| group(&g))
+                .map(|g| group(&d, &g))
         })
         .await?;
         Ok(Response::new(csi::CreateVolumeGroupSnapshotResponse {
@@ -93,7 +93,7 @@ impl GroupController for GroupControllerService {
         let rr = r.clone();
         let g = call("GetVolumeGroupSnapshot", "", &r, move || {
             d.get_group_snapshot(&rr.group_snapshot_id, &rr.snapshot_ids)
-                .map(|g| group(&g))
+                .map(|g| group(&d, &g))
         })
         .await?;
         Ok(Response::new(csi::GetVolumeGroupSnapshotResponse {

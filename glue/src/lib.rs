@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use csi_proto::csi::{self, volume_capability};
 use csi_storage::model::{Access, AccessMode, Capability, CapacityRange};
-use csi_storage::{cancel, Core, Driver, Error};
+use csi_storage::{cancel, health, Core, Driver, Error};
 use tonic::Status;
 use tracing::Instrument;
 
@@ -152,8 +152,12 @@ no_secrets!(
     csi::NodeGetCapabilitiesRequest,
     csi::NodeGetInfoRequest,
     csi::GroupControllerGetCapabilitiesRequest,
+    csi::NodeGetVolumeHealthRequest,
 );
 with_secrets!(
+    csi::ControllerListVolumeHealthRequest,
+    csi::ControllerGetVolumeHealthRequest,
+    csi::NodeGetStorageHealthRequest,
     csi::CreateVolumeRequest,
     csi::DeleteVolumeRequest,
     csi::ControllerPublishVolumeRequest,
@@ -236,6 +240,28 @@ pub fn hash_map(m: &BTreeMap<String, String>) -> std::collections::HashMap<Strin
 pub fn topology(core: &Core) -> csi::Topology {
     csi::Topology {
         segments: hash_map(&core.topology()),
+    }
+}
+
+/// A volume's health as CSI carries it.
+pub fn volume_health(h: &health::VolumeHealth) -> csi::VolumeHealth {
+    use csi::volume_health::VolumeHealthEntry;
+    use csi::VolumeHealthErrorType as T;
+    csi::VolumeHealth {
+        volume_id: h.volume_id.clone(),
+        health_statuses: h
+            .problems
+            .iter()
+            .map(|p| VolumeHealthEntry {
+                status: match p.severity {
+                    health::Severity::Degraded => T::Degraded,
+                    health::Severity::Inaccessible => T::Inaccessible,
+                    health::Severity::DataLoss => T::DataLoss,
+                } as i32,
+                reason: p.reason.to_string(),
+                message: p.message.clone(),
+            })
+            .collect(),
     }
 }
 

@@ -64,6 +64,8 @@ impl Identity for IdentityService {
                 capabilities.push(service(S::ControllerService));
                 capabilities.push(service(S::GroupControllerService));
                 capabilities.push(service(S::SnapshotMetadataService));
+                // Snapshots stay in the pool of the node that took them.
+                capabilities.push(service(S::SnapshotAccessibilityConstraints));
             }
             capabilities.push(PluginCapability {
                 r#type: Some(plugin_capability::Type::VolumeExpansion(

@@ -2,10 +2,11 @@
 
 use std::sync::Arc;
 
-use csi_glue::{bytes, call, capacity, map, optional_capability, topology};
+use csi_glue::{bytes, call, capacity, map, optional_capability, topology, volume_health};
 use csi_proto::csi::{
     self, node_server::Node, node_service_capability, volume_usage, NodeServiceCapability,
 };
+use csi_storage::health::PoolSeverity;
 use csi_storage::node::{Publish, Stage};
 use csi_storage::Node as Domain;
 use tonic::{Request, Response, Status};
@@ -116,7 +117,7 @@ impl Node for NodeService {
             unit: volume_usage::Unit::Bytes as i32,
         }];
         // A filesystem that counts no inodes (btrfs) gets no inode figures.
-        if !s.block && s.abnormal.is_none() && s.total_inodes > 0 {
+        if !s.block && s.total_inodes > 0 {
             usage.push(csi::VolumeUsage {
                 available: bytes(s.available_inodes),
                 total: bytes(s.total_inodes),
@@ -124,16 +125,7 @@ impl Node for NodeService {
                 unit: volume_usage::Unit::Inodes as i32,
             });
         }
-        if s.abnormal.is_some() && s.total_bytes == 0 {
-            usage.clear();
-        }
-        Ok(Response::new(csi::NodeGetVolumeStatsResponse {
-            usage,
-            volume_condition: Some(csi::VolumeCondition {
-                abnormal: s.abnormal.is_some(),
-                message: s.abnormal.unwrap_or_else(|| "volume is healthy".into()),
-            }),
-        }))
+        Ok(Response::new(csi::NodeGetVolumeStatsResponse { usage }))
     }
 
     async fn node_expand_volume(
@@ -168,10 +160,11 @@ impl Node for NodeService {
                 capabilities: [
                     T::StageUnstageVolume,
                     T::GetVolumeStats,
-                    T::VolumeCondition,
                     T::ExpandVolume,
                     T::SingleNodeMultiWriter,
                     T::VolumeMountGroup,
+                    T::GetVolumeHealth,
+                    T::GetStorageHealth,
                 ]
                 .into_iter()
                 .map(rpc)
@@ -196,5 +189,53 @@ impl Node for NodeService {
         })
         .await?;
         Ok(Response::new(resp))
+    }
+
+    async fn node_get_volume_health(
+        &self,
+        req: Request<csi::NodeGetVolumeHealthRequest>,
+    ) -> Result<Response<csi::NodeGetVolumeHealthResponse>, Status> {
+        let r = req.into_inner();
+        let d = self.node.clone();
+        let rr = r.clone();
+        let h = call("NodeGetVolumeHealth", &r.volume_id, &r, move || {
+            d.volume_health(
+                &rr.volume_id,
+                &rr.volume_publish_path,
+                &rr.staging_target_path,
+            )
+        })
+        .await?;
+        Ok(Response::new(csi::NodeGetVolumeHealthResponse {
+            volume_health: Some(volume_health(&h)),
+        }))
+    }
+
+    async fn node_get_storage_health(
+        &self,
+        req: Request<csi::NodeGetStorageHealthRequest>,
+    ) -> Result<Response<csi::NodeGetStorageHealthResponse>, Status> {
+        use csi::node_get_storage_health_response::StorageBackendHealth;
+        use csi::StorageHealthErrorType as T;
+        let d = self.node.clone();
+        let problems = call("NodeGetStorageHealth", "", req.get_ref(), move || {
+            Ok(d.storage_health())
+        })
+        .await?;
+        let backend_health = problems
+            .into_iter()
+            .map(|p| StorageBackendHealth {
+                status: match p.severity {
+                    PoolSeverity::Degraded => T::StorageDegraded,
+                    PoolSeverity::Unreachable => T::StorageUnreachable,
+                } as i32,
+                reason: p.reason.to_string(),
+                message: p.message,
+                volume_capability: None,
+            })
+            .collect();
+        Ok(Response::new(csi::NodeGetStorageHealthResponse {
+            backend_health,
+        }))
     }
 }

@@ -1,4 +1,4 @@
-//! The CSI v1.12.0 wire contract: the types and gRPC services generated from
+//! The CSI v1.13.0 wire contract: the types and gRPC services generated from
 //! `csi.proto`; and the kubelet's plugin-registration service (v1) from
 //! `pluginregistration.proto`. Nothing else lives here.
 

@@ -1,4 +1,4 @@
-//! Proves that `proto/csi.proto` is the CSI v1.12.0 wire contract: the official
+//! Proves that `proto/csi.proto` is the CSI v1.13.0 wire contract: the official
 //! `csi.proto` is fetched as a Go module, both files are compiled with protox, and
 //! every part of the contract is compared (names, numbers, types, labels, oneofs,
 //! streaming, options including the CSI extension options). Comments, spans and the
@@ -13,10 +13,10 @@ use std::process::Command;
 use std::sync::OnceLock;
 
 const SPEC_MODULE: &str = "github.com/container-storage-interface/spec";
-const SPEC_VERSION: &str = "v1.12.0";
+const SPEC_VERSION: &str = "v1.13.0";
 /// The Go checksum of the module zip; pinned so that a different file can never be
-/// taken for v1.12.0.
-const SPEC_SUM: &str = "h1:zrFOEqpR5AghNaaDG4qyedwPBqU2fU0dWjLQMP/azK0=";
+/// taken for v1.13.0.
+const SPEC_SUM: &str = "h1:6ja3nYoACisewTPAAZkJ1pbf4+1ehhvt9Z/nYgWGHGw=";
 const GO_FALLBACK: &str = "/usr/local/go/bin/go";
 
 /// The comparison: each file becomes a tree of named items with attributes, and two
@@ -499,7 +499,7 @@ fn report(differences: &[String]) -> String {
 }
 
 #[test]
-fn our_proto_is_the_official_csi_v1_12_0_contract() {
+fn our_proto_is_the_official_csi_v1_13_0_contract() {
     let official = contract::from_dir(official_spec_dir(), "csi.proto").unwrap();
     let ours = contract::from_dir(&our_proto_dir(), "csi.proto").unwrap();
 
@@ -655,10 +655,27 @@ const MUTATIONS: &[Mutation] = &[
     },
     Mutation {
         what: "drop (alpha_message)",
-        anchor: "message VolumeCondition {",
+        anchor: "message VolumeHealth {",
         from: "option (alpha_message) = true;",
         to: "",
-        expect: &["message VolumeCondition: option (csi.v1.alpha_message): official true"],
+        expect: &["message VolumeHealth: option (csi.v1.alpha_message): official true"],
+    },
+    Mutation {
+        what: "bring a retired field back",
+        anchor: "message NodeGetVolumeStatsResponse {",
+        from: "reserved 2;",
+        to: "string volume_condition = 2;",
+        expect: &[
+            "message NodeGetVolumeStatsResponse: reserved ranges: official [2..3], ours []",
+            "message NodeGetVolumeStatsResponse > field volume_condition: not in the official spec",
+        ],
+    },
+    Mutation {
+        what: "bring a retired enum value back",
+        anchor: "message NodeServiceCapability {",
+        from: "reserved 4;",
+        to: "VOLUME_CONDITION = 4;",
+        expect: &["enum Type: reserved ranges: official [4..=4], ours []"],
     },
     Mutation {
         what: "renumber an extension",

@@ -16,6 +16,7 @@ pub mod fake;
 pub mod file;
 pub mod flock;
 pub mod fsrecord;
+pub mod health;
 pub mod linux;
 pub mod mountinfo;
 pub mod xattr;

@@ -491,7 +491,7 @@ fn configure_legacy(dev: &File, file: &File, mut info: LoopInfo64) -> std::resul
 
 /// (st_dev, st_ino) of the backing file of an attached loop device, from
 /// LOOP_GET_STATUS64.
-fn backing_identity(device: &Path) -> Option<(u64, u64)> {
+pub(crate) fn backing_identity(device: &Path) -> Option<(u64, u64)> {
     let f = open_device(device, false, false).ok()?;
     let mut info = LoopInfo64::zeroed();
     ioctl_errno(&f, LOOP_GET_STATUS64, &mut info as *mut LoopInfo64).ok()?;

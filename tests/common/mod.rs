@@ -500,3 +500,64 @@ pub fn snapshot_req(name: &str, source: &str) -> csi::CreateSnapshotRequest {
         ..Default::default()
     }
 }
+
+/// The (status, reason) pairs of a volume's health, sorted: what a health test
+/// asserts on (messages are for humans and may change).
+pub fn health_reasons(h: &csi::VolumeHealth) -> Vec<(csi::VolumeHealthErrorType, String)> {
+    let mut out: Vec<_> = h
+        .health_statuses
+        .iter()
+        .map(|e| {
+            (
+                csi::VolumeHealthErrorType::try_from(e.status)
+                    .unwrap_or(csi::VolumeHealthErrorType::UnknownVolumeHealthType),
+                e.reason.clone(),
+            )
+        })
+        .collect();
+    out.sort();
+    out
+}
+
+/// NodeGetVolumeHealth of a volume, with the paths the node knows.
+pub async fn node_health(c: &mut Clients, id: &str) -> csi::VolumeHealth {
+    c.node
+        .node_get_volume_health(csi::NodeGetVolumeHealthRequest {
+            volume_id: id.to_string(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_or_else(|e| panic!("NodeGetVolumeHealth {id}: {e:?}"))
+        .into_inner()
+        .volume_health
+        .expect("volume_health is set")
+}
+
+/// ControllerGetVolumeHealth of a volume.
+pub async fn controller_health(c: &mut Clients, id: &str) -> csi::VolumeHealth {
+    c.controller
+        .controller_get_volume_health(csi::ControllerGetVolumeHealthRequest {
+            volume_id: id.to_string(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_or_else(|e| panic!("ControllerGetVolumeHealth {id}: {e:?}"))
+        .into_inner()
+        .volume_health
+        .expect("volume_health is set")
+}
+
+/// Whether GetPluginCapabilities advertises the service capability `t`.
+pub async fn advertises_service(c: &mut Clients, t: csi::plugin_capability::service::Type) -> bool {
+    c.identity
+        .get_plugin_capabilities(csi::GetPluginCapabilitiesRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+        .capabilities
+        .iter()
+        .any(|cap| {
+            matches!(&cap.r#type, Some(csi::plugin_capability::Type::Service(s))
+                if s.r#type == t as i32)
+        })
+}

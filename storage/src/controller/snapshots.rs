@@ -36,6 +36,31 @@ fn check_parameters(p: &BTreeMap<String, String>) -> Result<()> {
 }
 
 impl Controller {
+    /// CreateSnapshot with accessibility requirements: a snapshot lives in its
+    /// source volume's pool on this node, so a requisite that leaves this node
+    /// out cannot be met (RESOURCE_EXHAUSTED, as for CreateVolume).
+    pub fn create_snapshot_within(
+        &self,
+        name: &str,
+        source_volume_id: &str,
+        parameters: &BTreeMap<String, String>,
+        requisite: &[BTreeMap<String, String>],
+    ) -> Result<SnapshotRecord> {
+        validate_name("snapshot", name)?;
+        if source_volume_id.is_empty() {
+            return Err(Error::invalid("source_volume_id is required"));
+        }
+        if !self.topology_allows(requisite) {
+            return Err(Error::ResourceExhausted(format!(
+                "accessibility_requirements.requisite does not include this node \
+                 ({}={}); snapshots live in the pool of the node that takes them",
+                crate::model::TOPOLOGY_KEY,
+                self.cfg.node_id
+            )));
+        }
+        self.create_snapshot(name, source_volume_id, parameters)
+    }
+
     pub fn create_snapshot(
         &self,
         name: &str,

@@ -15,6 +15,7 @@ use csi_sys::{btrfs, file, xattr};
 use crate::data::parse_token;
 use crate::error::{Context, Error, Result};
 use crate::failpoint;
+use crate::health::{data_problems, Problems, Severity, VolumeHealth, VolumeHealthPage};
 use crate::ids::{validate_name, VolumeId};
 use crate::model::*;
 use crate::pool::{Pool, DEFAULT_POOL};
@@ -82,7 +83,6 @@ pub struct CreateVolume {
 pub struct VolumeInfo {
     pub record: VolumeRecord,
     pub context: BTreeMap<String, String>,
-    pub condition: Option<String>,
 }
 
 /// A page of ListVolumes.
@@ -160,7 +160,7 @@ impl Controller {
         Ok(())
     }
 
-    fn topology_allows(&self, segments: &[BTreeMap<String, String>]) -> bool {
+    pub(crate) fn topology_allows(&self, segments: &[BTreeMap<String, String>]) -> bool {
         let mine = self.topology();
         segments.is_empty() || segments.contains(&mine)
     }
@@ -659,30 +659,71 @@ impl Controller {
         }
     }
 
-    fn condition(&self, rec: &VolumeRecord) -> Option<String> {
+    /// What the controller can see of a volume: its data in its pool.
+    fn problems(&self, rec: &VolumeRecord) -> Problems {
         let Ok(pool) = self.pool(&rec.pool) else {
-            return Some(format!("pool {} is not configured on this node", rec.pool));
+            let mut out = Problems::default();
+            out.push(
+                Severity::Inaccessible,
+                "PoolNotConfigured",
+                format!(
+                    "the volume's pool {} is not configured on this node",
+                    rec.pool
+                ),
+            );
+            return out;
         };
         let path = pool.volume_path(rec.id, rec.backing, rec.ephemeral);
-        match rec.backing {
-            Backing::Image => match file::file_len(&path) {
-                Err(e) => Some(format!(
-                    "backing image {} is unreadable: {e}",
-                    path.display()
-                )),
-                Ok(len) if len < rec.size => Some(format!(
-                    "backing image {} is {len} bytes, smaller than the volume's {}",
-                    path.display(),
-                    rec.size
-                )),
-                Ok(_) => None,
-            },
-            Backing::Subvolume if !btrfs::is_subvolume(&path) => {
-                Some(format!("subvolume {} is missing", path.display()))
-            }
-            _ if !path.is_dir() => Some(format!("directory {} is missing", path.display())),
-            _ => None,
+        data_problems(&path, rec.backing, Some(rec.size))
+    }
+
+    /// ControllerGetVolumeHealth.
+    pub fn volume_health(&self, volume_id: &str) -> Result<VolumeHealth> {
+        let rec = self.existing_volume(volume_id)?;
+        Ok(VolumeHealth {
+            volume_id: volume_id.to_string(),
+            problems: self.problems(&rec),
+        })
+    }
+
+    /// ControllerListVolumeHealth: the volumes with a problem, paginated as
+    /// ListVolumes is (a token is the last volume id of the previous page).
+    pub fn list_volume_health(
+        &self,
+        max_entries: i32,
+        starting_token: &str,
+    ) -> Result<VolumeHealthPage> {
+        if max_entries < 0 {
+            return Err(Error::invalid("max_entries must not be negative"));
         }
+        let after = parse_token::<VolumeId>(starting_token, VolumeId::parse)?;
+        // Checked outside the store's lock: the checks read files (and run btrfs
+        // for subvolumes), which must not hold up writers.
+        let mut volumes = Vec::new();
+        let mut next_token = None;
+        let candidates = self
+            .volumes
+            .all()
+            .into_iter()
+            .filter(|r| r.state == RecordState::Ready && after.is_none_or(|a| r.id > a));
+        for r in candidates {
+            let problems = self.problems(&r);
+            if problems.is_empty() {
+                continue;
+            }
+            if max_entries > 0 && volumes.len() == max_entries as usize {
+                next_token = volumes.last().map(|v: &VolumeHealth| v.volume_id.clone());
+                break;
+            }
+            volumes.push(VolumeHealth {
+                volume_id: r.id.to_string(),
+                problems,
+            });
+        }
+        Ok(VolumeHealthPage {
+            volumes,
+            next_token,
+        })
     }
 
     fn info(&self, record: VolumeRecord) -> VolumeInfo {
@@ -700,20 +741,12 @@ impl Controller {
         if let Some(fs) = &record.fs_type {
             context.insert("fsType".into(), fs.clone());
         }
-        VolumeInfo {
-            context,
-            condition: None,
-            record,
-        }
+        VolumeInfo { context, record }
     }
 
     pub fn get_volume(&self, volume_id: &str) -> Result<VolumeInfo> {
         let rec = self.existing_volume(volume_id)?;
-        let condition = self.condition(&rec);
-        Ok(VolumeInfo {
-            condition,
-            ..self.info(rec)
-        })
+        Ok(self.info(rec))
     }
 
     pub fn list_volumes(&self, max_entries: i32, starting_token: &str) -> Result<VolumePage> {
@@ -729,16 +762,7 @@ impl Controller {
         } else {
             None
         };
-        let volumes = records
-            .into_iter()
-            .map(|r| {
-                let condition = self.condition(&r);
-                VolumeInfo {
-                    condition,
-                    ..self.info(r)
-                }
-            })
-            .collect();
+        let volumes = records.into_iter().map(|r| self.info(r)).collect();
         Ok(VolumePage {
             volumes,
             next_token,

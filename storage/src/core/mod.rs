@@ -8,6 +8,7 @@ pub mod cancel;
 pub(crate) mod data;
 pub mod error;
 pub mod failpoint;
+pub mod health;
 pub mod ids;
 pub(crate) mod locks;
 pub mod model;
@@ -61,6 +62,9 @@ pub struct Config {
     /// How long a filesystem may stay frozen for a copy beyond the copy's expected
     /// time (none for a reflink); then it is thawed and the copy undone.
     pub freeze_timeout: Duration,
+    /// A pool this full (percent of its filesystem used) is reported by
+    /// NodeGetStorageHealth as nearly full; 0 turns the check off.
+    pub pool_full_percent: u8,
 }
 
 /// Default of [`Config::freeze_timeout`]: a reflink takes milliseconds, and the
@@ -84,6 +88,7 @@ impl Config {
             heavy_operations: 4,
             cleanup_orphans: false,
             freeze_timeout: DEFAULT_FREEZE_TIMEOUT,
+            pool_full_percent: health::DEFAULT_POOL_FULL_PERCENT,
         }
     }
 }

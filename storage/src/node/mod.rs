@@ -30,6 +30,8 @@ use crate::settings::{recorded_settings, recorded_size, DevicesBefore, LiveDevic
 use crate::state::{Domain, OwnerLock, VolumeLock};
 use crate::store::Store;
 
+mod health;
+
 /// The node domain of a process.
 pub struct Node {
     core: Arc<Core>,
@@ -95,7 +97,6 @@ pub struct VolumeStats {
     pub total_inodes: u64,
     pub available_inodes: u64,
     pub used_inodes: u64,
-    pub abnormal: Option<String>,
 }
 
 pub const EPHEMERAL_KEY: &str = "csi.storage.k8s.io/ephemeral";
@@ -1168,81 +1169,51 @@ impl Node {
             return Err(Error::not_found(format!("{volume_path} does not exist")));
         }
         let rec = self.node_records.get(id);
-        let known = rec.as_ref().is_some_and(|r| {
-            r.staging_path.as_deref() == Some(path.as_path()) || r.targets.contains_key(&path)
-        });
         let devices = self.devices(&loc)?;
         let mounts = self.mounts()?;
         let mount = mounts.iter().rev().find(|m| m.mount_point == path);
         let mut stats = VolumeStats::default();
-        match mount {
-            None if known => {
-                stats.abnormal = Some(format!("{volume_path} is no longer mounted"));
-                return Ok(stats);
-            }
-            None => {
-                return Err(Error::not_found(format!(
-                    "{volume_path} is not a published path of volume {volume_id}"
-                )))
-            }
-            Some(m) if !self.owns(&mounts, m, id, &loc, &devices) => {
-                if known {
-                    stats.abnormal = Some(format!("{volume_path} is a mount of something else"));
-                    return Ok(stats);
-                }
-                return Err(Error::not_found(format!(
-                    "{volume_path} is not a published path of volume {volume_id}"
-                )));
-            }
-            Some(m) => {
-                let block = rec.as_ref().is_some_and(|r| r.block) || m.fs_type == "devtmpfs";
-                if block {
-                    let dev = devices.first().ok_or_else(|| {
-                        Error::not_found(format!("volume {volume_id} has no loop device"))
-                    })?;
-                    stats.block = true;
-                    stats.total_bytes = self
-                        .sys
-                        .fs
-                        .device_size(&dev.device)
-                        .context(|| format!("sizing {}", dev.device.display()))?;
-                    return Ok(stats);
-                }
-                let s = self
-                    .sys
-                    .fs
-                    .stats(&path)
-                    .context(|| format!("statvfs of {volume_path}"))?;
-                stats.total_bytes = s.total_bytes;
-                stats.available_bytes = s.available_bytes;
-                stats.used_bytes = s.total_bytes.saturating_sub(s.free_bytes);
-                // btrfs counts no inodes (statvfs says 0): the figures stay unknown.
-                stats.total_inodes = s.total_inodes;
-                stats.available_inodes = s.free_inodes;
-                stats.used_inodes = s.total_inodes.saturating_sub(s.free_inodes);
-                if loc.backing == Backing::Subvolume {
-                    // statvfs shows the whole pool; the volume's size is its qgroup's.
-                    let q = btrfs::qgroup_info(&loc.path)
-                        .context(|| format!("reading the qgroup of volume {volume_id}"))?;
-                    stats.used_bytes = q.referenced;
-                    if let Some(limit) = q.max_referenced {
-                        stats.total_bytes = limit;
-                        // The pool may run out before the limit is reached.
-                        stats.available_bytes =
-                            limit.saturating_sub(q.referenced).min(s.available_bytes);
-                    }
-                }
-                let meant_ro = rec
-                    .as_ref()
-                    .and_then(|r| r.targets.get(&path).map(|t| t.read_only))
-                    .unwrap_or(false)
-                    || rec.as_ref().is_some_and(|r| r.mode.is_read_only());
-                if (s.read_only || m.super_options.iter().any(|o| o == "ro")) && !meant_ro {
-                    stats.abnormal = Some(format!(
-                        "the filesystem of {volume_path} is read-only though it was published \
-                         read-write (an I/O error may have forced it)"
-                    ));
-                }
+        // A path of the volume whose mount vanished or was replaced has no figures
+        // of the volume; NodeGetVolumeHealth says what happened to it.
+        let Some(m) = mount.filter(|m| self.owns(&mounts, m, id, &loc, &devices)) else {
+            return Err(Error::not_found(format!(
+                "{volume_path} is not a mounted path of volume {volume_id}"
+            )));
+        };
+        let block = rec.as_ref().is_some_and(|r| r.block) || m.fs_type == "devtmpfs";
+        if block {
+            let dev = devices.first().ok_or_else(|| {
+                Error::not_found(format!("volume {volume_id} has no loop device"))
+            })?;
+            stats.block = true;
+            stats.total_bytes = self
+                .sys
+                .fs
+                .device_size(&dev.device)
+                .context(|| format!("sizing {}", dev.device.display()))?;
+            return Ok(stats);
+        }
+        let s = self
+            .sys
+            .fs
+            .stats(&path)
+            .context(|| format!("statvfs of {volume_path}"))?;
+        stats.total_bytes = s.total_bytes;
+        stats.available_bytes = s.available_bytes;
+        stats.used_bytes = s.total_bytes.saturating_sub(s.free_bytes);
+        // btrfs counts no inodes (statvfs says 0): the figures stay unknown.
+        stats.total_inodes = s.total_inodes;
+        stats.available_inodes = s.free_inodes;
+        stats.used_inodes = s.total_inodes.saturating_sub(s.free_inodes);
+        if loc.backing == Backing::Subvolume {
+            // statvfs shows the whole pool; the volume's size is its qgroup's.
+            let q = btrfs::qgroup_info(&loc.path)
+                .context(|| format!("reading the qgroup of volume {volume_id}"))?;
+            stats.used_bytes = q.referenced;
+            if let Some(limit) = q.max_referenced {
+                stats.total_bytes = limit;
+                // The pool may run out before the limit is reached.
+                stats.available_bytes = limit.saturating_sub(q.referenced).min(s.available_bytes);
             }
         }
         Ok(stats)
