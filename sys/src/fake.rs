@@ -28,8 +28,6 @@ pub struct FakeFs {
     pub fstype: String,
     /// Size in bytes, from the device at mkfs and at each grow.
     pub size: u64,
-    /// Bumped by each `new_uuid`.
-    pub uuid_generation: u32,
 }
 
 /// How often each operation was called (failed calls included).
@@ -46,7 +44,6 @@ pub struct FakeCounters {
     pub mkfs: u32,
     pub check: u32,
     pub grow: u32,
-    pub new_uuid: u32,
     pub freeze: u32,
     pub thaw: u32,
 }
@@ -123,7 +120,6 @@ impl FakeState {
             FakeFs {
                 fstype: fstype.to_string(),
                 size,
-                uuid_generation: 0,
             },
         );
     }
@@ -152,7 +148,7 @@ impl FakeState {
     /// trait method's name: "mount", "bind", "unmount", "mounts", "list", "attach",
     /// "detach", "refresh_capacity", "set_direct_io",
     /// "set_read_ahead_kib", "read_ahead_kib", "probe",
-    /// "mkfs", "check", "fs_size", "grow", "new_uuid", "freeze", "thaw", "stats",
+    /// "mkfs", "check", "fs_size", "grow", "freeze", "thaw", "stats",
     /// "device_size".
     pub fn fail_next(&self, op: &str, make: impl FnOnce() -> SysError + Send + 'static) {
         self.lock().failures.push((op.to_string(), Box::new(make)));
@@ -573,7 +569,6 @@ impl Filesystems for FakeFilesystems {
             FakeFs {
                 fstype: fstype.to_string(),
                 size,
-                uuid_generation: 0,
             },
         );
         Ok(())
@@ -609,23 +604,6 @@ impl Filesystems for FakeFilesystems {
         let size = inner.device_size(device)?;
         if let Some(fs) = inner.filesystems.get_mut(&key) {
             fs.size = fs.size.max(size);
-        }
-        Ok(())
-    }
-
-    fn new_uuid(&self, device: &Path, fstype: &str) -> Result<()> {
-        let mut inner = self.0.lock();
-        inner.counters.new_uuid += 1;
-        inner.take_failure("new_uuid")?;
-        check_fstype(fstype)?;
-        if inner.is_source_mounted(device) {
-            return Err(SysError::Busy {
-                what: format!("new uuid on {}: it is mounted", device.display()),
-            });
-        }
-        let key = Self::existing(&inner, device, fstype)?;
-        if let Some(fs) = inner.filesystems.get_mut(&key) {
-            fs.uuid_generation += 1;
         }
         Ok(())
     }
@@ -802,7 +780,6 @@ mod tests {
         assert_eq!(sys.fs.fs_size(&dev.device, "xfs").unwrap(), 2 << 20);
         assert_eq!(sys.fs.stats(m).unwrap().total_bytes, 2 << 20);
 
-        assert!(sys.fs.new_uuid(&dev.device, "xfs").unwrap_err().is_busy());
         sys.fs.freeze(m).unwrap();
         assert!(state.is_frozen(m));
         sys.fs.thaw(m).unwrap();
@@ -813,8 +790,6 @@ mod tests {
             .unwrap_err()
             .is_not_mounted());
         sys.mounter.unmount(m).unwrap();
-        sys.fs.new_uuid(&dev.device, "xfs").unwrap();
-        assert_eq!(state.filesystem(&img).unwrap().uuid_generation, 1);
         assert!(sys
             .fs
             .mkfs(&dev.device, "zfs")

@@ -145,9 +145,6 @@ pub trait Filesystems: Send + Sync {
     /// Grow the filesystem to fill its device. `mountpoint` is where it is mounted
     /// (xfs and btrfs grow only online; ext4 grows offline when it is None).
     fn grow(&self, device: &Path, mountpoint: Option<&Path>, fstype: &str) -> Result<()>;
-    /// Give the unmounted filesystem on `device` a new UUID (a reflinked copy must not
-    /// share its source's).
-    fn new_uuid(&self, device: &Path, fstype: &str) -> Result<()>;
     fn freeze(&self, mountpoint: &Path) -> Result<()>;
     fn thaw(&self, mountpoint: &Path) -> Result<()>;
     fn stats(&self, path: &Path) -> Result<FsStats>;

@@ -782,11 +782,6 @@ impl LinuxFilesystems {
         cmd::run(program, args, self.timeout())
     }
 
-    /// The UUID of the filesystem on `device` (`blkid -p`), None when it has none.
-    pub fn fs_uuid(&self, device: &Path) -> Result<Option<String>> {
-        blkid_value(device, "UUID")
-    }
-
     /// `e2fsck -f -p`: exit 0 (clean), 1 (errors fixed) and 2 (fixed, reboot
     /// advised, irrelevant for an unmounted volume) are success.
     fn e2fsck(&self, device: &Path) -> Result<()> {
@@ -804,47 +799,6 @@ impl LinuxFilesystems {
 }
 
 impl LinuxFilesystems {
-    fn xfs_new_uuid(&self, device: &Path) -> Result<()> {
-        let before = self.fs_uuid(device)?;
-        let args: [&OsStr; 3] = ["-U".as_ref(), "generate".as_ref(), device.as_os_str()];
-        let mut replayed = false;
-        loop {
-            let out = cmd::run_unchecked("xfs_admin", &args, self.timeout())?;
-            // xfs_admin exits 0 even when xfs_db refused to touch a dirty log, and
-            // says so on stdout: its messages are what tells.
-            let text = format!(
-                "{}{}",
-                String::from_utf8_lossy(&out.stdout),
-                String::from_utf8_lossy(&out.stderr)
-            );
-            if text.contains("log") && text.contains("replayed") && !replayed {
-                self.replay_xfs_log(device)?;
-                replayed = true;
-                continue;
-            }
-            if !out.status.success() || text.contains("ERROR") {
-                return Err(SysError::Command {
-                    command: cmd::display("xfs_admin", &args),
-                    status: out.status.code(),
-                    stderr: text.trim().to_string(),
-                });
-            }
-            break;
-        }
-        let after = self.fs_uuid(device)?;
-        if after.is_none() || after == before {
-            return Err(SysError::Command {
-                command: cmd::display("xfs_admin", &args),
-                status: Some(0),
-                stderr: format!(
-                    "the UUID of {} did not change ({before:?})",
-                    device.display()
-                ),
-            });
-        }
-        Ok(())
-    }
-
     /// Replay the log of an unmounted xfs by mounting it once (nouuid, since its
     /// source may be mounted with the same UUID) on a temporary folder.
     fn replay_xfs_log(&self, device: &Path) -> Result<()> {
@@ -1130,32 +1084,6 @@ impl Filesystems for LinuxFilesystems {
         }
     }
 
-    /// xfs: `xfs_admin -U generate`; a dirty log (an image copied while its
-    /// filesystem was mounted, even frozen) is replayed first by mounting it once
-    /// with `nouuid` on a private temporary folder. ext4: `tune2fs -U random`, after `e2fsck -f -p` when tune2fs asks for
-    /// it. btrfs: `btrfstune -m`, which changes the visible fsid in O(1).
-    fn new_uuid(&self, device: &Path, fstype: &str) -> Result<()> {
-        supported(fstype)?;
-        let dev = device.as_os_str();
-        match fstype {
-            "xfs" => self.xfs_new_uuid(device),
-            "ext4" => {
-                let args: [&OsStr; 3] = ["-U".as_ref(), "random".as_ref(), dev];
-                match self.run("tune2fs", &args) {
-                    Err(SysError::Command { stderr, .. }) if stderr.contains("e2fsck") => {
-                        self.e2fsck(device)?;
-                        self.run("tune2fs", &args).map(|_| ())
-                    }
-                    other => other.map(|_| ()),
-                }
-            }
-            _ => self.run("btrfstune", &["-m".as_ref(), dev]).map(|_| ()),
-        }
-    }
-
-    /// FIFREEZE on the filesystem mounted at `mountpoint`; already frozen is Ok.
-    /// `mountpoint` must be a mount point (NotMounted otherwise), so that a wrong
-    /// path never freezes the filesystem that happens to contain it.
     fn freeze(&self, mountpoint: &Path) -> Result<()> {
         let f = open_mountpoint(mountpoint)?;
         match ioctl_errno(&f, FIFREEZE, 0 as libc::c_ulong) {
