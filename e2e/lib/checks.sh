@@ -30,6 +30,16 @@ check_eq() {
     if [ "$2" = "$3" ]; then pass "$1 ($3)"; else fail "$1: expected '$2', got '$3'"; fi
 }
 
+# check_sum WHAT EXPECTED ACTUAL: both the same sha256 checksum (two empty
+# answers of a failed read are not a match).
+check_sum() {
+    if is_sum "$2" && [ "$2" = "$3" ]; then pass "$1 (${3:0:16}...)"
+    else fail "$1: expected checksum '$2', got '$3'"; fi
+}
+
+# is_sum TEXT...: each TEXT is a sha256 checksum.
+is_sum() { local t; for t in "$@"; do [[ $t =~ ^[0-9a-f]{64}$ ]] || return 1; done; }
+
 # eventually SECONDS WHAT CMD...: passes once CMD succeeds within SECONDS.
 eventually() {
     local secs=$1 what=$2; shift 2

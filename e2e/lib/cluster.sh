@@ -65,7 +65,7 @@ start_control_plane() {
         --client-ca-file="$pki/ca.crt" \
         --kubelet-client-certificate="$pki/apiserver-kubelet-client.crt" \
         --kubelet-client-key="$pki/apiserver-kubelet-client.key" \
-        --kubelet-preferred-address-types=Hostname \
+        --kubelet-preferred-address-types=InternalIP \
         --authorization-mode=Node,RBAC --enable-admission-plugins=NodeRestriction \
         --allow-privileged=true \
         --service-cluster-ip-range=$SERVICE_CIDR \
@@ -175,7 +175,8 @@ EOF
     cat >"$W/kubelet-$name.yaml" <<EOF
 apiVersion: kubelet.config.k8s.io/v1beta1
 kind: KubeletConfiguration
-address: 127.0.0.1
+# the API server reaches each kubelet at its node's address (the machine's)
+address: $HOST_IP
 port: $((10250 + i * 10))
 healthzBindAddress: 127.0.0.1
 healthzPort: $((10248 + i * 10))
@@ -218,13 +219,14 @@ EOF
 
 # node_namespace NAME: the mount namespace of a second node on this machine.
 # deploy/ mounts /var/lib/kubelet and /var/lib/example-csi on every node; here
-# they are the node's own directories under $W/node-NAME, with pools of its
+# they (and the kubelet's pod logs, which a kubelet prunes of pods it does not
+# know) are the node's own directories under $W/node-NAME, with pools of its
 # own (xfs images in $W/pools, mounted on the host at $W/node-NAME/example-csi,
 # so that the checks see them). The namespace is held by a process recorded
 # for teardown; its containerd and kubelet enter it.
 node_namespace() {
     local name=$1 dir=$W/node-$1 p
-    mkdir -p "$dir/kubelet" "$dir/example-csi"
+    mkdir -p "$dir/kubelet" "$dir/example-csi" "$dir/log-pods" "$dir/log-containers"
     for p in pool ssd; do
         truncate -s 64G "$W/pools/$name-$p.img"
         mkfs.xfs -q -f -m reflink=1 "$W/pools/$name-$p.img"
@@ -234,11 +236,22 @@ node_namespace() {
     start_bg "mntns-$name" unshare --mount --propagation private sleep infinity
     local pid; pid=$(awk -v n="mntns-$name" '$2 == n {p = $1} END {print p}' "$W/pids")
     wait_for 10 "the mount namespace of $name" not_my_mntns "$pid" || die "no mount namespace for $name"
+    # What the namespace inherited of the first node (its kubelet's and
+    # containerd's mounts, its pools, the volumes staged there) goes first: a
+    # copy here would keep those filesystems mounted after the first node
+    # unmounts them, and a mount stacked on them would not be the one
+    # containerd finds for the paths.
     nsenter -t "$pid" -m -- sh -ec "
+        awk '{print \$5}' /proc/self/mountinfo \
+            | grep -E '^(/var/lib/kubelet|/var/lib/example-csi|/run/containerd|/run/netns|$W/containerd-)(/|\$)' \
+            | sort -r | while read -r m; do umount -l \"\$m\" 2>/dev/null || true; done
         mount --bind '$dir/kubelet' /var/lib/kubelet
         mount --make-rshared /var/lib/kubelet
         mount --rbind '$dir/example-csi' /var/lib/example-csi
-        mount --make-rshared /var/lib/example-csi" || die "cannot set up the mounts of $name"
+        mount --make-rshared /var/lib/example-csi
+        mkdir -p /var/log/pods /var/log/containers
+        mount --bind '$dir/log-pods' /var/log/pods
+        mount --bind '$dir/log-containers' /var/log/containers" || die "cannot set up the mounts of $name"
     echo "$pid" >"$dir/mntns.pid"
 }
 

@@ -92,7 +92,7 @@ EOF
     for p in reader-restored reader-clone; do
         eventually 120 "pod $p running" pod_running $p || continue
         eventually 30 "$p read the data" in_pod $p test -s /tmp/now.sum
-        check_eq "$p sees the same checksum" "$SUM" "$(in_pod $p cat /tmp/now.sum)"
+        check_sum "$p sees the same checksum" "$SUM" "$(in_pod $p cat /tmp/now.sum)"
     done
     local a b
     a=$(volume_of restored); b=$(volume_of clone)
@@ -146,7 +146,7 @@ scenario_expand() {
     fi
     eventually 60 "the pod sees about 20 GiB on ext4" \
         df_over writer /data $((19 << 20))
-    check_eq "data intact after growth" "$SUM" "$(in_pod writer sha256sum /data/file | cut -c1-64)"
+    check_sum "data intact after growth" "$SUM" "$(in_pod writer sha256sum /data/file | cut -c1-64)"
     delete_pod grower-xfs
 }
 
@@ -157,10 +157,10 @@ scenario_block() {
     eventually 120 "block pod running" pod_running blocky || return
     eventually 30 "pod wrote to the device" in_pod blocky test -s /tmp/x.sum
     check "the pod sees a block device" in_pod blocky test -b /dev/xvda
-    check_eq "the device's data reads back" "$(in_pod blocky cat /tmp/x.sum)" \
+    check_sum "the device's data reads back" "$(in_pod blocky cat /tmp/x.sum)" \
         "$(in_pod blocky sh -c 'dd if=/dev/xvda bs=1M count=4 2>/dev/null | sha256sum | cut -c1-64')"
     local vol; vol=$(volume_of raw)
-    check_eq "the image's first 4 MiB are what the pod wrote" "$(in_pod blocky cat /tmp/x.sum)" \
+    check_sum "the image's first 4 MiB are what the pod wrote" "$(in_pod blocky cat /tmp/x.sum)" \
         "$(dd if="$(pool_file_of "$vol")" bs=1M count=4 2>/dev/null | sha256sum | cut -c1-64)"
     delete_pod blocky
 }
@@ -286,7 +286,7 @@ scenario_node_restart() {
     local old; old=$(node_plugin_pods)
     kc -n "$DRIVER_NS" delete pod -l app.kubernetes.io/component=node --wait=true --timeout=120s >/dev/null
     eventually 180 "a new node plugin is ready" node_plugin_replaced "$old" || return
-    check_eq "the pod still reads its data" "$sum" "$(in_pod steady sha256sum /data/file | cut -c1-64)"
+    check_sum "the pod still reads its data" "$sum" "$(in_pod steady sha256sum /data/file | cut -c1-64)"
     kc -n "$NS" patch pvc steady -p '{"spec":{"resources":{"requests":{"storage":"2Gi"}}}}' >/dev/null
     eventually 120 "the claim grows to 2Gi through the new node plugin" field_is pvc/steady '{.status.capacity.storage}' 2Gi
     eventually 60 "the running pod sees about 2 GiB" df_over steady /data $((1900 << 10))
@@ -295,7 +295,7 @@ scenario_node_restart() {
     eventually 60 "its volume unstaged: no loop device on the image" count_is 0 loops_of "$image"
     pod steady-again steady "$READ_DATA"
     eventually 120 "a new pod on the claim running" pod_running steady-again || return
-    check_eq "the data is intact" "$sum" "$(in_pod steady-again cat /tmp/now.sum)"
+    check_sum "the data is intact" "$sum" "$(in_pod steady-again cat /tmp/now.sum)"
     delete_pod steady-again
     kc -n "$NS" delete pvc steady --wait=true --timeout=120s >/dev/null
     eventually 60 "the volume deleted from the pool" not test -e "$image"
@@ -336,7 +336,8 @@ scenario_two_nodes() {
     for n in "${NODES[@]}"; do
         eventually 120 "CSIStorageCapacity of the ssd class for $n" capacity_for example-csi "$n"
     done
-    local pool0=$POOL_ROOT/pool pool1=$W/node-$second/example-csi/pool i
+    # e2e-xfs provisions in the ssd pool
+    local pool0=$POOL_SSD pool1=$W/node-$second/example-csi/ssd i
     local -a pools=("$pool0" "$pool1")
     for i in 0 1; do
         n=${NODES[$i]}
@@ -354,6 +355,7 @@ scenario_two_nodes() {
         check "and not in the other node's pool" not test -e "${pools[$((1 - i))]}/volumes/$vol.img"
     done
     local -a sums=("$(in_pod on-0 cat /data/file.sum)" "$(in_pod on-1 cat /data/file.sum)")
+    check "both pods' checksums read (${sums[0]:0:8}.., ${sums[1]:0:8}..)" is_sum "${sums[0]}" "${sums[1]}"
     delete_pod on-0 on-1
     for i in 0 1; do
         pod "again-$i" "on-$i" "$READ_DATA"
@@ -362,7 +364,7 @@ scenario_two_nodes() {
         n=${NODES[$i]}
         eventually 120 "a pod naming no node, on the claim made on $n, running" pod_running "again-$i" || continue
         check_eq "it was scheduled to where its volume is" "$n" "$(jp "pod/again-$i" '{.spec.nodeName}')"
-        check_eq "it reads the data written there" "${sums[$i]}" "$(in_pod "again-$i" cat /tmp/now.sum)"
+        check_sum "it reads the data written there" "${sums[$i]}" "$(in_pod "again-$i" cat /tmp/now.sum)"
     done
     local images; images="${pools[0]}/volumes/$(volume_of on-0).img ${pools[1]}/volumes/$(volume_of on-1).img"
     delete_pod again-0 again-1

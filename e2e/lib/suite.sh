@@ -25,15 +25,22 @@ suite_skip_patterns() {
 # Made after build_images, before the nodes start (they import every image).
 suite_images() {
     local bin=$E2E_CACHE/suite-$KUBERNETES_VERSION dir=$W/images
-    local busybox agnhost
-    busybox=$("$bin/e2e.test" --list-images | grep '/e2e-test-images/busybox:' | head -1)
-    agnhost=$("$bin/e2e.test" --list-images | grep '/e2e-test-images/agnhost:' | tail -1)
-    [ -n "$busybox" ] && [ -n "$agnhost" ] || die "the suite does not name its busybox and agnhost images"
+    local names name i=0
+    names=$("$bin/e2e.test" --list-images | grep -E '^registry\.k8s\.io/e2e-test-images/(busybox|agnhost):')
+    grep -q /agnhost: <<<"$names" && grep -q /busybox: <<<"$names" \
+        || die "the suite does not name its busybox and agnhost images"
     rm -rf "$dir/agnhost"; cp -a "$dir/busybox" "$dir/agnhost"
     cp "$bin/agnhost" "$dir/agnhost/agnhost"
-    python3 "$E2E_ROOT/e2e/lib/mkimage.py" "$dir/suite-busybox.tar" "$busybox" --layer "$dir/busybox" --cmd '["sh"]'
-    python3 "$E2E_ROOT/e2e/lib/mkimage.py" "$dir/suite-agnhost.tar" "$agnhost" --layer "$dir/agnhost" --entrypoint '["/agnhost"]'
-    log "suite images: $busybox, $agnhost"
+    for name in $names; do
+        i=$((i + 1))
+        case $name in
+            */busybox:*) python3 "$E2E_ROOT/e2e/lib/mkimage.py" "$dir/suite-$i.tar" "$name" \
+                             --layer "$dir/busybox" --cmd '["sh"]' ;;
+            */agnhost:*) python3 "$E2E_ROOT/e2e/lib/mkimage.py" "$dir/suite-$i.tar" "$name" \
+                             --layer "$dir/agnhost" --entrypoint '["/agnhost"]' ;;
+        esac
+    done
+    log "suite images: $(echo $names)"
 }
 
 run_suite() {
