@@ -299,6 +299,28 @@ impl Node {
             .context(|| format!("finding the loop devices of {}", image.display()))
     }
 
+    /// `d` as a loop device of a pool image (its backing file named by its pool
+    /// path), or None when it is not one. A device attached by an earlier
+    /// container of the node plugin shows its backing file by the path that
+    /// container had: it is recognised by the volume id of the file's name and
+    /// the identity of that volume's image.
+    fn as_pool_loop(&self, d: LoopDevice) -> Option<LoopDevice> {
+        if self.pools.values().any(|p| p.contains(&d.backing_file)) {
+            return Some(d);
+        }
+        let id = d
+            .backing_file
+            .file_stem()
+            .and_then(|s| VolumeId::parse(&s.to_string_lossy()))?;
+        let loc = self.locate(id).filter(|l| l.backing == Backing::Image)?;
+        self.sys
+            .loops
+            .find(&loc.path)
+            .ok()?
+            .into_iter()
+            .find(|f| f.device == d.device)
+    }
+
     /// Whether a mount entry belongs to this volume: a mount of one of its loop
     /// devices (or a bind of the device node), or for a directory volume a bind of
     /// exactly its directory from the pool's own filesystem.
@@ -1551,7 +1573,14 @@ impl Node {
                 VolumeId::parse(stem).is_some_and(|id| self.ephemeral_volumes.get(id).is_some())
             })?;
         }
-        let loops = self.sys.loops.list().unwrap_or_default();
+        let loops: Vec<LoopDevice> = self
+            .sys
+            .loops
+            .list()
+            .unwrap_or_default()
+            .into_iter()
+            .filter_map(|d| self.as_pool_loop(d))
+            .collect();
         let known_id =
             |id: Option<VolumeId>| id.is_some_and(|id| self.node_records.get(id).is_some());
         // Mounts of pool volumes: of their loop devices, or binds of their directories.
