@@ -21,18 +21,27 @@ export PATH="$PATH:/usr/local/go/bin:$(go env GOPATH 2>/dev/null || echo /root/g
 # name | pool filesystem | driver flags | volume parameters (k=v,...) | volume MiB
 # | processes: 1 (--mode all) or 2 (--mode controller and --mode node on one pool
 # and state dir, as in the central deployment; csi-sanity gets both sockets)
+# | access type of every volume csi-sanity makes: mount or block (the raw loop
+# device; a dir volume has none, so the block configurations are image ones)
 # (xfs cannot be made smaller than 300 MiB, btrfs than 128 MiB)
 # ext4-node-expansion runs the driver as the distributed deployment does: without
 # ControllerExpandVolume, csi-sanity's NodeExpandVolume spec must grow the image
 # and the mounted filesystem online (elsewhere the controller grows the image
 # before the volume is staged, and the spec finds the filesystem at full size).
+# Every configuration sets --max-volumes-per-node, so csi-sanity also runs its
+# attach-limit spec (-csi.testnodevolumeattachlimit).
 CONFIGS=(
-  "xfs-image|xfs|--default-fstype=xfs --enable-attach --max-volumes-per-node=16|kind=image|512|1"
-  "btrfs-dir|btrfs|--default-fstype=ext4 --enable-attach --max-volumes-per-node=16|kind=dir|64|1"
-  "ext4-image|ext4|--default-fstype=ext4 --enable-attach --max-volumes-per-node=16|kind=image|64|1"
-  "btrfs-image|btrfs|--default-fstype=btrfs --enable-attach --max-volumes-per-node=16|kind=image|256|1"
-  "ext4-node-expansion|ext4|--default-fstype=ext4 --disable-controller-expansion --enable-attach --max-volumes-per-node=16|kind=image|64|1"
-  "xfs-image-two-processes|xfs|--default-fstype=xfs --enable-attach --max-volumes-per-node=16|kind=image|512|2"
+  "xfs-image|xfs|--default-fstype=xfs --enable-attach --max-volumes-per-node=16|kind=image|512|1|mount"
+  "btrfs-dir|btrfs|--default-fstype=ext4 --enable-attach --max-volumes-per-node=16|kind=dir|64|1|mount"
+  "ext4-image|ext4|--default-fstype=ext4 --enable-attach --max-volumes-per-node=16|kind=image|64|1|mount"
+  "btrfs-image|btrfs|--default-fstype=btrfs --enable-attach --max-volumes-per-node=16|kind=image|256|1|mount"
+  "ext4-node-expansion|ext4|--default-fstype=ext4 --disable-controller-expansion --enable-attach --max-volumes-per-node=16|kind=image|64|1|mount"
+  "xfs-image-two-processes|xfs|--default-fstype=xfs --enable-attach --max-volumes-per-node=16|kind=image|512|2|mount"
+  "xfs-image-block|xfs|--enable-attach --max-volumes-per-node=16|kind=image|64|1|block"
+  "ext4-image-block|ext4|--enable-attach --max-volumes-per-node=16|kind=image|64|1|block"
+  "btrfs-image-block|btrfs|--enable-attach --max-volumes-per-node=16|kind=image|64|1|block"
+  "ext4-node-expansion-block|ext4|--disable-controller-expansion --enable-attach --max-volumes-per-node=16|kind=image|64|1|block"
+  "xfs-image-two-processes-block|xfs|--enable-attach --max-volumes-per-node=16|kind=image|64|2|block"
 )
 
 if [ "$(id -u)" != 0 ]; then
@@ -134,13 +143,13 @@ PY
 }
 
 configs_run=0 total_ran=0 total_passed=0 total_failed=0 total_skipped=0 failed_configs=()
-skipped_lines=()
+skipped_lines=() config_lines=()
 selected=("$@")
 for entry in "${CONFIGS[@]}"; do
-  IFS='|' read -r name fs flags params mib procs <<<"$entry"
+  IFS='|' read -r name fs flags params mib procs access <<<"$entry"
   if [ ${#selected[@]} -gt 0 ] && [[ ! " ${selected[*]} " == *" $name "* ]]; then continue; fi
-  configs_run=$((configs_run + 1))
-  echo "== csi-sanity: $name (pool $fs, $flags, parameters $params, $procs process(es))"
+  configs_run=$((configs_run + 1)) started=$SECONDS
+  echo "== csi-sanity: $name (pool $fs, $flags, parameters $params, $procs process(es), $access volumes)"
   d="$work/$name"; mkdir -p "$d/pool" "$d/state" "$d/target"
   truncate -s 20G "$d/pool.img"
   case "$fs" in
@@ -179,6 +188,7 @@ for entry in "${CONFIGS[@]}"; do
     wait_socket "$d/csi.sock" "$d/driver.log"
   fi
   [[ "$flags" == *max-volumes-per-node* ]] && extra+=(-csi.testnodevolumeattachlimit)
+  extra+=(-csi.testvolumeaccesstype "$access")
   entries=$(skip_entries "$name")
   skip=$(echo "$entries" | cut -d'|' -f1 | grep -v '^$' | paste -sd'|' || true)
   [ -n "$skip" ] && extra+=(-ginkgo.skip "$skip")
@@ -221,6 +231,8 @@ for entry in "${CONFIGS[@]}"; do
       skipped_lines+=("$name: $spec -- $why")
     done < <(skipped_specs "$here/.work/$name.junit.xml")
   fi
+  config_lines+=("$(printf '%-30s ran %3s, %3s passed, %s failed, %2s skipped, %3ss' \
+    "$name" "$ran" "$p" "$f" "$s" $((SECONDS - started)))")
   total_ran=$((total_ran + ran)); total_passed=$((total_passed + p))
   total_failed=$((total_failed + f)); total_skipped=$((total_skipped + s))
   teardown
@@ -229,6 +241,7 @@ for entry in "${CONFIGS[@]}"; do
 done
 
 echo "== csi-sanity total: ran $total_ran specs in $configs_run configurations"
+printf '  %s\n' "${config_lines[@]}"
 echo "csi-sanity: $total_passed passed, $total_failed failed, $total_skipped skipped"
 echo "probes failed on this machine: ${failed_probes[*]:-none}"
 if [ ${#skipped_lines[@]} -gt 0 ]; then

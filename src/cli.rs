@@ -91,6 +91,13 @@ pub struct Cli {
     #[arg(long, env = "CSI_METRICS_ADDRESS", default_value = "")]
     pub metrics_address: String,
 
+    /// Seconds the volume and pool health figures of /metrics are reused before a
+    /// scrape checks again (0: every scrape checks). A check reads every volume's
+    /// image or directory, so a short age costs I/O on a node with many volumes.
+    #[arg(long, env = "CSI_METRICS_HEALTH_MAX_AGE", default_value_t = 30,
+          value_parser = clap::value_parser!(u64).range(0..=3600))]
+    pub metrics_health_max_age: u64,
+
     /// Register the driver with the kubelet without node-driver-registrar: the
     /// kubelet's plugins_registry directory as mounted here (e.g.
     /// /var/lib/kubelet/plugins_registry). Serves <drivername>-reg.sock there.

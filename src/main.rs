@@ -284,6 +284,7 @@ async fn serve(
             let m = Arc::new(metrics::Metrics::new(
                 &driver.cfg.driver_name,
                 mode_name(mode),
+                Duration::from_secs(cli.metrics_health_max_age),
             ));
             tracing::info!(address = %listener.local_addr().map_err(|e| e.to_string())?,
                 "serving metrics on /metrics and health on /healthz");

@@ -6,13 +6,19 @@
 //! The layer reads the method from the request path and the gRPC code from the
 //! `grpc-status` header of a trailers-only response or from the trailers of a
 //! normal one, so the handlers know nothing of it.
+//!
+//! Volume and pool health reach the metrics through a check that a scrape starts
+//! when the last one is older than `--metrics-health-max-age`; it runs on its own
+//! thread, and a scrape waits for it only briefly, so /metrics answers in bounded
+//! time even when a filesystem hangs.
 
+use std::collections::BTreeMap;
 use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
 use std::pin::Pin;
 use std::sync::atomic::AtomicU64;
-use std::sync::Arc;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, PoisonError};
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
@@ -27,6 +33,7 @@ use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::metrics::info::Info;
 use prometheus_client::registry::Registry;
 
+use csi_storage::health::{PoolSeverity, Severity};
 use csi_storage::{Driver, System};
 
 use crate::endpoint::Endpoint;
@@ -147,10 +154,19 @@ pub struct Metrics {
     loops: Family<Labels, Gauge>,
     ready: Gauge,
     scrape_errors: Counter<u64, AtomicU64>,
+    volumes_unhealthy: Family<Labels, Gauge>,
+    pool_problems: Family<Labels, Gauge>,
+    pool_healthy: Family<Labels, Gauge>,
+    health_age: Gauge<f64, AtomicU64>,
+    health_took: Gauge<f64, AtomicU64>,
+    health: Arc<HealthCache>,
+    /// One scrape at a time sets and encodes: the health families are cleared
+    /// and refilled, and a concurrent encode must not see them half done.
+    rendering: Mutex<()>,
 }
 
 impl Metrics {
-    pub fn new(driver_name: &str, mode: &str) -> Metrics {
+    pub fn new(driver_name: &str, mode: &str, health_max_age: Duration) -> Metrics {
         let mut registry = Registry::with_prefix("example_csi");
         let rpcs = Family::<Labels, Counter>::default();
         registry.register(
@@ -204,6 +220,36 @@ impl Metrics {
             "Pool or loop device readings that failed while serving /metrics",
             scrape_errors.clone(),
         );
+        let volumes_unhealthy = gauge(
+            &mut registry,
+            "volumes_unhealthy",
+            "Volumes with this problem at the last health check (what \
+             ControllerListVolumeHealth reports), by CSI error type and reason",
+        );
+        let pool_problems = gauge(
+            &mut registry,
+            "pool_health_problems",
+            "1 for each problem of a pool at the last health check (what \
+             NodeGetStorageHealth reports), by pool, CSI error type and reason",
+        );
+        let pool_healthy = gauge(
+            &mut registry,
+            "pool_healthy",
+            "1 when the pool had no problem at the last health check, else 0",
+        );
+        let health_age = Gauge::<f64, AtomicU64>::default();
+        registry.register(
+            "health_check_age_seconds",
+            "Age of the health figures shown (since the driver started, before the \
+             first check finished)",
+            health_age.clone(),
+        );
+        let health_took = Gauge::<f64, AtomicU64>::default();
+        registry.register(
+            "health_check_duration_seconds",
+            "How long the health check whose figures are shown took",
+            health_took.clone(),
+        );
         registry.register(
             "build",
             "The driver's version, name and mode",
@@ -225,6 +271,13 @@ impl Metrics {
             loops,
             ready,
             scrape_errors,
+            volumes_unhealthy,
+            pool_problems,
+            pool_healthy,
+            health_age,
+            health_took,
+            health: Arc::new(HealthCache::new(health_max_age, HEALTH_WAIT)),
+            rendering: Mutex::new(()),
         }
     }
 
@@ -250,9 +303,17 @@ impl Metrics {
             .observe(t.as_secs_f64());
     }
 
-    /// Reads the pools and loop devices (blocking: statvfs and sysfs) and renders
+    /// Reads the pools and loop devices (blocking: statvfs and sysfs), takes the
+    /// health figures (waiting at most [`HEALTH_WAIT`] for a check), and renders
     /// the text exposition format.
-    fn render(&self, driver: &Driver, sys: &System) -> String {
+    fn render(&self, driver: &Arc<Driver>, sys: &System) -> String {
+        let health = {
+            let driver = driver.clone();
+            let errors = self.scrape_errors.clone();
+            self.health.figures(move || check_health(&driver, &errors))
+        };
+        let _one = lock(&self.rendering);
+        self.show_health(health.as_deref());
         let by_pool = driver.objects_by_pool();
         let devices = match sys.loops.list() {
             Ok(d) => Some(d),
@@ -297,10 +358,228 @@ impl Metrics {
         }
         out
     }
+
+    fn show_health(&self, figures: Option<&HealthFigures>) {
+        // Cleared first: a problem that is gone must leave no sample behind.
+        self.volumes_unhealthy.clear();
+        self.pool_problems.clear();
+        self.pool_healthy.clear();
+        let taken = figures.map_or(self.health.created, |f| f.taken);
+        self.health_age.set(taken.elapsed().as_secs_f64());
+        let Some(f) = figures else { return };
+        self.health_took.set(f.took.as_secs_f64());
+        for ((error_type, reason), n) in f.volumes.iter().flatten() {
+            self.volumes_unhealthy
+                .get_or_create(&vec![
+                    ("error_type", error_type.to_string()),
+                    ("reason", reason.to_string()),
+                ])
+                .set(*n);
+        }
+        for (pool, problems) in &f.pools {
+            self.pool_healthy
+                .get_or_create(&vec![("pool", pool.clone())])
+                .set(problems.is_empty() as i64);
+            for (error_type, reason) in problems {
+                self.pool_problems
+                    .get_or_create(&vec![
+                        ("pool", pool.clone()),
+                        ("error_type", error_type.to_string()),
+                        ("reason", reason.to_string()),
+                    ])
+                    .set(1);
+            }
+        }
+    }
 }
 
 fn clamp(v: u64) -> i64 {
     i64::try_from(v).unwrap_or(i64::MAX)
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(PoisonError::into_inner)
+}
+
+// ---------------------------------------------------------------------------
+// Health figures.
+
+/// How long a scrape waits for a health check it started or found running.
+/// Past that it shows the previous figures (none before the first check ends),
+/// and the check, still running, serves a later scrape.
+const HEALTH_WAIT: Duration = Duration::from_secs(2);
+
+/// Volumes asked for per ControllerListVolumeHealth page, so that a check holds
+/// one page of problems at a time whatever the number of volumes.
+const HEALTH_PAGE: i32 = 256;
+
+/// What one health check found.
+struct HealthFigures {
+    /// Volumes with a problem, by (CSI error type, reason); `None` where this
+    /// process has no controller domain (`--mode node`).
+    volumes: Option<BTreeMap<(&'static str, &'static str), i64>>,
+    /// Every pool of the node, with its problems as (CSI error type, reason).
+    pools: BTreeMap<String, Vec<(&'static str, &'static str)>>,
+    took: Duration,
+    /// When the check ended.
+    taken: Instant,
+}
+
+fn volume_error_type(s: Severity) -> &'static str {
+    match s {
+        Severity::Degraded => "DEGRADED",
+        Severity::Inaccessible => "INACCESSIBLE",
+        Severity::DataLoss => "DATA_LOSS",
+    }
+}
+
+fn pool_error_type(s: PoolSeverity) -> &'static str {
+    match s {
+        PoolSeverity::Degraded => "STORAGE_DEGRADED",
+        PoolSeverity::Unreachable => "STORAGE_UNREACHABLE",
+    }
+}
+
+/// The checks of ControllerListVolumeHealth (every page) and NodeGetStorageHealth.
+fn check_health(driver: &Driver, errors: &Counter<u64, AtomicU64>) -> HealthFigures {
+    let started = Instant::now();
+    let volumes = driver.controller().map(|c| {
+        let mut counts = BTreeMap::new();
+        let mut token = String::new();
+        loop {
+            match c.list_volume_health(HEALTH_PAGE, &token) {
+                Ok(page) => {
+                    for p in page.volumes.iter().flat_map(|v| v.problems.iter()) {
+                        *counts
+                            .entry((volume_error_type(p.severity), p.reason))
+                            .or_default() += 1;
+                    }
+                    match page.next_token {
+                        Some(t) => token = t,
+                        None => break,
+                    }
+                }
+                Err(e) => {
+                    // Counts so far are shown: a volume deleted under the token
+                    // must not blank the whole gauge.
+                    tracing::warn!(error = %e, "metrics: listing volume health failed");
+                    errors.inc();
+                    break;
+                }
+            }
+        }
+        counts
+    });
+    let mut pools: BTreeMap<String, Vec<_>> = driver
+        .pools()
+        .map(|p| (p.name.clone(), Vec::new()))
+        .collect();
+    for p in driver.storage_health() {
+        pools
+            .entry(p.pool)
+            .or_default()
+            .push((pool_error_type(p.severity), p.reason));
+    }
+    HealthFigures {
+        volumes,
+        pools,
+        took: started.elapsed(),
+        taken: Instant::now(),
+    }
+}
+
+/// The last health figures, and at most one check running to renew them.
+struct HealthCache {
+    max_age: Duration,
+    wait: Duration,
+    created: Instant,
+    state: Mutex<CacheState>,
+    finished: Condvar,
+}
+
+#[derive(Default)]
+struct CacheState {
+    last: Option<Arc<HealthFigures>>,
+    checking: bool,
+}
+
+/// Stores a check's figures and clears `checking` when dropped, so that a check
+/// that panics does not stop every later one.
+struct CheckDone {
+    cache: Arc<HealthCache>,
+    figures: Option<HealthFigures>,
+}
+
+impl Drop for CheckDone {
+    fn drop(&mut self) {
+        let mut st = lock(&self.cache.state);
+        if let Some(f) = self.figures.take() {
+            st.last = Some(Arc::new(f));
+        }
+        st.checking = false;
+        self.cache.finished.notify_all();
+    }
+}
+
+impl HealthCache {
+    fn new(max_age: Duration, wait: Duration) -> HealthCache {
+        HealthCache {
+            max_age,
+            wait,
+            created: Instant::now(),
+            state: Mutex::default(),
+            finished: Condvar::new(),
+        }
+    }
+
+    /// The last figures if they are at most `max_age` old; otherwise starts
+    /// `check` on its own thread (unless a check is running already) and waits
+    /// up to `wait` for the running check's figures.
+    fn figures<F>(self: &Arc<Self>, check: F) -> Option<Arc<HealthFigures>>
+    where
+        F: FnOnce() -> HealthFigures + Send + 'static,
+    {
+        let mut st = lock(&self.state);
+        if let Some(f) = st
+            .last
+            .as_ref()
+            .filter(|f| f.taken.elapsed() <= self.max_age)
+        {
+            return Some(f.clone());
+        }
+        if !st.checking {
+            let cache = self.clone();
+            let spawned = std::thread::Builder::new()
+                .name("health-metrics".into())
+                .spawn(move || {
+                    let mut done = CheckDone {
+                        cache,
+                        figures: None,
+                    };
+                    done.figures = Some(check());
+                });
+            match spawned {
+                Ok(_) => st.checking = true,
+                Err(e) => {
+                    tracing::warn!(error = %e, "metrics: cannot start a health check");
+                    return st.last.clone();
+                }
+            }
+        }
+        let deadline = Instant::now() + self.wait;
+        while st.checking {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                break;
+            }
+            st = self
+                .finished
+                .wait_timeout(st, left)
+                .unwrap_or_else(PoisonError::into_inner)
+                .0;
+        }
+        st.last.clone()
+    }
 }
 
 /// Parses `--metrics-address`: `HOST:PORT`, `[V6]:PORT` or `:PORT` (all
@@ -751,9 +1030,103 @@ mod tests {
         }
     }
 
+    fn figures_now() -> HealthFigures {
+        HealthFigures {
+            volumes: Some(BTreeMap::from([(("DATA_LOSS", "ImageTruncated"), 2)])),
+            pools: BTreeMap::from([
+                ("default".to_string(), vec![]),
+                (
+                    "ssd".to_string(),
+                    vec![("STORAGE_UNREACHABLE", "PoolReadOnly")],
+                ),
+            ]),
+            took: Duration::from_millis(5),
+            taken: Instant::now(),
+        }
+    }
+
+    #[test]
+    fn a_slow_health_check_never_holds_a_scrape_and_runs_once() {
+        use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+        let checks = Arc::new(AtomicUsize::new(0));
+        let check = |pause: Duration| {
+            let checks = checks.clone();
+            move || {
+                checks.fetch_add(1, SeqCst);
+                std::thread::sleep(pause);
+                figures_now()
+            }
+        };
+        let cache = Arc::new(HealthCache::new(
+            Duration::from_secs(600),
+            Duration::from_millis(100),
+        ));
+        let t = Instant::now();
+        assert!(cache.figures(check(Duration::from_secs(2))).is_none());
+        assert!(
+            t.elapsed() < Duration::from_millis(1500),
+            "{:?}",
+            t.elapsed()
+        );
+        // Scrapes meanwhile join the running check rather than start others.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let got = loop {
+            if let Some(f) = cache.figures(check(Duration::ZERO)) {
+                break f;
+            }
+            assert!(Instant::now() < deadline, "the check never finished");
+        };
+        assert_eq!(got.pools.len(), 2);
+        assert!(cache.figures(check(Duration::ZERO)).is_some());
+        assert_eq!(checks.load(SeqCst), 1, "young figures are reused");
+
+        // Figures older than the maximum age: each scrape checks again, and
+        // one whose check panics gets the previous figures, the next a new check.
+        let cache = Arc::new(HealthCache::new(Duration::ZERO, Duration::from_secs(10)));
+        let first = cache.figures(check(Duration::ZERO)).unwrap();
+        let second = cache.figures(check(Duration::ZERO)).unwrap();
+        assert!(second.taken > first.taken);
+        let after_panic = cache.figures(|| panic!("a check that fails")).unwrap();
+        assert_eq!(after_panic.taken, second.taken);
+        assert!(cache.figures(check(Duration::ZERO)).unwrap().taken > second.taken);
+        assert_eq!(checks.load(SeqCst), 4);
+    }
+
+    #[test]
+    fn health_figures_render_and_vanish_when_gone() {
+        let m = Metrics::new("example.csi.k8s.io", "all", Duration::from_secs(30));
+        let text = |m: &Metrics| {
+            let mut out = String::new();
+            encode(&mut out, &m.registry).unwrap();
+            out
+        };
+        m.show_health(Some(&figures_now()));
+        let out = text(&m);
+        for line in [
+            "example_csi_volumes_unhealthy{error_type=\"DATA_LOSS\",reason=\"ImageTruncated\"} 2",
+            "example_csi_pool_healthy{pool=\"default\"} 1",
+            "example_csi_pool_healthy{pool=\"ssd\"} 0",
+            "example_csi_pool_health_problems{pool=\"ssd\",error_type=\"STORAGE_UNREACHABLE\",reason=\"PoolReadOnly\"} 1",
+            "example_csi_health_check_duration_seconds 0.005",
+        ] {
+            assert!(out.lines().any(|l| l == line), "{line} in\n{out}");
+        }
+        let mut healed = figures_now();
+        healed.volumes = Some(BTreeMap::new());
+        healed.pools.insert("ssd".into(), vec![]);
+        m.show_health(Some(&healed));
+        let out = text(&m);
+        assert!(!out.contains("example_csi_volumes_unhealthy{"), "{out}");
+        assert!(!out.contains("example_csi_pool_health_problems{"), "{out}");
+        assert!(
+            out.contains("example_csi_pool_healthy{pool=\"ssd\"} 1"),
+            "{out}"
+        );
+    }
+
     #[test]
     fn renders_rpc_counters() {
-        let m = Metrics::new("example.csi.k8s.io", "all");
+        let m = Metrics::new("example.csi.k8s.io", "all", Duration::from_secs(30));
         m.observe("Identity", "Probe", "OK", Duration::from_millis(2));
         let mut out = String::new();
         encode(&mut out, &m.registry).unwrap();

@@ -17,7 +17,9 @@
 //! input with this file's generator (GENERATOR = 1); the rest is the request as
 //! it was generated, for people to read. The generator is deterministic per seed,
 //! so the corpus replays exactly as long as GENERATOR is unchanged (bump it and
-//! re-save the corpus when the generator changes). Inputs that produced a new
+//! re-save the corpus when the generator changes); a new field is drawn after
+//! the others of its request, and a test without root checks that every saved
+//! seed still generates the request its file shows. Inputs that produced a new
 //! (rpc, code, message shape) are saved when FUZZ_SAVE=1.
 //!
 //! `cargo test --test fuzz` replays the corpus and fuzzes for FUZZ_SECONDS
@@ -63,6 +65,26 @@ struct Dict {
     group_ids: Vec<String>,
 }
 
+impl Dict {
+    /// The vocabulary of a fuzz run whose pool lives in `dir`.
+    fn below(dir: &Path) -> Dict {
+        Dict {
+            scratch: dir.join("scratch/fuzz"),
+            pool: dir.join("pool"),
+            state: dir.join("state"),
+            volume_ids: (0..12)
+                .map(|i| VolumeId::for_name(&format!("fz-{i}")).to_string())
+                .collect(),
+            snapshot_ids: (0..12)
+                .map(|i| SnapshotId::for_name(&format!("fs-{i}")).to_string())
+                .collect(),
+            group_ids: (0..12)
+                .map(|i| GroupSnapshotId::for_name(&format!("fg-{i}")).to_string())
+                .collect(),
+        }
+    }
+}
+
 const RPCS: &[&str] = &[
     "GetPluginInfo",
     "GetPluginCapabilities",
@@ -82,6 +104,8 @@ const RPCS: &[&str] = &[
     "ControllerExpandVolume",
     "ControllerGetVolume",
     "ControllerModifyVolume",
+    "ControllerGetVolumeHealth",
+    "ControllerListVolumeHealth",
     "GroupControllerGetCapabilities",
     "CreateVolumeGroupSnapshot",
     "DeleteVolumeGroupSnapshot",
@@ -94,6 +118,8 @@ const RPCS: &[&str] = &[
     "NodeExpandVolume",
     "NodeGetCapabilities",
     "NodeGetInfo",
+    "NodeGetVolumeHealth",
+    "NodeGetStorageHealth",
 ];
 
 struct G<'a> {
@@ -412,6 +438,32 @@ impl G<'_> {
             segments: [(key, val)].into(),
         }
     }
+    /// Requisite and preferred lists of any length, topologies of zero to two
+    /// segments: this node's, another's, or keys this driver does not know.
+    /// (Its own draws, so that topology()'s callers keep their seeds.)
+    fn requirement(&mut self) -> csi::TopologyRequirement {
+        let topologies = |g: &mut Self| {
+            let n = g.pick(&[0usize, 1, 1, 2, 3]);
+            (0..n)
+                .map(|_| {
+                    let k = g.pick(&[0usize, 1, 1, 1, 2]);
+                    csi::Topology {
+                        segments: (0..k)
+                            .map(|_| {
+                                let key = g.pick(&["topology.example.csi/node", "zone", ""]);
+                                let val = g.pick(&["fuzz-node", "fuzz-node", "other-node", ""]);
+                                (key.to_string(), val.to_string())
+                            })
+                            .collect(),
+                    }
+                })
+                .collect()
+        };
+        csi::TopologyRequirement {
+            requisite: topologies(self),
+            preferred: topologies(self),
+        }
+    }
     fn ids(&mut self, kind: u8) -> Vec<String> {
         let n = self.pick(&[0usize, 1, 2, 3]);
         (0..n).map(|_| self.id(kind)).collect()
@@ -452,6 +504,8 @@ enum Input {
     ControllerExpandVolume(csi::ControllerExpandVolumeRequest),
     ControllerGetVolume(csi::ControllerGetVolumeRequest),
     ControllerModifyVolume(csi::ControllerModifyVolumeRequest),
+    ControllerGetVolumeHealth(csi::ControllerGetVolumeHealthRequest),
+    ControllerListVolumeHealth(csi::ControllerListVolumeHealthRequest),
     CreateVolumeGroupSnapshot(csi::CreateVolumeGroupSnapshotRequest),
     DeleteVolumeGroupSnapshot(csi::DeleteVolumeGroupSnapshotRequest),
     GetVolumeGroupSnapshot(csi::GetVolumeGroupSnapshotRequest),
@@ -461,6 +515,8 @@ enum Input {
     NodeUnpublishVolume(csi::NodeUnpublishVolumeRequest),
     NodeGetVolumeStats(csi::NodeGetVolumeStatsRequest),
     NodeExpandVolume(csi::NodeExpandVolumeRequest),
+    NodeGetVolumeHealth(csi::NodeGetVolumeHealthRequest),
+    NodeGetStorageHealth(csi::NodeGetStorageHealthRequest),
 }
 
 fn generate(rpc: &str, seed: u64, d: &Dict) -> Input {
@@ -545,10 +601,7 @@ fn generate(rpc: &str, seed: u64, d: &Dict) -> Input {
             secrets: g.secrets(),
             parameters: g.map(&["x", "csi.storage.k8s.io/volumesnapshot/name"]),
             // Drawn last, so that saved seeds keep the rest of their request.
-            accessibility_requirements: g.chance(0.2).then(|| csi::TopologyRequirement {
-                requisite: vec![g.topology()],
-                preferred: vec![g.topology()],
-            }),
+            accessibility_requirements: g.chance(0.3).then(|| g.requirement()),
         }),
         "DeleteSnapshot" => Input::DeleteSnapshot(csi::DeleteSnapshotRequest {
             snapshot_id: g.id(1),
@@ -589,6 +642,20 @@ fn generate(rpc: &str, seed: u64, d: &Dict) -> Input {
                 volume_id: g.id(0),
                 secrets: g.secrets(),
                 mutable_parameters: g.map(&["directIO", "readAheadKiB"]),
+            })
+        }
+        "ControllerGetVolumeHealth" => {
+            Input::ControllerGetVolumeHealth(csi::ControllerGetVolumeHealthRequest {
+                volume_id: g.id(0),
+                secrets: g.secrets(),
+            })
+        }
+        "ControllerListVolumeHealth" => {
+            Input::ControllerListVolumeHealth(csi::ControllerListVolumeHealthRequest {
+                max_entries: g.max_entries(),
+                // A volume id is the token a previous page hands out.
+                starting_token: if g.chance(0.3) { g.id(0) } else { g.token() },
+                secrets: g.secrets(),
             })
         }
         "CreateVolumeGroupSnapshot" => {
@@ -695,6 +762,26 @@ fn generate(rpc: &str, seed: u64, d: &Dict) -> Input {
             volume_capability: g.capability(),
             secrets: g.secrets(),
         }),
+        "NodeGetVolumeHealth" => Input::NodeGetVolumeHealth(csi::NodeGetVolumeHealthRequest {
+            volume_id: if g.chance(0.15) {
+                format!("csi-fz-eph-{}", g.r.random_range(0..100))
+            } else {
+                g.id(0)
+            },
+            volume_publish_path: if g.chance(0.4) {
+                String::new()
+            } else {
+                g.target_path()
+            },
+            staging_target_path: if g.chance(0.4) {
+                String::new()
+            } else {
+                g.stage_path()
+            },
+        }),
+        "NodeGetStorageHealth" => Input::NodeGetStorageHealth(csi::NodeGetStorageHealthRequest {
+            secrets: g.secrets(),
+        }),
         other => Input::Empty(RPCS.iter().find(|r| **r == other).expect("known rpc")),
     }
 }
@@ -760,6 +847,16 @@ async fn dispatch(s: &Services, input: Input) -> Result<(), Status> {
         ControllerExpandVolume(r) => s.controller.controller_expand_volume(rq(r)).await.map(drop),
         ControllerGetVolume(r) => s.controller.controller_get_volume(rq(r)).await.map(drop),
         ControllerModifyVolume(r) => s.controller.controller_modify_volume(rq(r)).await.map(drop),
+        ControllerGetVolumeHealth(r) => s
+            .controller
+            .controller_get_volume_health(rq(r))
+            .await
+            .map(drop),
+        ControllerListVolumeHealth(r) => s
+            .controller
+            .controller_list_volume_health(rq(r))
+            .await
+            .map(drop),
         CreateVolumeGroupSnapshot(r) => s.group.create_volume_group_snapshot(rq(r)).await.map(drop),
         DeleteVolumeGroupSnapshot(r) => s.group.delete_volume_group_snapshot(rq(r)).await.map(drop),
         GetVolumeGroupSnapshot(r) => s.group.get_volume_group_snapshot(rq(r)).await.map(drop),
@@ -769,6 +866,8 @@ async fn dispatch(s: &Services, input: Input) -> Result<(), Status> {
         NodeUnpublishVolume(r) => s.node.node_unpublish_volume(rq(r)).await.map(drop),
         NodeGetVolumeStats(r) => s.node.node_get_volume_stats(rq(r)).await.map(drop),
         NodeExpandVolume(r) => s.node.node_expand_volume(rq(r)).await.map(drop),
+        NodeGetVolumeHealth(r) => s.node.node_get_volume_health(rq(r)).await.map(drop),
+        NodeGetStorageHealth(r) => s.node.node_get_storage_health(rq(r)).await.map(drop),
     }
 }
 
@@ -970,20 +1069,7 @@ async fn root_fuzz_every_rpc_with_arbitrary_requests() {
         group: csi_controller::GroupControllerService::new(driver.controller().unwrap().clone()),
         node: csi_node::NodeService::new(driver.node().unwrap().clone()),
     };
-    let dict = Dict {
-        scratch: scratch.clone(),
-        pool: pool.path.clone(),
-        state: state.clone(),
-        volume_ids: (0..12)
-            .map(|i| VolumeId::for_name(&format!("fz-{i}")).to_string())
-            .collect(),
-        snapshot_ids: (0..12)
-            .map(|i| SnapshotId::for_name(&format!("fs-{i}")).to_string())
-            .collect(),
-        group_ids: (0..12)
-            .map(|i| GroupSnapshotId::for_name(&format!("fg-{i}")).to_string())
-            .collect(),
-    };
+    let dict = Dict::below(pool.dir.path());
     let fz = Fuzzer {
         services,
         dict,
@@ -1086,5 +1172,140 @@ async fn root_fuzz_every_rpc_with_arbitrary_requests() {
         changed.is_empty(),
         "files or mounts changed outside the test dirs:\n{}",
         changed.join("\n")
+    );
+}
+
+/// `text` with the entries of every map (`{"k": "v", ...}`) sorted: a HashMap
+/// prints its entries in an order of its own in each process. A map that the end
+/// of `text` cuts off is left out, with what would follow it.
+fn maps_sorted(text: &str) -> String {
+    let mut out = String::new();
+    let mut rest = text;
+    while let Some(i) = rest.find("{\"") {
+        out.push_str(&rest[..i]);
+        let Some((mut entries, after)) = map_entries(&rest[i + 1..]) else {
+            return out;
+        };
+        entries.sort_unstable();
+        out.push('{');
+        out.push_str(&entries.join(", "));
+        out.push('}');
+        rest = after;
+    }
+    out + rest
+}
+
+/// The `"k": "v"` entries of a map's inside, up to its `}`, and the text after.
+fn map_entries(mut s: &str) -> Option<(Vec<&str>, &str)> {
+    let mut entries = Vec::new();
+    loop {
+        let (k, r) = quoted(s)?;
+        let (v, r) = quoted(r.strip_prefix(": ")?)?;
+        entries.push(&s[..k.len() + 2 + v.len()]);
+        match r.strip_prefix(", ") {
+            Some(next) => s = next,
+            None => return Some((entries, r.strip_prefix('}')?)),
+        }
+    }
+}
+
+/// The Debug-quoted string at the start of `s` (escapes kept), and the rest.
+fn quoted(s: &str) -> Option<(&str, &str)> {
+    let b = s.as_bytes();
+    if b.first() != Some(&b'"') {
+        return None;
+    }
+    let mut i = 1;
+    while i < b.len() {
+        match b[i] {
+            b'\\' => i += 2,
+            b'"' => return Some((&s[..=i], &s[i + 1..])),
+            _ => i += 1,
+        }
+    }
+    None
+}
+
+/// Whether every bracket of `text` outside its strings is closed: a saved
+/// request is cut short after 600 characters (fewer where a later edit of the
+/// corpus shortened a string).
+fn complete(text: &str) -> bool {
+    let mut depth = 0i32;
+    let mut rest = text;
+    while let Some(c) = rest.chars().next() {
+        if c == '"' {
+            match quoted(rest) {
+                Some((_, after)) => rest = after,
+                None => return false,
+            }
+            continue;
+        }
+        match c {
+            '(' | '[' | '{' => depth += 1,
+            ')' | ']' | '}' => depth -= 1,
+            _ => {}
+        }
+        rest = &rest[c.len_utf8()..];
+    }
+    depth == 0
+}
+
+/// Every saved seed still generates the request its file shows, so the corpus
+/// keeps meaning what it meant when RPCs are added or fields are drawn after
+/// the others. Left out of the comparison: the pool's temporary directory (it
+/// differs per run), the order of map entries, and the fields the generator
+/// draws since a file was saved.
+#[test]
+fn saved_seeds_regenerate_the_requests_their_files_show() {
+    const DIR: &str = "/tmp/example-csi-testXXXXXX";
+    let dict = Dict::below(Path::new(DIR));
+    let same_dir = |text: &str| {
+        let mut out = String::new();
+        let mut rest = text;
+        while let Some(i) = rest.find("/tmp/example-csi-test") {
+            out.push_str(&rest[..i]);
+            out.push_str(DIR);
+            rest = rest.get(i + DIR.len()..).unwrap_or("");
+        }
+        out + rest
+    };
+    let (mut compared, mut mismatched) = (0, Vec::new());
+    for e in std::fs::read_dir(corpus_dir()).unwrap().flatten() {
+        let text = std::fs::read_to_string(e.path()).unwrap();
+        let mut first = text.lines().next().unwrap_or("").split_whitespace();
+        let (Some(rpc), Some(seed)) = (first.next(), first.next().and_then(|s| s.parse().ok()))
+        else {
+            continue;
+        };
+        // A file written by hand names the seed without the generated request.
+        let Some(saved) = text
+            .lines()
+            .find(|l| l.starts_with(&format!("# {rpc}(")) || l.starts_with("# Empty("))
+        else {
+            continue;
+        };
+        let saved = same_dir(&saved[2..]);
+        let mut now = format!("{:?}", generate(rpc, seed, &dict));
+        if rpc == "CreateSnapshot" && !saved.contains("accessibility_requirements") {
+            if let Some(i) = now.find(", accessibility_requirements: ") {
+                now = format!("{} }})", &now[..i]);
+            }
+        }
+        let whole = complete(&saved);
+        let (saved, now) = (maps_sorted(&saved), maps_sorted(&now));
+        compared += 1;
+        if (whole && now != saved) || (!whole && !now.starts_with(&saved)) {
+            mismatched.push(format!(
+                "{}:\n  saved: {saved}\n  now:   {now}",
+                e.path().display()
+            ));
+        }
+    }
+    assert!(compared > 200, "only {compared} corpus requests compared");
+    assert!(
+        mismatched.is_empty(),
+        "{} of {compared}:\n{}",
+        mismatched.len(),
+        mismatched.join("\n")
     );
 }

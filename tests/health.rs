@@ -627,3 +627,85 @@ async fn root_pool_shut_down_makes_images_unreadable() {
         ]
     );
 }
+
+// ---------------------------------------------------------------- metrics
+
+/// GET /metrics on the driver's --metrics-address.
+fn scrape(port: u16) -> String {
+    use std::io::{Read, Write};
+    let mut conn = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    conn.set_read_timeout(Some(std::time::Duration::from_secs(30)))
+        .unwrap();
+    conn.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
+    let mut answer = String::new();
+    conn.read_to_string(&mut answer).unwrap();
+    assert!(answer.starts_with("HTTP/1.0 200"), "{answer}");
+    answer
+}
+
+/// The value of one series, named with its labels as the driver writes them.
+fn value(text: &str, series: &str) -> Option<f64> {
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+}
+
+#[tokio::test]
+#[ignore = "needs root: loop devices and mounts"]
+async fn root_health_problems_show_in_the_metrics() {
+    require_root();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let address = format!("--metrics-address=127.0.0.1:{port}");
+    let mut fx = fixture("xfs", &[&address, "--metrics-health-max-age=0"]).await;
+    let cap = mount_cap("ext4", writer());
+    let mut ids = Vec::new();
+    for name in ["pvc-short", "pvc-gone", "pvc-gone-too", "pvc-fine"] {
+        ids.push(fx.create(name, 64 * MIB, cap.clone(), &[]).await);
+    }
+    let truncated =
+        r#"example_csi_volumes_unhealthy{error_type="DATA_LOSS",reason="ImageTruncated"}"#;
+    let missing =
+        r#"example_csi_volumes_unhealthy{error_type="INACCESSIBLE",reason="ImageMissing"}"#;
+    let healthy = r#"example_csi_pool_healthy{pool="default"}"#;
+    let read_only = r#"example_csi_pool_health_problems{pool="default",error_type="STORAGE_UNREACHABLE",reason="PoolReadOnly"}"#;
+
+    let text = scrape(port);
+    assert_eq!(value(&text, healthy), Some(1.0), "{text}");
+    assert!(!text.contains("example_csi_volumes_unhealthy{"), "{text}");
+    assert!(
+        !text.contains("example_csi_pool_health_problems{"),
+        "{text}"
+    );
+    assert!(value(&text, "example_csi_health_check_age_seconds").is_some_and(|a| a < 5.0));
+
+    sh(
+        "truncate",
+        &["-s", "16M", fx.image(&ids[0]).to_str().unwrap()],
+    );
+    std::fs::remove_file(fx.image(&ids[1])).unwrap();
+    std::fs::remove_file(fx.image(&ids[2])).unwrap();
+    let text = scrape(port);
+    assert_eq!(value(&text, truncated), Some(1.0), "{text}");
+    assert_eq!(value(&text, missing), Some(2.0), "{text}");
+
+    let root = fx.pool.path.to_str().unwrap().to_string();
+    sh("mount", &["-o", "remount,ro", &root]);
+    let text = scrape(port);
+    sh("mount", &["-o", "remount,rw", &root]);
+    assert_eq!(value(&text, healthy), Some(0.0), "{text}");
+    assert_eq!(value(&text, read_only), Some(1.0), "{text}");
+
+    // Repaired: the problems' series are gone, not left at their last value.
+    sh(
+        "truncate",
+        &["-s", "64M", fx.image(&ids[0]).to_str().unwrap()],
+    );
+    let text = scrape(port);
+    assert_eq!(value(&text, healthy), Some(1.0), "{text}");
+    assert_eq!(value(&text, read_only), None, "{text}");
+    assert_eq!(value(&text, truncated), None, "{text}");
+    assert_eq!(value(&text, missing), Some(2.0), "{text}");
+}
