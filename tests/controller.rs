@@ -2,7 +2,7 @@
 //! failpoint of CreateVolume, DeleteVolume, ControllerExpandVolume and
 //! ControllerModifyVolume on an xfs image pool and a btrfs subvolume pool; orphan
 //! removal at start; 32 concurrent clients on 100 names; a table of bad inputs with
-//! the codes of the CSI spec v1.12.0 and a check that nothing changed; real capacity;
+//! the codes of the CSI spec v1.13.0 and a check that nothing changed; real capacity;
 //! name idempotency, GetCapacity, volume health, expansion, pagination and
 //! ModifyVolume applied to a live loop device.
 

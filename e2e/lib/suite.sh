@@ -20,13 +20,16 @@ suite_skip_patterns() {
 }
 
 # The test images the suite's storage tests run, under the names this release
-# asks for: busybox as for the scenarios, agnhost built from the release's
-# sources on the same busybox layer (the tests run shell commands in it too).
-# Made after build_images, before the nodes start (they import every image).
+# asks for: busybox as for the scenarios; agnhost built from the release's
+# sources on the same busybox layer (the tests run shell commands in it too);
+# glibc-dns-testing, which the multi-volume tests use for GNU dd and sha256sum,
+# as the Debian root filesystem of the driver's image. Made after
+# build_images, before the nodes start (they import every image).
 suite_images() {
     local bin=$E2E_CACHE/suite-$KUBERNETES_VERSION dir=$W/images
     local names name i=0
-    names=$("$bin/e2e.test" --list-images | grep -E '^registry\.k8s\.io/e2e-test-images/(busybox|agnhost):')
+    names=$("$bin/e2e.test" --list-images \
+        | grep -E '^registry\.k8s\.io/e2e-test-images/(busybox|agnhost|glibc-dns-testing):')
     grep -q /agnhost: <<<"$names" && grep -q /busybox: <<<"$names" \
         || die "the suite does not name its busybox and agnhost images"
     rm -rf "$dir/agnhost"; cp -a "$dir/busybox" "$dir/agnhost"
@@ -38,6 +41,8 @@ suite_images() {
                              --layer "$dir/busybox" --cmd '["sh"]' ;;
             */agnhost:*) python3 "$E2E_ROOT/e2e/lib/mkimage.py" "$dir/suite-$i.tar" "$name" \
                              --layer "$dir/agnhost" --entrypoint '["/agnhost"]' ;;
+            */glibc-dns-testing:*) python3 "$E2E_ROOT/e2e/lib/mkimage.py" "$dir/suite-$i.tar" "$name" \
+                             --layer "$(driver_rootfs)" --cmd '["sh"]' ;;
         esac
     done
     log "suite images: $(echo $names)"
@@ -59,7 +64,7 @@ run_suite() {
         --output-dir="$out" --junit-report=junit.xml --json-report=report.json \
         "$bin/e2e.test" -- \
         -kubeconfig="$W/admin.kubeconfig" -provider=skeleton -repo-root="$E2E_ROOT" \
-        -storage.testdriver=e2e/testdriver.yaml -report-dir="$out" \
+        -storage.testdriver="$E2E_ROOT/e2e/testdriver.yaml" -report-dir="$out" \
         -node-os-distro=debian -allowed-not-ready-nodes=0 \
     ) >"$W/logs/suite.log" 2>&1
     local rc=$?
