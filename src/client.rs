@@ -11,6 +11,7 @@ use csi_proto::csi::{
     self, controller_client::ControllerClient, identity_client::IdentityClient,
     node_client::NodeClient, volume_capability,
 };
+use csi_storage::size::parse_size;
 use serde_json::{json, Map, Value};
 use tonic::transport::Channel;
 
@@ -211,30 +212,6 @@ pub enum Call {
     },
     /// NodeGetStorageHealth: the problems of this node's pools.
     StorageHealth,
-}
-
-/// Parses `1Gi`, `100M`, `4096`.
-pub fn parse_size(s: &str) -> Result<i64, String> {
-    let s = s.trim();
-    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
-    let (num, unit) = s.split_at(split);
-    let n: i64 = num
-        .parse()
-        .map_err(|_| format!("{s:?}: expected a number with an optional unit (Gi, G, Mi, ...)"))?;
-    let mult: i64 = match unit {
-        "" => 1,
-        "K" | "k" => 1000,
-        "M" => 1_000_000,
-        "G" => 1_000_000_000,
-        "T" => 1_000_000_000_000,
-        "Ki" => 1 << 10,
-        "Mi" => 1 << 20,
-        "Gi" => 1 << 30,
-        "Ti" => 1 << 40,
-        other => return Err(format!("{s:?}: unknown unit {other:?}")),
-    };
-    n.checked_mul(mult)
-        .ok_or_else(|| format!("{s:?}: too large"))
 }
 
 fn parse_pair(s: &str) -> Result<(String, String), String> {
@@ -1017,16 +994,6 @@ fn scalar(v: &Value) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn sizes_parse_with_binary_and_decimal_units() {
-        assert_eq!(parse_size("1Gi"), Ok(1 << 30));
-        assert_eq!(parse_size("100Mi"), Ok(100 << 20));
-        assert_eq!(parse_size("2G"), Ok(2_000_000_000));
-        assert_eq!(parse_size("4096"), Ok(4096));
-        assert!(parse_size("1Xi").is_err());
-        assert!(parse_size("Gi").is_err());
-    }
 
     #[test]
     fn yaml_quotes_what_would_read_back_differently() {

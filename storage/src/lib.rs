@@ -18,7 +18,7 @@ mod driver;
 pub mod node;
 
 pub use crate::controller::{metadata, snapshots, volumes, Controller};
-pub use crate::core::{cancel, error, failpoint, health, ids, model, pool};
+pub use crate::core::{cancel, error, failpoint, health, ids, model, pool, size};
 pub(crate) use crate::core::{data, locks, settings, state, store};
 pub use crate::core::{Config, Core, DEFAULT_FREEZE_TIMEOUT, MUTABLE_PARAMETERS};
 pub use crate::node::Node;
