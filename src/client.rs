@@ -11,6 +11,7 @@ use csi_proto::csi::{
     self, controller_client::ControllerClient, identity_client::IdentityClient,
     node_client::NodeClient, volume_capability,
 };
+use csi_storage::size::parse_size;
 use serde_json::{json, Map, Value};
 use tonic::transport::Channel;
 
@@ -213,30 +214,6 @@ pub enum Call {
     StorageHealth,
 }
 
-/// Parses `1Gi`, `100M`, `4096`.
-pub fn parse_size(s: &str) -> Result<i64, String> {
-    let s = s.trim();
-    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
-    let (num, unit) = s.split_at(split);
-    let n: i64 = num
-        .parse()
-        .map_err(|_| format!("{s:?}: expected a number with an optional unit (Gi, G, Mi, ...)"))?;
-    let mult: i64 = match unit {
-        "" => 1,
-        "K" | "k" => 1000,
-        "M" => 1_000_000,
-        "G" => 1_000_000_000,
-        "T" => 1_000_000_000_000,
-        "Ki" => 1 << 10,
-        "Mi" => 1 << 20,
-        "Gi" => 1 << 30,
-        "Ti" => 1 << 40,
-        other => return Err(format!("{s:?}: unknown unit {other:?}")),
-    };
-    n.checked_mul(mult)
-        .ok_or_else(|| format!("{s:?}: too large"))
-}
-
 fn parse_pair(s: &str) -> Result<(String, String), String> {
     match s.split_once('=') {
         Some((k, v)) if !k.is_empty() => Ok((k.to_string(), v.to_string())),
@@ -290,8 +267,17 @@ pub fn main(endpoint: &str, args: &ClientArgs) -> ExitCode {
     match runtime.block_on(run(endpoint, &args.call)) {
         Ok(v) => {
             let text = match args.output {
-                Output::Json => serde_json::to_string_pretty(&v).unwrap_or_default() + "\n",
+                Output::Json => serde_json::to_string_pretty(&v)
+                    .map(|t| t + "\n")
+                    .map_err(|e| e.to_string()),
                 Output::Yaml => yaml(&v),
+            };
+            let text = match text {
+                Ok(t) => t,
+                Err(e) => {
+                    complain(&format!("csi-driver client: cannot render the answer: {e}"));
+                    return ExitCode::FAILURE;
+                }
             };
             let mut out = std::io::stdout().lock();
             match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
@@ -920,98 +906,13 @@ fn sorted(m: &HashMap<String, String>) -> Value {
     Value::Object(out)
 }
 
-/// A small YAML printer for the values above: maps, lists, scalars. A string is
-/// written bare when YAML would read it back as the same string, else quoted as
-/// JSON (a subset of YAML).
-pub fn yaml(v: &Value) -> String {
-    let mut out = String::new();
-    match v {
-        Value::Object(m) if !m.is_empty() => write_map(&mut out, m, 0),
-        Value::Array(a) if !a.is_empty() => write_list(&mut out, a, 0),
-        other => {
-            out.push_str(&scalar(other));
-            out.push('\n');
-        }
-    }
-    out
-}
-
-fn write_map(out: &mut String, m: &Map<String, Value>, indent: usize) {
-    for (k, v) in m {
-        out.push_str(&" ".repeat(indent));
-        out.push_str(&scalar(&Value::String(k.clone())));
-        out.push(':');
-        write_value(out, v, indent);
-    }
-}
-
-fn write_list(out: &mut String, a: &[Value], indent: usize) {
-    for v in a {
-        out.push_str(&" ".repeat(indent));
-        out.push('-');
-        match v {
-            Value::Object(m) if !m.is_empty() => {
-                // The first key goes on the dash's line.
-                let mut first = true;
-                for (k, x) in m {
-                    if first {
-                        out.push(' ');
-                        first = false;
-                    } else {
-                        out.push_str(&" ".repeat(indent + 2));
-                    }
-                    out.push_str(&scalar(&Value::String(k.clone())));
-                    out.push(':');
-                    write_value(out, x, indent + 2);
-                }
-            }
-            other => write_value(out, other, indent),
-        }
-    }
-}
-
-fn write_value(out: &mut String, v: &Value, indent: usize) {
-    match v {
-        Value::Object(m) if !m.is_empty() => {
-            out.push('\n');
-            write_map(out, m, indent + 2);
-        }
-        Value::Array(a) if !a.is_empty() => {
-            out.push('\n');
-            write_list(out, a, indent + 2);
-        }
-        other => {
-            out.push(' ');
-            out.push_str(&scalar(other));
-            out.push('\n');
-        }
-    }
-}
-
-fn scalar(v: &Value) -> String {
-    match v {
-        Value::Null => "null".into(),
-        Value::Bool(b) => b.to_string(),
-        Value::Number(n) => n.to_string(),
-        Value::Object(_) => "{}".into(),
-        Value::Array(_) => "[]".into(),
-        Value::String(s) => {
-            let plain = !s.is_empty()
-                && s.chars()
-                    .all(|c| c.is_ascii_alphanumeric() || "-_./@".contains(c))
-                && !s.starts_with(['-', '.', '@'])
-                && !matches!(
-                    s.to_ascii_lowercase().as_str(),
-                    "true" | "false" | "null" | "yes" | "no" | "on" | "off" | "~"
-                )
-                && s.parse::<f64>().is_err();
-            if plain {
-                s.clone()
-            } else {
-                serde_json::to_string(s).unwrap_or_default()
-            }
-        }
-    }
+/// The answer as YAML. Strings a YAML reader would take for something else
+/// (`"true"`, `"123"`, `"yes"`, `"x: y"`) are quoted; every value stays on one
+/// line, so a long message can still be found with grep.
+pub fn yaml(v: &Value) -> Result<String, String> {
+    let mut options = serde_saphyr::SerializerOptions::default();
+    options.prefer_block_scalars = false;
+    serde_saphyr::to_string_with_options(v, options).map_err(|e| e.to_string())
 }
 
 #[cfg(test)]
@@ -1019,22 +920,35 @@ mod tests {
     use super::*;
 
     #[test]
-    fn sizes_parse_with_binary_and_decimal_units() {
-        assert_eq!(parse_size("1Gi"), Ok(1 << 30));
-        assert_eq!(parse_size("100Mi"), Ok(100 << 20));
-        assert_eq!(parse_size("2G"), Ok(2_000_000_000));
-        assert_eq!(parse_size("4096"), Ok(4096));
-        assert!(parse_size("1Xi").is_err());
-        assert!(parse_size("Gi").is_err());
-    }
-
-    #[test]
-    fn yaml_quotes_what_would_read_back_differently() {
-        let v = json!({"a": "plain-id_1", "b": "true", "c": "123", "d": "x: y", "e": [], "f": [{"k": 1, "l": "m"}], "g": {"h": null}});
-        let text = yaml(&v);
-        assert_eq!(
-            text,
-            "a: plain-id_1\nb: \"true\"\nc: \"123\"\nd: \"x: y\"\ne: []\nf:\n  - k: 1\n    l: m\ng:\n  h: null\n"
+    fn yaml_reads_back_as_the_same_answer() {
+        let message = format!("failed: {}", "a long cause ".repeat(20));
+        let v = json!({
+            "a": "plain-id_1", "b": "true", "c": "123", "d": "x: y", "e": [],
+            "f": [{"k": 1, "l": "m"}], "g": {"h": null}, "i": "yes", "j": "",
+            "k": "two\nlines", "l": message, "m": {}, "n": u64::MAX, "o": "~",
+        });
+        let text = yaml(&v).unwrap();
+        let back: Value = serde_saphyr::from_str(&text).unwrap();
+        assert_eq!(back, v, "{text}");
+        // Quoted where a YAML reader would see a boolean, a number or a map;
+        // bare where it reads the same.
+        for line in [
+            "a: plain-id_1",
+            "b: \"true\"",
+            "c: \"123\"",
+            "d: \"x: y\"",
+            "e: []",
+            "i: \"yes\"",
+            "k: \"two\\nlines\"",
+            "m: {}",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line:?} in:\n{text}");
+        }
+        // A long message stays on one line, for grep.
+        assert!(
+            text.lines()
+                .any(|l| l.starts_with("l: ") && l.contains(message.trim())),
+            "{text}"
         );
     }
 }

@@ -549,20 +549,8 @@ async fn root_secrets_never_reach_the_logs() {
                 ..Default::default()
             })
             .await;
-        c.node
-            .node_unpublish_volume(csi::NodeUnpublishVolumeRequest {
-                volume_id: vol.volume_id.clone(),
-                target_path: target.display().to_string(),
-            })
-            .await
-            .unwrap();
-        c.node
-            .node_unstage_volume(csi::NodeUnstageVolumeRequest {
-                volume_id: vol.volume_id.clone(),
-                staging_target_path: staging.display().to_string(),
-            })
-            .await
-            .unwrap();
+        c.unpublish_and_unstage(&vol.volume_id, &target, &staging)
+            .await;
         if let Ok(s) = snap {
             c.controller
                 .delete_snapshot(csi::DeleteSnapshotRequest {
@@ -801,10 +789,7 @@ async fn root_identity_and_metrics() {
     assert_eq!(http_get(port, "/nope").0, 404);
 
     c.node
-        .node_unstage_volume(csi::NodeUnstageVolumeRequest {
-            volume_id: vol.volume_id.clone(),
-            staging_target_path: staging.display().to_string(),
-        })
+        .node_unstage_volume(unstage_req(&vol.volume_id, &staging))
         .await
         .unwrap();
     let (_, text) = http_get(port, "/metrics");
@@ -1266,10 +1251,7 @@ async fn root_a_stuck_mkfs_is_killed_and_the_volume_released() {
         .await
         .expect("with a working mkfs the same stage succeeds");
     c.node
-        .node_unstage_volume(csi::NodeUnstageVolumeRequest {
-            volume_id: vol.volume_id.clone(),
-            staging_target_path: staging.display().to_string(),
-        })
+        .node_unstage_volume(unstage_req(&vol.volume_id, &staging))
         .await
         .unwrap();
     assert_eq!(

@@ -1308,34 +1308,14 @@ async fn root_64_mib_image_refuses_the_65th_mib() {
     let id = v.volume_id;
     let staging = pool.scratch("staging");
     let target = pool.scratch("pods").join("target");
-    c.node
-        .node_stage_volume(stage_req(&id, &staging, cap.clone()))
-        .await
-        .unwrap();
-    c.node
-        .node_publish_volume(publish_req(&id, &staging, &target, cap.clone(), false))
-        .await
-        .unwrap();
+    c.stage_and_publish(&id, &staging, &target, &cap).await;
     let (written, err) = fill(&target.join("fill"), 80);
     eprintln!("64 MiB ext4 volume took {written} MiB before {err:?}");
     let err = err.expect("writing 80 MiB into a 64 MiB volume must fail");
     assert_eq!(err.raw_os_error(), Some(libc::ENOSPC), "{err}");
     assert!(written < 65, "{written} MiB fit in a 64 MiB volume");
     assert!(written >= 48, "only {written} MiB fit in a 64 MiB volume");
-    c.node
-        .node_unpublish_volume(csi::NodeUnpublishVolumeRequest {
-            volume_id: id.clone(),
-            target_path: target.display().to_string(),
-        })
-        .await
-        .unwrap();
-    c.node
-        .node_unstage_volume(csi::NodeUnstageVolumeRequest {
-            volume_id: id.clone(),
-            staging_target_path: staging.display().to_string(),
-        })
-        .await
-        .unwrap();
+    c.unpublish_and_unstage(&id, &target, &staging).await;
     c.controller.delete_volume(delete_req(&id)).await.unwrap();
     assert!(names_in(&pool).is_empty());
 }
@@ -1638,10 +1618,7 @@ async fn root_names_capacity_health_expand_list_modify() {
         .await
         .unwrap();
     c.node
-        .node_unstage_volume(csi::NodeUnstageVolumeRequest {
-            volume_id: idem.clone(),
-            staging_target_path: staging.display().to_string(),
-        })
+        .node_unstage_volume(unstage_req(&idem, &staging))
         .await
         .unwrap();
     // At the next stage the recorded value is applied.
@@ -1659,10 +1636,7 @@ async fn root_names_capacity_health_expand_list_modify() {
         "directIO applied at the next stage"
     );
     c.node
-        .node_unstage_volume(csi::NodeUnstageVolumeRequest {
-            volume_id: idem.clone(),
-            staging_target_path: staging.display().to_string(),
-        })
+        .node_unstage_volume(unstage_req(&idem, &staging))
         .await
         .unwrap();
     for (id, _) in list_all(&mut c, 0).await {
@@ -1713,14 +1687,7 @@ async fn root_btrfs_dir_volume_expansion_raises_the_qgroup_limit() {
     assert_eq!(qgroup_limit(&path), 64 * MIB as u64);
     let staging = pool.scratch("staging");
     let target = pool.scratch("pods").join("target");
-    c.node
-        .node_stage_volume(stage_req(&id, &staging, cap.clone()))
-        .await
-        .unwrap();
-    c.node
-        .node_publish_volume(publish_req(&id, &staging, &target, cap.clone(), false))
-        .await
-        .unwrap();
+    c.stage_and_publish(&id, &staging, &target, &cap).await;
     assert!(dd(&target.join("a"), 40), "40 MiB fit in 64 MiB");
     assert!(!dd(&target.join("b"), 40), "80 MiB do not fit in 64 MiB");
     std::fs::remove_file(target.join("b")).unwrap();
@@ -1739,20 +1706,7 @@ async fn root_btrfs_dir_volume_expansion_raises_the_qgroup_limit() {
         !dd(&target.join("c"), 60),
         "40+80+60 MiB do not fit in 160 MiB"
     );
-    c.node
-        .node_unpublish_volume(csi::NodeUnpublishVolumeRequest {
-            volume_id: id.clone(),
-            target_path: target.display().to_string(),
-        })
-        .await
-        .unwrap();
-    c.node
-        .node_unstage_volume(csi::NodeUnstageVolumeRequest {
-            volume_id: id.clone(),
-            staging_target_path: staging.display().to_string(),
-        })
-        .await
-        .unwrap();
+    c.unpublish_and_unstage(&id, &target, &staging).await;
     c.controller.delete_volume(delete_req(&id)).await.unwrap();
     assert!(names_in(&pool).is_empty());
     assert!(subvolumes(&pool).is_empty());
@@ -1846,10 +1800,7 @@ async fn root_modify_volume_that_cannot_be_applied_changes_nothing() {
     );
     assert!(recorded(&mut c).await);
     c.node
-        .node_unstage_volume(csi::NodeUnstageVolumeRequest {
-            volume_id: id.clone(),
-            staging_target_path: staging.display().to_string(),
-        })
+        .node_unstage_volume(unstage_req(&id, &staging))
         .await
         .unwrap();
 
@@ -1878,10 +1829,7 @@ async fn root_modify_volume_that_cannot_be_applied_changes_nothing() {
         "the next stage applies what was recorded"
     );
     c.node
-        .node_unstage_volume(csi::NodeUnstageVolumeRequest {
-            volume_id: id.clone(),
-            staging_target_path: staging.display().to_string(),
-        })
+        .node_unstage_volume(unstage_req(&id, &staging))
         .await
         .unwrap();
     c.controller.delete_volume(delete_req(&id)).await.unwrap();

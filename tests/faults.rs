@@ -30,7 +30,6 @@ use tonic::Status;
 const FAILPOINTS_ENV: &str = "EXAMPLE_CSI_FAILPOINTS";
 const SIZE: i64 = 64 * MIB;
 const GROWN: i64 = 128 * MIB;
-const EPHEMERAL_KEY: &str = "csi.storage.k8s.io/ephemeral";
 
 /// One step of an operation sequence. Names are CSI request names (volumes,
 /// snapshots, groups) or, for ephemeral volumes, kubelet's volume handle.
@@ -281,10 +280,7 @@ impl Ctx {
                 };
                 self.c
                     .node
-                    .node_unpublish_volume(csi::NodeUnpublishVolumeRequest {
-                        volume_id: id,
-                        target_path: self.target(n).display().to_string(),
-                    })
+                    .node_unpublish_volume(unpublish_req(&id, self.target(n)))
                     .await?;
                 if matches!(s, EphemeralUnpublish(_)) {
                     self.w.vols.remove(n);
@@ -296,10 +292,7 @@ impl Ctx {
                 let id = self.vol(n).id.clone();
                 self.c
                     .node
-                    .node_unstage_volume(csi::NodeUnstageVolumeRequest {
-                        volume_id: id,
-                        staging_target_path: self.staging(n).display().to_string(),
-                    })
+                    .node_unstage_volume(unstage_req(&id, self.staging(n)))
                     .await?;
                 self.w.vols.get_mut(n).unwrap().staged = false;
             }
@@ -470,17 +463,12 @@ impl Ctx {
                 let t = self.target(n);
                 self.c
                     .node
-                    .node_publish_volume(csi::NodePublishVolumeRequest {
-                        volume_id: Self::eph_handle(n),
-                        target_path: t.display().to_string(),
-                        volume_capability: Some(Self::cap()),
-                        volume_context: [
-                            (EPHEMERAL_KEY.to_string(), "true".to_string()),
-                            ("size".to_string(), "64Mi".to_string()),
-                        ]
-                        .into(),
-                        ..Default::default()
-                    })
+                    .node_publish_volume(ephemeral_req(
+                        &Self::eph_handle(n),
+                        &t,
+                        Self::cap(),
+                        &[("size", "64Mi")],
+                    ))
                     .await?;
                 let old = self.w.vols.get(n).and_then(|v| v.data);
                 self.w.vols.insert(

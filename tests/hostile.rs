@@ -475,13 +475,13 @@ fn rows(env: &Env) -> Vec<Row> {
             call: call!(|e| e
                 .c
                 .node
-                .node_publish_volume(csi::NodePublishVolumeRequest {
-                    volume_id: v.clone(),
-                    staging_target_path: st.display().to_string(),
-                    target_path: t2.clone(),
-                    volume_capability: Some(mount_cap("ext4", writer())),
-                    ..Default::default()
-                })
+                .node_publish_volume(publish_req(
+                    &v,
+                    &st,
+                    &t2,
+                    mount_cap("ext4", writer()),
+                    false
+                ))
                 .await),
             undo: None,
         });
@@ -492,14 +492,7 @@ fn rows(env: &Env) -> Vec<Row> {
         rows.push(Row {
             what: format!("NodeUnpublishVolume target {t:?}"),
             want: Refused(&[Code::InvalidArgument, Code::NotFound]),
-            call: call!(|e| e
-                .c
-                .node
-                .node_unpublish_volume(csi::NodeUnpublishVolumeRequest {
-                    volume_id: v.clone(),
-                    target_path: t2.clone(),
-                })
-                .await),
+            call: call!(|e| e.c.node.node_unpublish_volume(unpublish_req(&v, &t2)).await),
             undo: None,
         });
         let (v, t2) = (vol.clone(), t.clone());
@@ -510,12 +503,7 @@ fn rows(env: &Env) -> Vec<Row> {
             call: call!(|e| e
                 .c
                 .node
-                .node_stage_volume(csi::NodeStageVolumeRequest {
-                    volume_id: v.clone(),
-                    staging_target_path: t2.clone(),
-                    volume_capability: Some(mount_cap("ext4", writer())),
-                    ..Default::default()
-                })
+                .node_stage_volume(stage_req(&v, &t2, mount_cap("ext4", writer())))
                 .await),
             undo: None,
         });
@@ -527,14 +515,7 @@ fn rows(env: &Env) -> Vec<Row> {
                 Code::NotFound,
                 Code::FailedPrecondition,
             ]),
-            call: call!(|e| e
-                .c
-                .node
-                .node_unstage_volume(csi::NodeUnstageVolumeRequest {
-                    volume_id: v.clone(),
-                    staging_target_path: t2.clone(),
-                })
-                .await),
+            call: call!(|e| e.c.node.node_unstage_volume(unstage_req(&v, &t2)).await),
             undo: None,
         });
         let (v, t2) = (vol.clone(), t.clone());
@@ -559,13 +540,12 @@ fn rows(env: &Env) -> Vec<Row> {
             call: call!(|e| e
                 .c
                 .node
-                .node_publish_volume(csi::NodePublishVolumeRequest {
-                    volume_id: "csi-hostile-eph".into(),
-                    target_path: t2.clone(),
-                    volume_capability: Some(mount_cap("ext4", writer())),
-                    volume_context: [("csi.storage.k8s.io/ephemeral".into(), "true".into())].into(),
-                    ..Default::default()
-                })
+                .node_publish_volume(ephemeral_req(
+                    "csi-hostile-eph",
+                    &t2,
+                    mount_cap("ext4", writer()),
+                    &[]
+                ))
                 .await),
             undo: None,
         });
@@ -660,17 +640,12 @@ fn rows(env: &Env) -> Vec<Row> {
             call: call!(|e| e
                 .c
                 .node
-                .node_publish_volume(csi::NodePublishVolumeRequest {
-                    volume_id: "csi-hostile-fs".into(),
-                    target_path: t.display().to_string(),
-                    volume_capability: Some(cap_with(fs, &[], "")),
-                    volume_context: [
-                        ("csi.storage.k8s.io/ephemeral".into(), "true".into()),
-                        ("size".into(), "64Mi".into()),
-                    ]
-                    .into(),
-                    ..Default::default()
-                })
+                .node_publish_volume(ephemeral_req(
+                    "csi-hostile-fs",
+                    &t,
+                    cap_with(fs, &[], ""),
+                    &[("size", "64Mi")]
+                ))
                 .await),
             undo: None,
         });
@@ -786,17 +761,12 @@ fn rows(env: &Env) -> Vec<Row> {
             call: call!(|e| e
                 .c
                 .node
-                .node_publish_volume(csi::NodePublishVolumeRequest {
-                    volume_id: "csi-hostile-size".into(),
-                    target_path: t.display().to_string(),
-                    volume_capability: Some(mount_cap("ext4", writer())),
-                    volume_context: [
-                        ("csi.storage.k8s.io/ephemeral".into(), "true".into()),
-                        ("size".into(), size.into()),
-                    ]
-                    .into(),
-                    ..Default::default()
-                })
+                .node_publish_volume(ephemeral_req(
+                    "csi-hostile-size",
+                    &t,
+                    mount_cap("ext4", writer()),
+                    &[("size", size)]
+                ))
                 .await),
             undo: None,
         });
@@ -908,17 +878,12 @@ fn rows(env: &Env) -> Vec<Row> {
             call: call!(|e| e
                 .c
                 .node
-                .node_publish_volume(csi::NodePublishVolumeRequest {
-                    volume_id: "csi-hostile-shell".into(),
-                    target_path: t.display().to_string(),
-                    volume_capability: Some(mount_cap("ext4", writer())),
-                    volume_context: [
-                        ("csi.storage.k8s.io/ephemeral".into(), "true".into()),
-                        ("type".into(), s.into()),
-                    ]
-                    .into(),
-                    ..Default::default()
-                })
+                .node_publish_volume(ephemeral_req(
+                    "csi-hostile-shell",
+                    &t,
+                    mount_cap("ext4", writer()),
+                    &[("type", s)]
+                ))
                 .await),
             undo: None,
         });

@@ -225,14 +225,7 @@ async fn block_volume(fx: &mut Fixture, name: &str) -> Block {
             .volume_id;
     let staging = fx.pool.scratch(&format!("{name}-staging"));
     let target = fx.pool.scratch(&format!("{name}-pods")).join("dev");
-    fx.c.node
-        .node_stage_volume(stage_req(&id, &staging, cap.clone()))
-        .await
-        .unwrap();
-    fx.c.node
-        .node_publish_volume(publish_req(&id, &staging, &target, cap, false))
-        .await
-        .unwrap();
+    fx.c.stage_and_publish(&id, &staging, &target, &cap).await;
     Block {
         id,
         staging,
@@ -241,20 +234,8 @@ async fn block_volume(fx: &mut Fixture, name: &str) -> Block {
 }
 
 async fn release(fx: &mut Fixture, b: &Block) {
-    fx.c.node
-        .node_unpublish_volume(csi::NodeUnpublishVolumeRequest {
-            volume_id: b.id.clone(),
-            target_path: b.target.display().to_string(),
-        })
-        .await
-        .unwrap();
-    fx.c.node
-        .node_unstage_volume(csi::NodeUnstageVolumeRequest {
-            volume_id: b.id.clone(),
-            staging_target_path: b.staging.display().to_string(),
-        })
-        .await
-        .unwrap();
+    fx.c.unpublish_and_unstage(&b.id, &b.target, &b.staging)
+        .await;
 }
 
 async fn snapshot(fx: &mut Fixture, name: &str, vol: &str) -> String {

@@ -7,7 +7,6 @@
 
 mod common;
 
-use std::collections::HashMap;
 use std::io::{Read, Seek, SeekFrom, Write};
 use std::os::unix::fs::{MetadataExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
@@ -143,10 +142,7 @@ impl Fx {
     async fn unpublish(&mut self, id: &str, target: &Path) -> Result<(), tonic::Status> {
         self.c
             .node
-            .node_unpublish_volume(csi::NodeUnpublishVolumeRequest {
-                volume_id: id.to_string(),
-                target_path: target.display().to_string(),
-            })
+            .node_unpublish_volume(unpublish_req(id, target))
             .await
             .map(drop)
     }
@@ -154,10 +150,7 @@ impl Fx {
     async fn unstage(&mut self, id: &str, staging: &Path) -> Result<(), tonic::Status> {
         self.c
             .node
-            .node_unstage_volume(csi::NodeUnstageVolumeRequest {
-                volume_id: id.to_string(),
-                staging_target_path: staging.display().to_string(),
-            })
+            .node_unstage_volume(unstage_req(id, staging))
             .await
             .map(drop)
     }
@@ -1056,22 +1049,13 @@ async fn root_ephemeral_inline_volume_lives_and_dies_with_the_pod() {
     let mut fx = fixture("xfs", &[]).await;
     let mounts_before = fx.all_mounts();
     let target = fx.pool.scratch("pods").join("inline");
-    let ctx: HashMap<String, String> = [
-        ("csi.storage.k8s.io/ephemeral", "true"),
-        ("size", "100Mi"),
-        ("csi.storage.k8s.io/pod.name", "web-0"),
-    ]
-    .iter()
-    .map(|(k, v)| (k.to_string(), v.to_string()))
-    .collect();
     let cap = mount_cap("", writer());
-    let req = csi::NodePublishVolumeRequest {
-        volume_id: "csi-0123456789abcdef".into(),
-        target_path: target.display().to_string(),
-        volume_capability: Some(cap.clone()),
-        volume_context: ctx.clone(),
-        ..Default::default()
-    };
+    let req = ephemeral_req(
+        "csi-0123456789abcdef",
+        &target,
+        cap.clone(),
+        &[("size", "100Mi"), ("csi.storage.k8s.io/pod.name", "web-0")],
+    );
     fx.c.node.node_publish_volume(req.clone()).await.unwrap();
     fx.c.node.node_publish_volume(req.clone()).await.unwrap();
     assert_eq!(mount_count(&target), 1);
@@ -1194,13 +1178,7 @@ async fn root_validation_refuses_bad_paths_and_capabilities() {
             Code::InvalidArgument,
             "publish to {t} ({why})"
         );
-        let r =
-            fx.c.node
-                .node_unpublish_volume(csi::NodeUnpublishVolumeRequest {
-                    volume_id: id.clone(),
-                    target_path: t.clone(),
-                })
-                .await;
+        let r = fx.c.node.node_unpublish_volume(unpublish_req(&id, t)).await;
         assert_eq!(
             r.map(drop).unwrap_err().code(),
             Code::InvalidArgument,
@@ -1741,26 +1719,18 @@ async fn root_node_info_and_capabilities() {
     }
 }
 
-fn ephemeral_req(target: &Path) -> csi::NodePublishVolumeRequest {
-    csi::NodePublishVolumeRequest {
-        volume_id: "csi-ephemeral-crash".into(),
-        target_path: target.display().to_string(),
-        volume_capability: Some(mount_cap("", writer())),
-        volume_context: [("csi.storage.k8s.io/ephemeral", "true"), ("size", "64Mi")]
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect(),
-        ..Default::default()
-    }
-}
-
 /// A crash inside an ephemeral volume's publish or unpublish: the retry
 /// completes it and nothing is left after the unpublish.
 async fn ephemeral_crash(point: &str, during_publish: bool) {
     let mut fx = fixture("xfs", &[]).await;
     let mounts_before = fx.all_mounts();
     let target = fx.pool.scratch("pods").join("inline");
-    let req = ephemeral_req(&target);
+    let req = ephemeral_req(
+        "csi-ephemeral-crash",
+        &target,
+        mount_cap("", writer()),
+        &[("size", "64Mi")],
+    );
     let eph = fx.pool.path.join("ephemeral");
     if !during_publish {
         fx.c.node.node_publish_volume(req.clone()).await.unwrap();

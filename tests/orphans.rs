@@ -5,24 +5,8 @@
 
 mod common;
 
-use std::path::Path;
-
 use common::*;
 use csi_proto::csi;
-
-fn unpublish_req(id: &str, target: &Path) -> csi::NodeUnpublishVolumeRequest {
-    csi::NodeUnpublishVolumeRequest {
-        volume_id: id.to_string(),
-        target_path: target.display().to_string(),
-    }
-}
-
-fn unstage_req(id: &str, staging: &Path) -> csi::NodeUnstageVolumeRequest {
-    csi::NodeUnstageVolumeRequest {
-        volume_id: id.to_string(),
-        staging_target_path: staging.display().to_string(),
-    }
-}
 
 /// The driver's log since byte `from`.
 fn log_since(d: &Driver, from: usize) -> String {
@@ -55,14 +39,7 @@ async fn orphans_on(fs: &str, kind: &str) {
     let staging = scratch.join("staging");
     let target = scratch.join("target");
     std::fs::create_dir_all(&staging).unwrap();
-    c.node
-        .node_stage_volume(stage_req(&id, &staging, cap.clone()))
-        .await
-        .unwrap();
-    c.node
-        .node_publish_volume(publish_req(&id, &staging, &target, cap.clone(), false))
-        .await
-        .unwrap();
+    c.stage_and_publish(&id, &staging, &target, &cap).await;
     std::fs::write(target.join("keep"), b"written before the crash").unwrap();
     nix::unistd::sync();
     let image = kind == "image";
@@ -131,14 +108,7 @@ async fn orphans_on(fs: &str, kind: &str) {
 
     // The volume itself is intact: stage and publish again, and read back.
     let mut c = d.clients().await;
-    c.node
-        .node_stage_volume(stage_req(&id, &staging, cap.clone()))
-        .await
-        .unwrap();
-    c.node
-        .node_publish_volume(publish_req(&id, &staging, &target, cap.clone(), false))
-        .await
-        .unwrap();
+    c.stage_and_publish(&id, &staging, &target, &cap).await;
     assert_eq!(
         std::fs::read(target.join("keep")).unwrap(),
         b"written before the crash"
@@ -153,14 +123,7 @@ async fn orphans_on(fs: &str, kind: &str) {
     assert_eq!(now, mounted, "a staged volume is no orphan");
     assert_eq!(volume_loops().len(), usize::from(image));
 
-    c.node
-        .node_unpublish_volume(unpublish_req(&id, &target))
-        .await
-        .unwrap();
-    c.node
-        .node_unstage_volume(unstage_req(&id, &staging))
-        .await
-        .unwrap();
+    c.unpublish_and_unstage(&id, &target, &staging).await;
     c.controller
         .delete_volume(csi::DeleteVolumeRequest {
             volume_id: id,
@@ -218,14 +181,7 @@ async fn root_cleanup_orphans_leaves_another_instances_volumes_alone() {
     let scratch = pool_a.scratch("node");
     let (staging, target) = (scratch.join("staging"), scratch.join("target"));
     std::fs::create_dir_all(&staging).unwrap();
-    ca.node
-        .node_stage_volume(stage_req(&id, &staging, cap.clone()))
-        .await
-        .unwrap();
-    ca.node
-        .node_publish_volume(publish_req(&id, &staging, &target, cap.clone(), false))
-        .await
-        .unwrap();
+    ca.stage_and_publish(&id, &staging, &target, &cap).await;
     drop(cb);
     b.kill9();
     b.args.push("--cleanup-orphans".to_string());

@@ -25,14 +25,7 @@ async fn root_volume_round_trip_keeps_data() {
     let staging = pool.scratch("staging");
     let target = pool.scratch("pods").join("target");
     for round in 0..2 {
-        c.node
-            .node_stage_volume(stage_req(&id, &staging, cap.clone()))
-            .await
-            .unwrap();
-        c.node
-            .node_publish_volume(publish_req(&id, &staging, &target, cap.clone(), false))
-            .await
-            .unwrap();
+        c.stage_and_publish(&id, &staging, &target, &cap).await;
         let file = target.join("data");
         if round == 0 {
             std::fs::write(&file, b"hello from round 0").unwrap();
@@ -41,18 +34,12 @@ async fn root_volume_round_trip_keeps_data() {
             assert_eq!(std::fs::read(&file).unwrap(), b"hello from round 0");
         }
         c.node
-            .node_unpublish_volume(csi_proto::csi::NodeUnpublishVolumeRequest {
-                volume_id: id.clone(),
-                target_path: target.display().to_string(),
-            })
+            .node_unpublish_volume(unpublish_req(&id, &target))
             .await
             .unwrap();
         assert!(!target.exists(), "unpublish removes the target it made");
         c.node
-            .node_unstage_volume(csi_proto::csi::NodeUnstageVolumeRequest {
-                volume_id: id.clone(),
-                staging_target_path: staging.display().to_string(),
-            })
+            .node_unstage_volume(unstage_req(&id, &staging))
             .await
             .unwrap();
         assert!(

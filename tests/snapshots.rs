@@ -216,14 +216,7 @@ struct Mounted {
 async fn stage_publish(c: &mut Clients, pool: &Pool, id: &str, kind: &Kind) -> Mounted {
     let staging = pool.scratch(&format!("staging-{id}"));
     let target = pool.scratch("pods").join(id);
-    c.node
-        .node_stage_volume(stage_req(id, &staging, kind.cap.clone()))
-        .await
-        .unwrap_or_else(|e| panic!("NodeStageVolume {id}: {e}"));
-    c.node
-        .node_publish_volume(publish_req(id, &staging, &target, kind.cap.clone(), false))
-        .await
-        .unwrap_or_else(|e| panic!("NodePublishVolume {id}: {e}"));
+    c.stage_and_publish(id, &staging, &target, &kind.cap).await;
     Mounted {
         id: id.to_string(),
         staging,
@@ -232,20 +225,7 @@ async fn stage_publish(c: &mut Clients, pool: &Pool, id: &str, kind: &Kind) -> M
 }
 
 async fn unstage(c: &mut Clients, m: &Mounted) {
-    c.node
-        .node_unpublish_volume(csi::NodeUnpublishVolumeRequest {
-            volume_id: m.id.clone(),
-            target_path: m.target.display().to_string(),
-        })
-        .await
-        .unwrap_or_else(|e| panic!("NodeUnpublishVolume {}: {e}", m.id));
-    c.node
-        .node_unstage_volume(csi::NodeUnstageVolumeRequest {
-            volume_id: m.id.clone(),
-            staging_target_path: m.staging.display().to_string(),
-        })
-        .await
-        .unwrap_or_else(|e| panic!("NodeUnstageVolume {}: {e}", m.id));
+    c.unpublish_and_unstage(&m.id, &m.target, &m.staging).await;
 }
 
 /// Writes `len` random bytes to a new file and fsyncs it.
@@ -1454,17 +1434,11 @@ async fn root_unstage_waits_for_the_thaw() {
     );
     let unpublish = c
         .node
-        .node_unpublish_volume(csi::NodeUnpublishVolumeRequest {
-            volume_id: m.id.clone(),
-            target_path: m.target.display().to_string(),
-        })
+        .node_unpublish_volume(unpublish_req(&m.id, &m.target))
         .await;
     let unstage_r = c
         .node
-        .node_unstage_volume(csi::NodeUnstageVolumeRequest {
-            volume_id: m.id.clone(),
-            staging_target_path: m.staging.display().to_string(),
-        })
+        .node_unstage_volume(unstage_req(&m.id, &m.staging))
         .await;
     assert!(
         !snap.is_finished(),

@@ -238,7 +238,7 @@ impl Client {
 
     async fn stage(&mut self, n: &str) {
         let id = self.vols[n].id.clone();
-        let req = stage_req(&id, &self.staging(n), cap());
+        let req = stage_req(&id, self.staging(n), cap());
         self.retry("NodeStageVolume", |_, mut c| {
             let req = req.clone();
             async move { c.node_stage_volume(req).await.map(drop) }
@@ -249,7 +249,7 @@ impl Client {
 
     async fn publish(&mut self, n: &str) {
         let id = self.vols[n].id.clone();
-        let req = publish_req(&id, &self.staging(n), &self.target(n), cap(), false);
+        let req = publish_req(&id, self.staging(n), self.target(n), cap(), false);
         self.retry("NodePublishVolume", |_, mut c| {
             let req = req.clone();
             async move { c.node_publish_volume(req).await.map(drop) }
@@ -259,10 +259,7 @@ impl Client {
     }
 
     async fn unpublish(&mut self, n: &str) {
-        let req = csi::NodeUnpublishVolumeRequest {
-            volume_id: self.vols[n].id.clone(),
-            target_path: self.target(n).display().to_string(),
-        };
+        let req = unpublish_req(&self.vols[n].id, self.target(n));
         self.retry("NodeUnpublishVolume", |_, mut c| {
             let req = req.clone();
             async move { c.node_unpublish_volume(req).await.map(drop) }
@@ -272,10 +269,7 @@ impl Client {
     }
 
     async fn unstage(&mut self, n: &str) {
-        let req = csi::NodeUnstageVolumeRequest {
-            volume_id: self.vols[n].id.clone(),
-            staging_target_path: self.staging(n).display().to_string(),
-        };
+        let req = unstage_req(&self.vols[n].id, self.staging(n));
         self.retry("NodeUnstageVolume", |_, mut c| {
             let req = req.clone();
             async move { c.node_unstage_volume(req).await.map(drop) }

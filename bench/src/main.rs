@@ -14,8 +14,9 @@ use std::process::ExitCode;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use clap::Parser;
+use csi_storage::size::parse_size;
 
-use scenarios::{Figures, Population, GIB, MIB};
+use scenarios::{Figures, Population};
 use target::{Spec, Target};
 
 const SCENARIOS: [&str; 6] = [
@@ -114,20 +115,6 @@ pub struct Args {
     /// Folder for results.json, results.txt and the SVG charts.
     #[arg(long, default_value = "csi-bench-report")]
     out: PathBuf,
-}
-
-fn parse_size(s: &str) -> Result<i64, String> {
-    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
-    let (n, unit) = s.split_at(split);
-    let n: i64 = n.parse().map_err(|_| format!("{s:?}: not a size"))?;
-    let m = match unit {
-        "" => 1,
-        "Ki" => 1 << 10,
-        "Mi" => MIB,
-        "Gi" => GIB,
-        _ => return Err(format!("{s:?}: unit must be Ki, Mi or Gi")),
-    };
-    Ok(n * m)
 }
 
 fn parse_pair(s: &str) -> Result<(String, String), String> {

@@ -1,5 +1,6 @@
 //! What the gRPC services share: conversion of CSI messages into the domain's
-//! types, redaction of secrets before anything is logged, and the edge of every
+//! types, the one mapping of the domain's errors to gRPC statuses (`status`),
+//! redaction of secrets before anything is logged, and the edge of every
 //! RPC: one span with the method and volume id, the domain call on a blocking
 //! thread with a cancellation token that trips when the caller goes away, the
 //! response or the error logged once.
@@ -13,6 +14,9 @@ use csi_storage::model::{Access, AccessMode, Capability, CapacityRange};
 use csi_storage::{cancel, health, Core, Driver, Error};
 use tonic::Status;
 use tracing::Instrument;
+
+mod status;
+pub use status::{code, status};
 
 /// The state every service holds.
 pub type Shared = Arc<Driver>;
@@ -47,7 +51,7 @@ where
                 // Nobody reads this answer: the log is the only place it shows.
                 match &out {
                     Ok(_) => tracing::info!("abandoned call ended: it completed, so a retry finds it done"),
-                    Err(e) => tracing::warn!(code = ?e.code(), error = %e, "abandoned call ended: stopped and undone"),
+                    Err(e) => tracing::warn!(code = ?code(e), error = %e, "abandoned call ended: stopped and undone"),
                 }
             }
             out
@@ -63,7 +67,7 @@ where
                 Ok(v)
             }
             Err(e) => {
-                let status: Status = e.into();
+                let status = status(e);
                 // Messages may quote what the caller sent: keep them to a readable size.
                 let status = Status::new(status.code(), shorten(status.message(), MAX_MESSAGE));
                 match status.code() {

@@ -13,13 +13,12 @@ use std::sync::Arc;
 
 use csi_sys::fake::FakeState;
 use csi_sys::{LoopOptions, MountOptions, SysError, System};
-use tonic::Code;
 
 use crate::ids::{SnapshotId, VolumeId};
 use crate::model::*;
 use crate::node::{Publish, Stage};
 use crate::volumes::{CreateVolume, MIB};
-use crate::{Config, Driver, Result};
+use crate::{Config, Driver, Error, Result};
 
 /// One test's world: a pool and a state dir in a temporary directory, the fake
 /// system and the driver on them.
@@ -196,10 +195,47 @@ fn block() -> Capability {
     }
 }
 
-fn code<T>(r: Result<T>) -> Code {
+/// The kind of a failure: its variant without its text. The glue maps each to
+/// a gRPC code; these tests assert which one the domain chose.
+#[derive(Debug, PartialEq)]
+enum Kind {
+    InvalidArgument,
+    NotFound,
+    AlreadyExists,
+    OutOfRange,
+    ResourceExhausted,
+    FailedPrecondition,
+    Aborted,
+    Cancelled,
+    StateInUse,
+    System,
+    Cleanup,
+    Internal,
+}
+
+impl Error {
+    fn kind(&self) -> Kind {
+        match self {
+            Error::InvalidArgument(_) => Kind::InvalidArgument,
+            Error::NotFound(_) => Kind::NotFound,
+            Error::AlreadyExists(_) => Kind::AlreadyExists,
+            Error::OutOfRange(_) => Kind::OutOfRange,
+            Error::ResourceExhausted(_) => Kind::ResourceExhausted,
+            Error::FailedPrecondition(_) => Kind::FailedPrecondition,
+            Error::Aborted(_) => Kind::Aborted,
+            Error::Cancelled(_) => Kind::Cancelled,
+            Error::StateInUse(_) => Kind::StateInUse,
+            Error::System { .. } => Kind::System,
+            Error::Cleanup { .. } => Kind::Cleanup,
+            Error::Internal(_) => Kind::Internal,
+        }
+    }
+}
+
+fn kind<T>(r: Result<T>) -> Kind {
     match r {
         Ok(_) => panic!("the call was expected to fail"),
-        Err(e) => e.code(),
+        Err(e) => e.kind(),
     }
 }
 
@@ -236,7 +272,7 @@ fn second_publish_to_the_same_target_mounts_once() {
     assert_eq!(w.fake.counters().bind, 1, "the retry does not bind again");
     assert_eq!(w.mounts_at(&t), 1);
     // A retry with another readonly is a conflict, not a second mount.
-    assert_eq!(code(w.publish(&id, &t, &ext4(), true)), Code::AlreadyExists);
+    assert_eq!(kind(w.publish(&id, &t, &ext4(), true)), Kind::AlreadyExists);
     assert_eq!(w.mounts_at(&t), 1);
 }
 
@@ -313,7 +349,7 @@ fn unstage_refuses_while_a_target_is_still_published() {
     let t = w.target("t1");
     w.publish(&id, &t, &ext4(), false).unwrap();
     let err = w.n().node_unstage(&id, &w.staging().display().to_string());
-    assert_eq!(code(err), Code::FailedPrecondition);
+    assert_eq!(kind(err), Kind::FailedPrecondition);
     assert_eq!(w.fake.counters().unmount, 0);
     assert_eq!(w.fake.loops().len(), 1);
 }
@@ -329,7 +365,7 @@ fn a_filesystem_already_on_the_device_is_never_reformatted() {
 
     // A request for another filesystem is refused, and nothing is formatted.
     let err = w.stage(&id, &mount_cap("xfs", AccessMode::SingleNodeWriter));
-    assert_eq!(code(err), Code::InvalidArgument);
+    assert_eq!(kind(err), Kind::InvalidArgument);
     assert_eq!(w.fake.counters().mkfs, 0);
     assert_eq!(w.fake.counters().mount, 0);
     assert_eq!(w.fake.filesystem(&image).unwrap().fstype, "ext4");
@@ -412,18 +448,18 @@ fn something_else_mounted_at_a_target_is_left_alone() {
     let before = w.fake.counters();
 
     assert_eq!(
-        code(w.publish(&id, &t, &ext4(), false)),
-        Code::AlreadyExists
+        kind(w.publish(&id, &t, &ext4(), false)),
+        Kind::AlreadyExists
     );
     assert_eq!(
-        code(w.n().node_unpublish(&id, &t.display().to_string())),
-        Code::FailedPrecondition
+        kind(w.n().node_unpublish(&id, &t.display().to_string())),
+        Kind::FailedPrecondition
     );
     // Not even a volume of ours: NOT_FOUND, and the mount stays.
     let gone = VolumeId::for_name("never-created").to_string();
     assert_eq!(
-        code(w.n().node_unpublish(&gone, &t.display().to_string())),
-        Code::NotFound
+        kind(w.n().node_unpublish(&gone, &t.display().to_string())),
+        Kind::NotFound
     );
     let after = w.fake.counters();
     assert_eq!((after.bind, after.unmount), (before.bind, before.unmount));
@@ -446,11 +482,11 @@ fn something_else_mounted_at_the_staging_path_is_left_alone() {
             &MountOptions::default(),
         )
         .unwrap();
-    assert_eq!(code(w.stage(&id, &ext4())), Code::AlreadyExists);
+    assert_eq!(kind(w.stage(&id, &ext4())), Kind::AlreadyExists);
     assert_eq!(w.fake.counters().mkfs, 0);
     assert_eq!(
-        code(w.n().node_unstage(&id, &w.staging().display().to_string())),
-        Code::FailedPrecondition
+        kind(w.n().node_unstage(&id, &w.staging().display().to_string())),
+        Kind::FailedPrecondition
     );
     assert_eq!(w.fake.counters().unmount, 0);
     assert_eq!(w.mounts_at(&w.staging()), 1);
@@ -465,8 +501,8 @@ fn single_node_single_writer_refuses_a_second_writer() {
     let (t1, t2, t3) = (w.target("t1"), w.target("t2"), w.target("t3"));
     w.publish(&id, &t1, &cap, false).unwrap();
     assert_eq!(
-        code(w.publish(&id, &t2, &cap, false)),
-        Code::FailedPrecondition
+        kind(w.publish(&id, &t2, &cap, false)),
+        Kind::FailedPrecondition
     );
     assert_eq!(w.mounts_at(&t2), 0);
     assert!(!w.node_record(&id).unwrap().targets.contains_key(&t2));
@@ -495,7 +531,7 @@ fn a_failed_first_stage_is_undone_and_a_retry_completes() {
     let w = World::new();
     let id = w.create("pvc-a", ext4());
     w.fake.fail_next("mount", eio("mount"));
-    assert_eq!(code(w.stage(&id, &ext4())), Code::Internal);
+    assert_eq!(kind(w.stage(&id, &ext4())), Kind::System);
     // A failed (not crashed) first stage leaves nothing: no record, no device.
     assert!(
         w.node_record(&id).is_none(),
@@ -523,7 +559,7 @@ fn a_failed_bind_at_publish_is_retried_to_one_mount() {
     w.stage(&id, &ext4()).unwrap();
     let t = w.target("t1");
     w.fake.fail_next("bind", eio("bind"));
-    assert_eq!(code(w.publish(&id, &t, &ext4(), false)), Code::Internal);
+    assert_eq!(kind(w.publish(&id, &t, &ext4(), false)), Kind::System);
     assert!(w.node_record(&id).unwrap().targets.contains_key(&t));
     w.publish(&id, &t, &ext4(), false).unwrap();
     assert_eq!(w.mounts_at(&t), 1);
@@ -536,7 +572,7 @@ fn a_failed_detach_at_unstage_keeps_the_record_for_the_retry() {
     w.stage(&id, &ext4()).unwrap();
     w.fake.fail_next("detach", eio("detach"));
     let staging = w.staging().display().to_string();
-    assert_eq!(code(w.n().node_unstage(&id, &staging)), Code::Internal);
+    assert_eq!(kind(w.n().node_unstage(&id, &staging)), Kind::System);
     assert!(w.node_record(&id).is_some());
     w.n().node_unstage(&id, &staging).unwrap();
     assert!(w.fake.loops().is_empty());
@@ -548,8 +584,8 @@ fn publish_before_stage_is_failed_precondition() {
     let w = World::new();
     let id = w.create("pvc-a", ext4());
     assert_eq!(
-        code(w.publish(&id, &w.target("t1"), &ext4(), false)),
-        Code::FailedPrecondition
+        kind(w.publish(&id, &w.target("t1"), &ext4(), false)),
+        Kind::FailedPrecondition
     );
     assert_eq!(w.fake.counters().bind, 0);
 }
@@ -569,8 +605,8 @@ fn paths_inside_the_driver_or_the_system_are_refused() {
         w.tmp.path().join("pods/../x"),
     ] {
         assert_eq!(
-            code(w.publish(&id, &bad, &ext4(), false)),
-            Code::InvalidArgument,
+            kind(w.publish(&id, &bad, &ext4(), false)),
+            Kind::InvalidArgument,
             "{}",
             bad.display()
         );
@@ -613,21 +649,21 @@ fn modify_volume_that_cannot_be_applied_changes_nothing() {
         SysError::syscall("turn direct I/O on".into(), "/dev/loop0", libc::EINVAL)
     });
     assert_eq!(
-        code(w.c().modify_volume(&id, &asked)),
-        Code::InvalidArgument
+        kind(w.c().modify_volume(&id, &asked)),
+        Kind::InvalidArgument
     );
     unchanged("direct I/O refused");
 
     // Direct I/O is set, then the read-ahead fails: the direct I/O is undone.
     w.fake
         .fail_next("set_read_ahead_kib", eio("write read_ahead_kb"));
-    assert_eq!(code(w.c().modify_volume(&id, &asked)), Code::Internal);
+    assert_eq!(kind(w.c().modify_volume(&id, &asked)), Kind::System);
     unchanged("read-ahead failed");
 
     // The settings of the device cannot even be read: nothing is tried.
     w.fake
         .fail_next("read_ahead_kib", eio("read read_ahead_kb"));
-    assert_eq!(code(w.c().modify_volume(&id, &asked)), Code::Internal);
+    assert_eq!(kind(w.c().modify_volume(&id, &asked)), Kind::System);
     unchanged("settings unreadable");
 
     // The retry applies everything.
@@ -647,7 +683,7 @@ fn modify_volume_that_cannot_be_applied_changes_nothing() {
         &id,
         &params(&[("directIO", "false"), ("readAheadKiB", "64")]),
     );
-    assert_eq!(code(r), Code::Internal);
+    assert_eq!(kind(r), Kind::System);
     assert!(w.fake.loops()[0].direct_io);
     assert_eq!(read_ahead(), 1024);
     assert_eq!(attr(&image, "readAheadKiB").as_deref(), Some("1024"));
@@ -684,14 +720,14 @@ fn stage_that_cannot_apply_the_recorded_settings_fails_and_leaves_nothing() {
 
     w.fake
         .fail_next("set_read_ahead_kib", eio("write read_ahead_kb"));
-    assert_eq!(code(w.stage(&id, &ext4())), Code::Internal);
+    assert_eq!(kind(w.stage(&id, &ext4())), Kind::System);
     nothing_left("read-ahead failed");
 
     // An attribute that cannot be understood is an error, not "not set".
     let image = w.image(&id);
     csi_sys::xattr::set(&image, "example-csi.readAheadKiB", b"lots").unwrap();
     let err = w.stage(&id, &ext4()).unwrap_err();
-    assert_eq!(err.code(), Code::Internal);
+    assert_eq!(err.kind(), Kind::Internal);
     assert!(err.to_string().contains("readAheadKiB"), "{err}");
     nothing_left("damaged attribute");
 
@@ -772,7 +808,7 @@ fn node_expand_grows_what_is_smaller_and_refuses_a_btrfs_below_256_mib() {
         .to_string();
     w.stage(&id, &cap).unwrap();
     let err = node_expand(&w, &id, 200 * MIB).unwrap_err();
-    assert_eq!(err.code(), Code::OutOfRange, "{err}");
+    assert_eq!(err.kind(), Kind::OutOfRange, "{err}");
     assert!(err.to_string().contains("256 MiB"), "{err}");
     assert_eq!(w.fake.counters().grow, 1);
     // Staged again at that size, it is mounted as it is.
@@ -833,7 +869,7 @@ fn a_failed_snapshot_copy_still_thaws() {
     std::fs::write(blocker.join("f"), b"x").unwrap();
 
     let err = w.c().create_snapshot("snap-1", &id, &BTreeMap::new());
-    assert_eq!(code(err), Code::Internal);
+    assert_eq!(kind(err), Kind::System);
     let c = w.fake.counters();
     assert_eq!((c.freeze, c.thaw), (1, 1));
     assert!(!w.fake.is_frozen(&w.staging()));
@@ -858,7 +894,7 @@ fn a_failed_freeze_copies_nothing_and_leaves_nothing_frozen() {
     w.stage(&id, &ext4()).unwrap();
     w.fake.fail_next("freeze", eio("freeze"));
     let err = w.c().create_snapshot("snap-1", &id, &BTreeMap::new());
-    assert_eq!(code(err), Code::Internal);
+    assert_eq!(kind(err), Kind::System);
     assert!(!w.fake.is_frozen(&w.staging()));
     assert!(w.pool_files("snapshots").is_empty());
     assert_eq!(w.c().snapshot_count(), 0);
@@ -898,7 +934,7 @@ fn a_call_whose_caller_left_undoes_its_intent_and_freezes_nothing() {
     let token = crate::cancel::Token::new();
     token.cancel();
     let err = token.run(|| w.c().create_snapshot("snap-1", &id, &BTreeMap::new()));
-    assert_eq!(code(err), Code::Cancelled);
+    assert_eq!(kind(err), Kind::Cancelled);
     assert!(!w.fake.is_frozen(&w.staging()));
     assert!(w.pool_files("snapshots").is_empty());
     assert_eq!(w.c().snapshot_count(), 0);
@@ -973,24 +1009,24 @@ fn create_volume_is_idempotent_and_conflicts_are_already_exists() {
     );
 
     let bigger = request("pvc-a", 128 * MIB as i64, 0, vec![ext4()]);
-    assert_eq!(code(w.c().create_volume(bigger)), Code::AlreadyExists);
+    assert_eq!(kind(w.c().create_volume(bigger)), Kind::AlreadyExists);
     let other_fs = request(
         "pvc-a",
         64 * MIB as i64,
         0,
         vec![mount_cap("xfs", AccessMode::SingleNodeWriter)],
     );
-    assert_eq!(code(w.c().create_volume(other_fs)), Code::AlreadyExists);
+    assert_eq!(kind(w.c().create_volume(other_fs)), Kind::AlreadyExists);
     let as_block = request("pvc-a", 64 * MIB as i64, 0, vec![block()]);
-    assert_eq!(code(w.c().create_volume(as_block)), Code::AlreadyExists);
+    assert_eq!(kind(w.c().create_volume(as_block)), Kind::AlreadyExists);
     let mut as_dir = req.clone();
     as_dir.parameters = params(&[("kind", "dir")]);
-    assert_eq!(code(w.c().create_volume(as_dir)), Code::AlreadyExists);
+    assert_eq!(kind(w.c().create_volume(as_dir)), Kind::AlreadyExists);
     let mut from_snapshot = req.clone();
     from_snapshot.source = Some(ContentSource::Snapshot(SnapshotId::for_name("s")));
     assert_eq!(
-        code(w.c().create_volume(from_snapshot)),
-        Code::AlreadyExists
+        kind(w.c().create_volume(from_snapshot)),
+        Kind::AlreadyExists
     );
 
     // None of the conflicts changed the volume.
@@ -1057,17 +1093,17 @@ fn sizes_beyond_the_limit_or_the_pool_are_out_of_range() {
     let xfs = mount_cap("xfs", AccessMode::SingleNodeWriter);
     // The filesystem's minimum does not fit under the limit.
     let small = request("xfs-small", 0, 100 * MIB as i64, vec![xfs]);
-    assert_eq!(code(w.c().create_volume(small)), Code::OutOfRange);
+    assert_eq!(kind(w.c().create_volume(small)), Kind::OutOfRange);
     let small = request("ext4-small", 1, 4 * MIB as i64, vec![ext4()]);
-    assert_eq!(code(w.c().create_volume(small)), Code::OutOfRange);
+    assert_eq!(kind(w.c().create_volume(small)), Kind::OutOfRange);
     // Larger than the pool's filesystem.
     let huge = request("huge", 1 << 60, 0, vec![ext4()]);
-    assert_eq!(code(w.c().create_volume(huge)), Code::OutOfRange);
+    assert_eq!(kind(w.c().create_volume(huge)), Kind::OutOfRange);
     // required above limit is a malformed range.
     let bad = request("bad", 20 * MIB as i64, 10 * MIB as i64, vec![ext4()]);
-    assert_eq!(code(w.c().create_volume(bad)), Code::InvalidArgument);
+    assert_eq!(kind(w.c().create_volume(bad)), Kind::InvalidArgument);
     let negative = request("negative", -1, 0, vec![ext4()]);
-    assert_eq!(code(w.c().create_volume(negative)), Code::InvalidArgument);
+    assert_eq!(kind(w.c().create_volume(negative)), Kind::InvalidArgument);
     assert_eq!(w.c().volume_count(), 0);
     assert!(w.pool_files("volumes").is_empty());
 }
@@ -1096,21 +1132,21 @@ fn bad_parameters_are_invalid_argument_and_make_nothing() {
     long_name.name = "n".repeat(129);
     let mut elsewhere = ok();
     elsewhere.requisite = vec![params(&[(TOPOLOGY_KEY, "node-2")])];
-    let cases: Vec<(&str, CreateVolume, Code)> = vec![
+    let cases: Vec<(&str, CreateVolume, Kind)> = vec![
         (
             "unknown key",
             with_params(&[("color", "red")]),
-            Code::InvalidArgument,
+            Kind::InvalidArgument,
         ),
         (
             "unknown kind",
             with_params(&[("kind", "lvm")]),
-            Code::InvalidArgument,
+            Kind::InvalidArgument,
         ),
         (
             "unknown pool",
             with_params(&[("type", "fast")]),
-            Code::InvalidArgument,
+            Kind::InvalidArgument,
         ),
         (
             "block on dir",
@@ -1119,40 +1155,40 @@ fn bad_parameters_are_invalid_argument_and_make_nothing() {
                 r.capabilities = vec![block()];
                 r
             },
-            Code::InvalidArgument,
+            Kind::InvalidArgument,
         ),
-        ("no capabilities", with_caps(vec![]), Code::InvalidArgument),
+        ("no capabilities", with_caps(vec![]), Kind::InvalidArgument),
         (
             "multi-node",
             with_caps(vec![mount_cap("ext4", AccessMode::MultiNodeMultiWriter)]),
-            Code::InvalidArgument,
+            Kind::InvalidArgument,
         ),
         (
             "unknown mode",
             with_caps(vec![mount_cap("ext4", AccessMode::Unknown)]),
-            Code::InvalidArgument,
+            Kind::InvalidArgument,
         ),
         (
             "unknown fs",
             with_caps(vec![mount_cap("ntfs", AccessMode::SingleNodeWriter)]),
-            Code::InvalidArgument,
+            Kind::InvalidArgument,
         ),
         (
             "two filesystems",
             with_caps(vec![ext4(), mount_cap("xfs", AccessMode::SingleNodeWriter)]),
-            Code::InvalidArgument,
+            Kind::InvalidArgument,
         ),
         (
             "unsafe mount flag",
             with_caps(vec![flags]),
-            Code::InvalidArgument,
+            Kind::InvalidArgument,
         ),
-        ("no name", nameless, Code::InvalidArgument),
-        ("long name", long_name, Code::InvalidArgument),
-        ("another node", elsewhere, Code::ResourceExhausted),
+        ("no name", nameless, Kind::InvalidArgument),
+        ("long name", long_name, Kind::InvalidArgument),
+        ("another node", elsewhere, Kind::ResourceExhausted),
     ];
     for (what, req, want) in cases {
-        assert_eq!(code(w.c().create_volume(req)), want, "{what}");
+        assert_eq!(kind(w.c().create_volume(req)), want, "{what}");
     }
     assert_eq!(w.c().volume_count(), 0);
     assert!(w.pool_files("volumes").is_empty());
@@ -1191,51 +1227,51 @@ fn mutable_parameters_must_apply_to_the_kind_of_volume() {
     dir.parameters = params(&[("kind", "dir")]);
     dir.mutable_parameters = params(&[("compression", "zstd")]);
     assert_eq!(
-        code(w.c().create_volume(dir.clone())),
-        Code::InvalidArgument
+        kind(w.c().create_volume(dir.clone())),
+        Kind::InvalidArgument
     );
     dir.mutable_parameters = params(&[("directIO", "true")]);
     assert_eq!(
-        code(w.c().create_volume(dir.clone())),
-        Code::InvalidArgument
+        kind(w.c().create_volume(dir.clone())),
+        Kind::InvalidArgument
     );
     let mut image = request("pvc-img2", 64 * MIB as i64, 0, vec![ext4()]);
     image.mutable_parameters = params(&[("compression", "zstd")]);
     assert_eq!(
-        code(w.c().create_volume(image.clone())),
-        Code::InvalidArgument
+        kind(w.c().create_volume(image.clone())),
+        Kind::InvalidArgument
     );
     // Values and names are checked too.
     image.mutable_parameters = params(&[("directIO", "maybe")]);
     assert_eq!(
-        code(w.c().create_volume(image.clone())),
-        Code::InvalidArgument
+        kind(w.c().create_volume(image.clone())),
+        Kind::InvalidArgument
     );
     image.mutable_parameters = params(&[("readAheadKiB", "65537")]);
     assert_eq!(
-        code(w.c().create_volume(image.clone())),
-        Code::InvalidArgument
+        kind(w.c().create_volume(image.clone())),
+        Kind::InvalidArgument
     );
     image.mutable_parameters = params(&[("iops", "100")]);
-    assert_eq!(code(w.c().create_volume(image)), Code::InvalidArgument);
+    assert_eq!(kind(w.c().create_volume(image)), Kind::InvalidArgument);
     assert_eq!(w.c().volume_count(), 1);
 
     // ModifyVolume applies the same rules, and changes nothing when it refuses.
     dir.mutable_parameters = BTreeMap::new();
     let dir_id = w.c().create_volume(dir).unwrap().record.id.to_string();
     assert_eq!(
-        code(
+        kind(
             w.c()
                 .modify_volume(&dir_id, &params(&[("compression", "lzo")]))
         ),
-        Code::InvalidArgument
+        Kind::InvalidArgument
     );
     assert_eq!(
-        code(w.c().modify_volume(
+        kind(w.c().modify_volume(
             &id,
             &params(&[("readAheadKiB", "64"), ("compression", "lzo")])
         )),
-        Code::InvalidArgument
+        Kind::InvalidArgument
     );
     let rec = w.c().get_volume(&id).unwrap().record;
     assert_eq!(
@@ -1249,7 +1285,7 @@ fn a_driver_configured_without_a_mutable_parameter_refuses_it() {
     let w = World::with(|c| c.mutable_parameters = vec!["readAheadKiB".into()]);
     let mut image = request("pvc-img", 64 * MIB as i64, 0, vec![ext4()]);
     image.mutable_parameters = params(&[("directIO", "true")]);
-    assert_eq!(code(w.c().create_volume(image)), Code::InvalidArgument);
+    assert_eq!(kind(w.c().create_volume(image)), Kind::InvalidArgument);
 }
 
 // ---- ListVolumes, DeleteVolume ----
@@ -1278,12 +1314,12 @@ fn list_volumes_pages_with_tokens_and_refuses_foreign_ones() {
     assert_eq!(seen, made, "every volume once, in id order");
     assert_eq!(w.c().list_volumes(0, "").unwrap().volumes.len(), 5);
 
-    assert_eq!(code(w.c().list_volumes(2, "not-a-token")), Code::Aborted);
+    assert_eq!(kind(w.c().list_volumes(2, "not-a-token")), Kind::Aborted);
     assert_eq!(
-        code(w.c().list_volumes(2, &made[0].to_uppercase())),
-        Code::Aborted
+        kind(w.c().list_volumes(2, &made[0].to_uppercase())),
+        Kind::Aborted
     );
-    assert_eq!(code(w.c().list_volumes(-1, "")), Code::InvalidArgument);
+    assert_eq!(kind(w.c().list_volumes(-1, "")), Kind::InvalidArgument);
     // A token of a volume deleted since is still a place in the order.
     w.c().delete_volume(&made[1]).unwrap();
     let page = w.c().list_volumes(0, &made[1]).unwrap();
@@ -1303,7 +1339,7 @@ fn volumes_half_made_are_not_listed() {
     rec.state = RecordState::Creating;
     w.c().volumes.put(&rec).unwrap();
     assert!(w.c().list_volumes(0, "").unwrap().volumes.is_empty());
-    assert_eq!(code(w.c().get_volume(&id)), Code::NotFound);
+    assert_eq!(kind(w.c().get_volume(&id)), Kind::NotFound);
 }
 
 #[test]
@@ -1321,7 +1357,7 @@ fn delete_of_an_id_that_is_no_uuid_succeeds_and_touches_nothing() {
         Default::default(),
         "no system call at all"
     );
-    assert_eq!(code(w.c().delete_volume("")), Code::InvalidArgument);
+    assert_eq!(kind(w.c().delete_volume("")), Kind::InvalidArgument);
     // A well-formed id of nothing: success too.
     w.c()
         .delete_volume(&VolumeId::for_name("never").to_string())
@@ -1333,7 +1369,7 @@ fn delete_of_a_staged_volume_is_refused_until_unstaged() {
     let w = World::new();
     let id = w.create("pvc-a", ext4());
     w.stage(&id, &ext4()).unwrap();
-    assert_eq!(code(w.c().delete_volume(&id)), Code::FailedPrecondition);
+    assert_eq!(kind(w.c().delete_volume(&id)), Kind::FailedPrecondition);
     assert_eq!(w.pool_files("volumes").len(), 1);
     w.n()
         .node_unstage(&id, &w.staging().display().to_string())
@@ -1388,7 +1424,7 @@ fn an_unreadable_record_is_set_aside_and_its_data_kept() {
     w.reopen();
     assert_eq!(w.pool_files("volumes"), vec![format!("{id}.img")]);
     assert!(path.with_extension("corrupt").exists());
-    assert_eq!(code(w.c().get_volume(&id)), Code::NotFound);
+    assert_eq!(kind(w.c().get_volume(&id)), Kind::NotFound);
 }
 
 // ---- start-up on the node: orphans ----
@@ -1484,7 +1520,7 @@ fn a_stage_refused_for_its_fs_type_changes_nothing() {
     let size = std::fs::metadata(&image).unwrap().len();
     w.fake.set_filesystem(&image, "ext4", size);
     let err = w.stage(&id, &mount_cap("xfs", AccessMode::SingleNodeWriter));
-    assert_eq!(code(err), Code::InvalidArgument);
+    assert_eq!(kind(err), Kind::InvalidArgument);
     assert!(w.fake.loops().is_empty(), "no loop device is left attached");
     assert!(w.node_record(&id).is_none(), "no node record is left");
     // Bad input changed nothing: the volume can still be deleted.
@@ -1575,7 +1611,7 @@ fn the_controller_does_not_delete_a_volume_the_node_has_staged() {
     let id = info.record.id.to_string();
     stage_on(&node, &w, &id, &mount_cap("", AccessMode::SingleNodeWriter)).unwrap();
     let err = w.c().delete_volume(&id);
-    assert_eq!(code(err), Code::FailedPrecondition);
+    assert_eq!(kind(err), Kind::FailedPrecondition);
     assert_eq!(w.pool_files("volumes"), vec![id.clone()]);
     unstage_on(&node, &w, &id).unwrap();
     w.c().delete_volume(&id).unwrap();
@@ -1596,8 +1632,8 @@ fn a_controller_without_the_node_refuses_to_change_a_staged_image() {
     stage_on(&node, &w, &id, &ext4()).unwrap();
     let want = BTreeMap::from([("directIO".to_string(), "true".to_string())]);
     assert_eq!(
-        code(w.c().modify_volume(&id, &want)),
-        Code::FailedPrecondition
+        kind(w.c().modify_volume(&id, &want)),
+        Kind::FailedPrecondition
     );
     let image = w.tmp.path().join(format!("pool/volumes/{id}.img"));
     let attr = csi_sys::xattr::get(&image, "example-csi.directIO").unwrap();
@@ -1638,12 +1674,12 @@ fn only_the_controller_thaws_its_freeze_and_the_node_waits_for_it() {
     )
     .unwrap();
     w.driver = None;
-    assert_eq!(code(unstage_on(&node, &w, &id)), Code::Aborted);
+    assert_eq!(kind(unstage_on(&node, &w, &id)), Kind::Aborted);
     // The node plugin's restart leaves the controller's freeze alone.
     drop(node);
     let node = w.other(true).unwrap();
     assert!(w.fake.is_frozen(&w.staging()));
-    assert_eq!(code(unstage_on(&node, &w, &id)), Code::Aborted);
+    assert_eq!(kind(unstage_on(&node, &w, &id)), Kind::Aborted);
     // The controller's restart thaws it; then the node goes on.
     w.reopen_with(|c| c.node = false);
     assert!(!w.fake.is_frozen(&w.staging()));
@@ -1657,11 +1693,11 @@ fn a_copy_holds_the_volume_against_the_node_and_a_node_operation_holds_it_agains
     stage_on(&node, &w, &id, &ext4()).unwrap();
     let vid = VolumeId::parse(&id).unwrap();
     let held = w.c().state.lock_volume(vid).unwrap();
-    assert_eq!(code(unstage_on(&node, &w, &id)), Code::Aborted);
+    assert_eq!(kind(unstage_on(&node, &w, &id)), Kind::Aborted);
     drop(held);
     let held = node.node().unwrap().state.lock_volume(vid).unwrap();
     let err = w.c().create_snapshot("snap-1", &id, &BTreeMap::new());
-    assert_eq!(code(err), Code::Aborted);
+    assert_eq!(kind(err), Kind::Aborted);
     assert_eq!(
         w.c().snapshot_count(),
         0,

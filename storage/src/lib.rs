@@ -10,7 +10,7 @@
 //! Each domain opens only its own records: a process with `--mode node` never
 //! loads the controller's, and `--mode controller` never the node's. `Driver`
 //! composes the domains a mode asks for. The domain touches the kernel only
-//! through `csi-sys`, and knows nothing of gRPC beyond the error's code mapping.
+//! through `csi-sys`, and knows nothing of gRPC: the glue maps its errors to codes.
 
 pub mod controller;
 pub mod core;
@@ -18,7 +18,7 @@ mod driver;
 pub mod node;
 
 pub use crate::controller::{metadata, snapshots, volumes, Controller};
-pub use crate::core::{cancel, error, failpoint, health, ids, model, pool};
+pub use crate::core::{cancel, error, failpoint, health, ids, model, pool, size};
 pub(crate) use crate::core::{data, locks, settings, state, store};
 pub use crate::core::{Config, Core, DEFAULT_FREEZE_TIMEOUT, MUTABLE_PARAMETERS};
 pub use crate::node::Node;

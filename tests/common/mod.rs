@@ -191,6 +191,39 @@ pub struct Clients {
     pub group: GroupControllerClient<Channel>,
 }
 
+impl Clients {
+    /// NodeStageVolume then a read-write NodePublishVolume, as kubelet readies a
+    /// volume for a pod; both must succeed.
+    pub async fn stage_and_publish(
+        &mut self,
+        id: &str,
+        staging: &Path,
+        target: &Path,
+        cap: &csi::VolumeCapability,
+    ) {
+        self.node
+            .node_stage_volume(stage_req(id, staging, cap.clone()))
+            .await
+            .unwrap_or_else(|e| panic!("NodeStageVolume {id}: {e:?}"));
+        self.node
+            .node_publish_volume(publish_req(id, staging, target, cap.clone(), false))
+            .await
+            .unwrap_or_else(|e| panic!("NodePublishVolume {id}: {e:?}"));
+    }
+
+    /// NodeUnpublishVolume then NodeUnstageVolume; both must succeed.
+    pub async fn unpublish_and_unstage(&mut self, id: &str, target: &Path, staging: &Path) {
+        self.node
+            .node_unpublish_volume(unpublish_req(id, target))
+            .await
+            .unwrap_or_else(|e| panic!("NodeUnpublishVolume {id}: {e:?}"));
+        self.node
+            .node_unstage_volume(unstage_req(id, staging))
+            .await
+            .unwrap_or_else(|e| panic!("NodeUnstageVolume {id}: {e:?}"));
+    }
+}
+
 impl Driver {
     /// Starts the driver on `pool` with extra flags.
     pub fn start(pool: &Pool, extra: &[&str]) -> Driver {
@@ -381,14 +414,17 @@ pub fn create_req(
     }
 }
 
+// The request builders of the node's calls, for every test file: paths are
+// taken as anything path-like and sent as they display.
+
 pub fn stage_req(
     volume_id: &str,
-    staging: &Path,
+    staging: impl AsRef<Path>,
     cap: csi::VolumeCapability,
 ) -> csi::NodeStageVolumeRequest {
     csi::NodeStageVolumeRequest {
         volume_id: volume_id.to_string(),
-        staging_target_path: staging.display().to_string(),
+        staging_target_path: staging.as_ref().display().to_string(),
         volume_capability: Some(cap),
         ..Default::default()
     }
@@ -396,17 +432,56 @@ pub fn stage_req(
 
 pub fn publish_req(
     volume_id: &str,
-    staging: &Path,
-    target: &Path,
+    staging: impl AsRef<Path>,
+    target: impl AsRef<Path>,
     cap: csi::VolumeCapability,
     readonly: bool,
 ) -> csi::NodePublishVolumeRequest {
     csi::NodePublishVolumeRequest {
         volume_id: volume_id.to_string(),
-        staging_target_path: staging.display().to_string(),
-        target_path: target.display().to_string(),
+        staging_target_path: staging.as_ref().display().to_string(),
+        target_path: target.as_ref().display().to_string(),
         volume_capability: Some(cap),
         readonly,
+        ..Default::default()
+    }
+}
+
+pub fn unstage_req(id: &str, staging: impl AsRef<Path>) -> csi::NodeUnstageVolumeRequest {
+    csi::NodeUnstageVolumeRequest {
+        volume_id: id.to_string(),
+        staging_target_path: staging.as_ref().display().to_string(),
+    }
+}
+
+pub fn unpublish_req(id: &str, target: impl AsRef<Path>) -> csi::NodeUnpublishVolumeRequest {
+    csi::NodeUnpublishVolumeRequest {
+        volume_id: id.to_string(),
+        target_path: target.as_ref().display().to_string(),
+    }
+}
+
+/// The volume context key that makes a NodePublishVolume an ephemeral inline
+/// volume.
+pub const EPHEMERAL_KEY: &str = "csi.storage.k8s.io/ephemeral";
+
+/// NodePublishVolume of an ephemeral inline volume (no stage), with the pod's
+/// volumeAttributes (`size`, `type`, ...).
+pub fn ephemeral_req(
+    volume_id: &str,
+    target: impl AsRef<Path>,
+    cap: csi::VolumeCapability,
+    attributes: &[(&str, &str)],
+) -> csi::NodePublishVolumeRequest {
+    csi::NodePublishVolumeRequest {
+        volume_id: volume_id.to_string(),
+        target_path: target.as_ref().display().to_string(),
+        volume_capability: Some(cap),
+        volume_context: [(EPHEMERAL_KEY, "true")]
+            .iter()
+            .chain(attributes)
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
         ..Default::default()
     }
 }
@@ -470,20 +545,6 @@ pub async fn create_volume_id(
         .volume
         .unwrap()
         .volume_id
-}
-
-pub fn unstage_req(id: &str, staging: &Path) -> csi::NodeUnstageVolumeRequest {
-    csi::NodeUnstageVolumeRequest {
-        volume_id: id.to_string(),
-        staging_target_path: staging.display().to_string(),
-    }
-}
-
-pub fn unpublish_req(id: &str, target: &Path) -> csi::NodeUnpublishVolumeRequest {
-    csi::NodeUnpublishVolumeRequest {
-        volume_id: id.to_string(),
-        target_path: target.display().to_string(),
-    }
 }
 
 pub fn delete_req(id: &str) -> csi::DeleteVolumeRequest {

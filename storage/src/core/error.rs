@@ -1,5 +1,5 @@
-//! The domain's one error type and its one mapping to gRPC status codes, following
-//! the error tables of the CSI spec.
+//! The domain's one error type. Its variants follow the error tables of the CSI
+//! spec; the glue maps each to its gRPC code, so the domain knows nothing of gRPC.
 
 use csi_sys::SysError;
 
@@ -78,29 +78,6 @@ impl Error {
             },
         }
     }
-
-    /// The gRPC code this error maps to.
-    pub fn code(&self) -> tonic::Code {
-        use tonic::Code;
-        match self {
-            Error::InvalidArgument(_) => Code::InvalidArgument,
-            Error::NotFound(_) => Code::NotFound,
-            Error::AlreadyExists(_) => Code::AlreadyExists,
-            Error::OutOfRange(_) => Code::OutOfRange,
-            Error::ResourceExhausted(_) => Code::ResourceExhausted,
-            Error::FailedPrecondition(_) => Code::FailedPrecondition,
-            Error::Aborted(_) => Code::Aborted,
-            Error::Cancelled(_) => Code::Cancelled,
-            Error::StateInUse(_) => Code::FailedPrecondition,
-            Error::System { source, .. } => match source {
-                SysError::NoSpace { .. } => Code::ResourceExhausted,
-                SysError::Timeout { .. } => Code::DeadlineExceeded,
-                _ => Code::Internal,
-            },
-            Error::Cleanup { first, .. } => first.code(),
-            Error::Internal(_) => Code::Internal,
-        }
-    }
 }
 
 /// Adds what the domain was doing to a system-layer error.
@@ -114,46 +91,5 @@ impl<T> Context<T> for std::result::Result<T, SysError> {
             context: what(),
             source,
         })
-    }
-}
-
-impl From<Error> for tonic::Status {
-    fn from(e: Error) -> Self {
-        // The full cause chain goes into the message: an operator reading the
-        // sidecar's event sees why, not just that, something failed.
-        let mut msg = e.to_string();
-        let mut src = std::error::Error::source(&e);
-        while let Some(s) = src {
-            let text = s.to_string();
-            if !msg.contains(&text) {
-                msg.push_str(": ");
-                msg.push_str(&text);
-            }
-            src = s.source();
-        }
-        tonic::Status::new(e.code(), msg)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn codes_follow_the_spec_tables() {
-        assert_eq!(Error::invalid("x").code(), tonic::Code::InvalidArgument);
-        assert_eq!(Error::not_found("x").code(), tonic::Code::NotFound);
-        assert_eq!(
-            Error::AlreadyExists("x".into()).code(),
-            tonic::Code::AlreadyExists
-        );
-        assert_eq!(Error::Aborted("x".into()).code(), tonic::Code::Aborted);
-        let cleanup = Error::Cleanup {
-            first: Box::new(Error::OutOfRange("big".into())),
-            cleanup: Box::new(Error::internal("rm failed")),
-        };
-        assert_eq!(cleanup.code(), tonic::Code::OutOfRange);
-        let status: tonic::Status = cleanup.into();
-        assert!(status.message().contains("big") && status.message().contains("rm failed"));
     }
 }

@@ -14,6 +14,7 @@ pub(crate) mod locks;
 pub mod model;
 pub mod pool;
 pub(crate) mod settings;
+pub mod size;
 pub(crate) mod state;
 pub(crate) mod store;
 

@@ -27,6 +27,7 @@ use crate::locks::Locks;
 use crate::model::*;
 use crate::pool::Located;
 use crate::settings::{recorded_settings, recorded_size, DevicesBefore, LiveDevices, LoopSettings};
+use crate::size::parse_size;
 use crate::state::{Domain, OwnerLock, VolumeLock};
 use crate::store::Store;
 
@@ -121,27 +122,6 @@ const FORBIDDEN: [&str; 12] = [
     "/root",
     "/run/secrets",
 ];
-
-/// Parses sizes such as `1Gi`, `500M`, `1073741824`.
-pub fn parse_quantity(s: &str) -> Option<u64> {
-    let s = s.trim();
-    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
-    let (num, unit) = s.split_at(split);
-    let n: u64 = num.parse().ok()?;
-    let mult: u64 = match unit {
-        "" => 1,
-        "k" | "K" => 1000,
-        "M" => 1000u64.pow(2),
-        "G" => 1000u64.pow(3),
-        "T" => 1000u64.pow(4),
-        "Ki" => 1 << 10,
-        "Mi" => 1 << 20,
-        "Gi" => 1 << 30,
-        "Ti" => 1 << 40,
-        _ => return None,
-    };
-    n.checked_mul(mult)
-}
 
 impl Node {
     /// Claims the node's part of the state (refused while another process holds
@@ -1399,9 +1379,10 @@ impl Node {
         }
         let size = match req.volume_context.get("size") {
             None => EPHEMERAL_DEFAULT_SIZE,
-            Some(s) => parse_quantity(s).ok_or_else(|| {
-                Error::invalid(format!("volumeAttribute size={s:?} is not a size"))
-            })?,
+            // A parsed size is never negative: unsigned_abs is exact.
+            Some(s) => parse_size(s)
+                .map(i64::unsigned_abs)
+                .map_err(|e| Error::invalid(format!("volumeAttribute size: {e}")))?,
         };
         let pool_name = req
             .volume_context
@@ -1720,19 +1701,4 @@ fn apply_mount_group(root: &Path, group: &str) -> Result<()> {
     })?;
     file::share_with_group(root, gid)
         .context(|| format!("giving {} to group {gid}", root.display()))
-}
-
-#[cfg(test)]
-mod tests {
-    use super::parse_quantity;
-
-    #[test]
-    fn quantities() {
-        assert_eq!(parse_quantity("1Gi"), Some(1 << 30));
-        assert_eq!(parse_quantity("500M"), Some(500_000_000));
-        assert_eq!(parse_quantity("4096"), Some(4096));
-        assert_eq!(parse_quantity("1.5Gi"), None);
-        assert_eq!(parse_quantity("-1"), None);
-        assert_eq!(parse_quantity("99999999999Ti"), None);
-    }
 }
