@@ -1072,7 +1072,10 @@ impl Controller {
     /// Start-up: roll back creations, finish deletions and expansions, then remove
     /// pool data that no record accounts for.
     pub(crate) fn recover_volumes(&self) -> Result<()> {
-        for rec in self.volumes.all() {
+        let unfinished = self
+            .volumes
+            .select(|r| r.state != RecordState::Ready || r.pending_size.is_some());
+        for rec in unfinished {
             // A record that cannot be repaired now stays as it is: it is not listed
             // (Creating, Deleting) and a retry of its call repairs it, so one bad
             // record never keeps the driver from starting.
@@ -1102,7 +1105,7 @@ impl Controller {
         }
         for pool in self.pools.values() {
             self.remove_orphans(&pool.volumes_dir(), |stem| {
-                VolumeId::parse(stem).is_some_and(|id| self.volumes.get(id).is_some())
+                VolumeId::parse(stem).is_some_and(|id| self.volumes.contains(id))
                     || self.volumes.is_quarantined(stem)
             })?;
         }
