@@ -80,6 +80,19 @@ pub trait Loops: Send + Sync {
             .filter(|d| d.backing_file == want)
             .collect())
     }
+    /// `device` when it is attached to `backing` (by the rule of [`Loops::find`]),
+    /// else None. Reads only that device's state: a recorded device is checked
+    /// in constant time, whatever the number of loop devices.
+    fn serving(&self, device: &Path, backing: &Path) -> Result<Option<LoopDevice>> {
+        Ok(self.find(backing)?.into_iter().find(|d| d.device == device))
+    }
+    /// False when no loop device serves `backing` read-write; true when one may.
+    /// Where the implementation can tell without looking at every device (Linux:
+    /// whether anything holds the file open for writing) it does; a device that
+    /// serves the file read-only only is not seen.
+    fn may_serve(&self, backing: &Path) -> Result<bool> {
+        Ok(self.find(backing)?.iter().any(|d| !d.read_only))
+    }
     /// Attach `backing` to a free loop device (created through /dev/loop-control when
     /// none is free) and return it. After a failed attach the implementation looks the
     /// file up before retrying, so an attach that the kernel did finish is not doubled.

@@ -498,6 +498,66 @@ pub(crate) fn backing_identity(device: &Path) -> Option<(u64, u64)> {
     Some((info.lo_device, info.lo_inode))
 }
 
+/// The backing file a lookup wants: its canonical path and its identity.
+struct Wanted {
+    path: PathBuf,
+    identity: Option<(u64, u64)>,
+}
+
+impl Wanted {
+    fn new(backing: &Path) -> Wanted {
+        let path = std::fs::canonicalize(backing).unwrap_or_else(|_| backing.to_path_buf());
+        let identity = std::fs::metadata(&path).ok().map(|m| (m.dev(), m.ino()));
+        Wanted { path, identity }
+    }
+
+    /// Whether loop device `n` shows a backing file by this path, or by another
+    /// path with the same file name (see [`Loops::find`]); reads one sysfs file.
+    fn candidate(&self, n: u32) -> bool {
+        let name = self.path.file_name();
+        read_backing(n).is_some_and(|b| {
+            b == self.path || (self.identity.is_some() && name.is_some() && b.file_name() == name)
+        })
+    }
+
+    /// Loop device `n` when the kernel's identity of its backing file is this
+    /// file's, reported by the path wanted.
+    fn confirm(&self, n: u32) -> Option<LoopDevice> {
+        read_loop(n)
+            .filter(|d| match (self.identity, backing_identity(&d.device)) {
+                (Some(a), Some(b)) => a == b,
+                _ => d.backing_file == self.path,
+            })
+            .map(|d| LoopDevice {
+                backing_file: self.path.clone(),
+                ..d
+            })
+    }
+}
+
+/// Whether anything holds `path` open for writing, from whether the kernel grants
+/// a read lease on it (it refuses one exactly then); None when that cannot be
+/// asked (no such file, a filesystem without leases, leases turned off).
+fn open_for_writing_elsewhere(path: &Path) -> Option<bool> {
+    let f = OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_CLOEXEC)
+        .open(path)
+        .ok()?;
+    // SAFETY: fcntl on a descriptor this function owns; the lease is released
+    // at once (and with the descriptor in any case).
+    let r = unsafe { libc::fcntl(f.as_raw_fd(), libc::F_SETLEASE, libc::F_RDLCK) };
+    if r == 0 {
+        // SAFETY: as above.
+        unsafe { libc::fcntl(f.as_raw_fd(), libc::F_SETLEASE, libc::F_UNLCK) };
+        return Some(false);
+    }
+    match io::Error::last_os_error().raw_os_error() {
+        Some(libc::EAGAIN) => Some(true),
+        _ => None,
+    }
+}
+
 impl LinuxLoops {
     /// Makes the block device read-only (BLKROSET), for a read-only attach.
     fn set_read_only(&self, device: &Path, read_only: bool) -> Result<()> {
@@ -626,32 +686,36 @@ impl Loops for LinuxLoops {
     /// the same name is not the attached one. A match reports `backing` as seen
     /// from here.
     fn find(&self, backing: &Path) -> Result<Vec<LoopDevice>> {
-        let want = std::fs::canonicalize(backing).unwrap_or_else(|_| backing.to_path_buf());
-        let identity = std::fs::metadata(&want).ok().map(|m| (m.dev(), m.ino()));
-        let name = want.file_name();
+        let want = Wanted::new(backing);
         // Only the backing file of each device is read; the rest of a device's
         // attributes only for a candidate (a node may have hundreds of loop devices).
         let mut numbers: Vec<u32> = loop_numbers()?
             .into_iter()
-            .filter(|n| {
-                read_backing(*n).is_some_and(|b| {
-                    b == want || (identity.is_some() && name.is_some() && b.file_name() == name)
-                })
-            })
+            .filter(|n| want.candidate(*n))
             .collect();
         numbers.sort_unstable();
         Ok(numbers
             .into_iter()
-            .filter_map(read_loop)
-            .filter(|d| match (identity, backing_identity(&d.device)) {
-                (Some(a), Some(b)) => a == b,
-                _ => d.backing_file == want,
-            })
-            .map(|d| LoopDevice {
-                backing_file: want.clone(),
-                ..d
-            })
+            .filter_map(|n| want.confirm(n))
             .collect())
+    }
+
+    fn serving(&self, device: &Path, backing: &Path) -> Result<Option<LoopDevice>> {
+        let want = Wanted::new(backing);
+        Ok(loop_number(device)
+            .filter(|n| device == Path::new(&format!("/dev/loop{n}")) && want.candidate(*n))
+            .and_then(|n| want.confirm(n)))
+    }
+
+    /// A loop device that serves a file read-write holds it open for writing, and
+    /// while anything does, the kernel refuses a read lease on the file: one
+    /// `fcntl` answers for every device, attached by whoever, from any mount
+    /// namespace. Where leases are not available, every device is looked at.
+    fn may_serve(&self, backing: &Path) -> Result<bool> {
+        match open_for_writing_elsewhere(backing) {
+            Some(open) => Ok(open),
+            None => Ok(self.find(backing)?.iter().any(|d| !d.read_only)),
+        }
     }
 
     fn attach(&self, backing: &Path, opts: LoopOptions) -> Result<LoopDevice> {

@@ -93,9 +93,9 @@ impl Controller {
     /// Removes the lock files of volumes that are gone (a crash of a delete
     /// between the record and the lock leaves one).
     fn sweep_volume_locks(&self) {
-        let staged = self.state.staged_ids();
+        let staged: std::collections::BTreeSet<_> = self.state.staged_ids().into_iter().collect();
         for id in self.state.locked_ids() {
-            let known = self.volumes.get(id).is_some()
+            let known = self.volumes.contains(id)
                 || self.volumes.is_quarantined(&id.to_string())
                 || staged.contains(&id);
             if known {

@@ -556,7 +556,16 @@ impl Controller {
         }
         let pool = self.pool(&rec.pool)?;
         let path = pool.volume_path(id, rec.backing, false);
-        if rec.backing == Backing::Image {
+        // The staged mark answers for the node's own devices; a device attached
+        // otherwise holds the image open, which the kernel tells without a look at
+        // every device.
+        if rec.backing == Backing::Image
+            && self
+                .sys
+                .loops
+                .may_serve(&path)
+                .context(|| format!("asking whether {} is in use", path.display()))?
+        {
             let attached = self
                 .sys
                 .loops
@@ -991,12 +1000,13 @@ impl Controller {
         staged: bool,
     ) -> Result<ImageSettingsBefore> {
         let wanted = parse_settings(values)?;
-        let attached = !self
+        // Whether a loop device serves the image, without a look at every device;
+        // the node finds which from its record.
+        let attached = self
             .sys
             .loops
-            .find(image)
-            .context(|| format!("finding the loop devices of {}", image.display()))?
-            .is_empty();
+            .may_serve(image)
+            .context(|| format!("finding the loop devices of {}", image.display()))?;
         let live = self.live_devices();
         if (staged || attached) && live.is_none() {
             return Err(Error::precondition(format!(
@@ -1062,7 +1072,10 @@ impl Controller {
     /// Start-up: roll back creations, finish deletions and expansions, then remove
     /// pool data that no record accounts for.
     pub(crate) fn recover_volumes(&self) -> Result<()> {
-        for rec in self.volumes.all() {
+        let unfinished = self
+            .volumes
+            .select(|r| r.state != RecordState::Ready || r.pending_size.is_some());
+        for rec in unfinished {
             // A record that cannot be repaired now stays as it is: it is not listed
             // (Creating, Deleting) and a retry of its call repairs it, so one bad
             // record never keeps the driver from starting.
@@ -1092,7 +1105,7 @@ impl Controller {
         }
         for pool in self.pools.values() {
             self.remove_orphans(&pool.volumes_dir(), |stem| {
-                VolumeId::parse(stem).is_some_and(|id| self.volumes.get(id).is_some())
+                VolumeId::parse(stem).is_some_and(|id| self.volumes.contains(id))
                     || self.volumes.is_quarantined(stem)
             })?;
         }

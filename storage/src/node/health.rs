@@ -48,7 +48,7 @@ impl Node {
 
         let mut problems = data_problems(&loc.path, loc.backing, None);
         if loc.backing == Backing::Image {
-            problems.extend(self.image_against_devices(&loc.path));
+            problems.extend(self.image_against_devices(&loc.path, rec.as_ref()));
         }
         let mounts = self.mounts()?;
         for expected in expected_mounts(rec.as_ref(), publish, staging) {
@@ -63,9 +63,9 @@ impl Node {
 
     /// An image shorter than the loop device serving it: the kernel reads past
     /// the file's end as zeros, and what was there is gone.
-    fn image_against_devices(&self, image: &Path) -> Problems {
+    fn image_against_devices(&self, image: &Path, rec: Option<&NodeRecord>) -> Problems {
         let mut out = Problems::default();
-        let (Ok(len), Ok(devices)) = (file::file_len(image), self.loops_of(image)) else {
+        let (Ok(len), Ok(devices)) = (file::file_len(image), self.image_devices(image, rec)) else {
             return out;
         };
         if let Some(d) = devices.iter().find(|d| d.size > len) {

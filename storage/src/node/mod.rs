@@ -31,6 +31,7 @@ use crate::size::parse_size;
 use crate::state::{Domain, OwnerLock, VolumeLock};
 use crate::store::Store;
 
+mod devices;
 mod health;
 
 /// The node domain of a process.
@@ -63,6 +64,13 @@ pub struct NodeRecord {
     pub mode: AccessMode,
     pub targets: BTreeMap<PathBuf, Target>,
     pub ephemeral: bool,
+    /// Every loop device the node attached to the volume's image (the read-write
+    /// one and the read-only ones of targets), so that they are found without
+    /// looking at every device of the node. None while an attach may be under way
+    /// (written before it, so a crash leaves no device unnamed) and in records of
+    /// older versions: then every device is looked at.
+    #[serde(default)]
+    pub loop_devices: Option<Vec<PathBuf>>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -272,11 +280,30 @@ impl Node {
             .context(|| "reading the mount table".into())
     }
 
-    fn loops_of(&self, image: &Path) -> Result<Vec<LoopDevice>> {
-        self.sys
-            .loops
-            .find(image)
+    /// The loop devices serving the volume at `loc` (none for a directory), from
+    /// what its record names where that can be trusted.
+    fn devices(&self, loc: &Located, rec: Option<&NodeRecord>) -> Result<Vec<LoopDevice>> {
+        if loc.backing != Backing::Image {
+            return Ok(Vec::new());
+        }
+        self.image_devices(&loc.path, rec)
+    }
+
+    fn image_devices(&self, image: &Path, rec: Option<&NodeRecord>) -> Result<Vec<LoopDevice>> {
+        let recorded = rec.and_then(|r| r.loop_devices.as_deref());
+        devices::serving(&*self.sys.loops, image, recorded)
             .context(|| format!("finding the loop devices of {}", image.display()))
+    }
+
+    /// Whether `device` is mounted anywhere, from the table this operation read
+    /// (less what it unmounted since). A mount that table still shows is looked up
+    /// again: an unmount may have taken propagated copies of it along.
+    fn is_mounted(&self, mounts: &mut Vec<MountEntry>, device: &Path) -> Result<bool> {
+        if mounts_of(mounts, device).is_empty() {
+            return Ok(false);
+        }
+        *mounts = self.mounts()?;
+        Ok(!mounts_of(mounts, device).is_empty())
     }
 
     /// `d` as a loop device of a pool image (its backing file named by its pool
@@ -369,12 +396,13 @@ impl Node {
         Ok(cap)
     }
 
-    /// The loop device serving an image read-write, attached if there is none, with
-    /// the settings recorded on the image. A setting that cannot be read or applied
-    /// fails the stage: a volume is never served without what was asked for it.
-    fn attach(&self, image: &Path) -> Result<LoopDevice> {
+    /// The loop device serving an image read-write (among `devices`, those serving
+    /// it now), attached if there is none, with the settings recorded on the image.
+    /// A setting that cannot be read or applied fails the stage: a volume is never
+    /// served without what was asked for it.
+    fn attach(&self, image: &Path, devices: &[LoopDevice]) -> Result<LoopDevice> {
         let settings = recorded_settings(image)?;
-        let dev = match self.loops_of(image)?.into_iter().find(|d| !d.read_only) {
+        let dev = match devices.iter().find(|d| !d.read_only).cloned() {
             Some(d) => d,
             None => self
                 .sys
@@ -500,11 +528,11 @@ impl Node {
         staging: &Path,
         volume: Option<&VolumeLock>,
     ) -> Result<()> {
-        let devices = self.devices(loc)?;
-        self.unmount_owned(id, loc, &devices, staging)?;
-        let mounts = self.mounts()?;
+        let devices = self.devices(loc, self.node_records.get(id).as_ref())?;
+        let mut mounts = self.mounts()?;
+        self.unmount_owned(id, loc, &devices, staging, &mut mounts)?;
         for d in &devices {
-            if mounts_of(&mounts, &d.device).is_empty() {
+            if !self.is_mounted(&mut mounts, &d.device)? {
                 self.sys
                     .loops
                     .detach(&d.device)
@@ -526,11 +554,12 @@ impl Node {
         context: &BTreeMap<String, String>,
         ephemeral: bool,
     ) -> Result<()> {
-        let mut rec = match self.node_records.get(id) {
+        let existing = self.node_records.get(id);
+        let devices = self.devices(loc, existing.as_ref())?;
+        let mut rec = match existing {
             Some(r) => {
                 if let Some(old) = r.staging_path.as_ref().filter(|p| *p != staging) {
                     let mounts = self.mounts()?;
-                    let devices = self.devices(loc)?;
                     if mounts
                         .iter()
                         .any(|m| &m.mount_point == old && self.owns(&mounts, m, id, loc, &devices))
@@ -566,12 +595,17 @@ impl Node {
                     mode: cap.mode,
                     targets: BTreeMap::new(),
                     ephemeral,
+                    loop_devices: None,
                 }
             }
         };
         rec.staging_path = Some(staging.to_path_buf());
         rec.block = cap.is_block();
         rec.mode = cap.mode;
+        // The devices are named only when no attach is to come; else the record
+        // says so, and a crash after the attach leaves no device unnamed.
+        let attaching = loc.backing == Backing::Image && !devices.iter().any(|d| !d.read_only);
+        rec.loop_devices = (!attaching).then(|| devices::listed(&devices, None));
         // The intent first: an unstage after a crash knows what to undo.
         self.node_records.put(&rec)?;
         failpoint::hit("stage.after-intent");
@@ -610,7 +644,8 @@ impl Node {
             return self.finish_stage(rec, staging, &group);
         }
 
-        let dev = self.attach(&loc.path)?;
+        let dev = self.attach(&loc.path, &devices)?;
+        rec.loop_devices = Some(devices::listed(&devices, Some(&dev)));
         failpoint::hit("stage.after-attach");
         if cap.is_block() {
             return self.finish_stage(rec, staging, "");
@@ -748,14 +783,6 @@ impl Node {
         Ok(())
     }
 
-    fn devices(&self, loc: &Located) -> Result<Vec<LoopDevice>> {
-        if loc.backing == Backing::Image {
-            self.loops_of(&loc.path)
-        } else {
-            Ok(Vec::new())
-        }
-    }
-
     pub fn node_unstage(&self, volume_id: &str, staging_path: &str) -> Result<()> {
         if volume_id.is_empty() {
             return Err(Error::invalid("volume_id is required"));
@@ -802,8 +829,8 @@ impl Node {
             // Neither data nor record: nothing of this volume is left here.
             return volume.map_or(Ok(()), |v| v.set_staged(false));
         };
-        let devices = self.devices(&loc)?;
-        let mounts = self.mounts()?;
+        let devices = self.devices(&loc, rec.as_ref())?;
+        let mut mounts = self.mounts()?;
         // Targets still mounted mean the CO skipped an unpublish.
         if let Some(r) = &rec {
             for t in r.targets.keys() {
@@ -818,7 +845,7 @@ impl Node {
                 }
             }
         }
-        self.unmount_owned(id, &loc, &devices, staging)?;
+        self.unmount_owned(id, &loc, &devices, staging, &mut mounts)?;
         if let Some(old) = rec
             .as_ref()
             .and_then(|r| r.staging_path.as_ref())
@@ -833,9 +860,8 @@ impl Node {
             }
         }
         failpoint::hit("unstage.after-unmount");
-        let mounts = self.mounts()?;
         for d in &devices {
-            if mounts_of(&mounts, &d.device).is_empty() {
+            if !self.is_mounted(&mut mounts, &d.device)? {
                 match self.sys.loops.detach(&d.device) {
                     // Still open elsewhere for a moment: the kernel detaches it when
                     // the last user closes it, so the volume is unstaged all the same.
@@ -853,20 +879,21 @@ impl Node {
     }
 
     /// Unmounts every mount of this volume at `path` (mounts may be stacked);
-    /// FAILED_PRECONDITION if something else is mounted there.
+    /// FAILED_PRECONDITION if something else is mounted there. `mounts` is the
+    /// table the operation read; what is unmounted leaves it.
     fn unmount_owned(
         &self,
         id: VolumeId,
         loc: &Located,
         devices: &[LoopDevice],
         path: &Path,
+        mounts: &mut Vec<MountEntry>,
     ) -> Result<()> {
         loop {
-            let mounts = self.mounts()?;
-            let Some(top) = mounts.iter().rev().find(|m| m.mount_point == path) else {
+            let Some(i) = mounts.iter().rposition(|m| m.mount_point == path) else {
                 return Ok(());
             };
-            if !self.owns(&mounts, top, id, loc, devices) {
+            if !self.owns(mounts, &mounts[i], id, loc, devices) {
                 return Err(Error::precondition(format!(
                     "{} is a mount of something other than volume {id}; it is left alone",
                     path.display()
@@ -877,7 +904,8 @@ impl Node {
             let mut tries = 0;
             loop {
                 match self.sys.mounter.unmount(path) {
-                    Ok(()) => break,
+                    // Gone already: another of its propagated copies went first.
+                    Ok(()) | Err(SysError::NotMounted { .. }) => break,
                     Err(SysError::Busy { .. }) if tries < 20 => {
                         tries += 1;
                         std::thread::sleep(std::time::Duration::from_millis(50));
@@ -890,6 +918,7 @@ impl Node {
                     }
                 }
             }
+            mounts.remove(i);
         }
     }
 
@@ -952,7 +981,12 @@ impl Node {
                 if rec.block { "block" } else { "mount" }
             )));
         }
-        let devices = self.devices(loc)?;
+        let devices = self.devices(loc, Some(&rec))?;
+        if loc.backing == Backing::Image {
+            // All of them, found under the volume's lock: a record that did not
+            // name them right does from its next write on.
+            rec.loop_devices = Some(devices::listed(&devices, None));
+        }
         let mounts = self.mounts()?;
         if let Some(m) = mounts.iter().rev().find(|m| m.mount_point == target) {
             if !self.owns(&mounts, m, id, loc, &devices) {
@@ -1028,18 +1062,24 @@ impl Node {
                     .cloned();
                 let ro = match spare {
                     Some(d) => d,
-                    None => self
-                        .sys
-                        .loops
-                        .attach(
-                            &loc.path,
-                            LoopOptions {
-                                read_only: true,
-                                direct_io: false,
-                            },
-                        )
-                        .context(|| format!("attaching {} read-only", loc.path.display()))?,
+                    None => {
+                        // Said before the attach, so a crash after it leaves no
+                        // device unnamed.
+                        rec.loop_devices = None;
+                        self.node_records.put(&rec)?;
+                        self.sys
+                            .loops
+                            .attach(
+                                &loc.path,
+                                LoopOptions {
+                                    read_only: true,
+                                    direct_io: false,
+                                },
+                            )
+                            .context(|| format!("attaching {} read-only", loc.path.display()))?
+                    }
                 };
+                rec.loop_devices = Some(devices::listed(&devices, Some(&ro)));
                 ro_device = Some(ro.device.clone());
                 ro.device
             } else {
@@ -1113,12 +1153,13 @@ impl Node {
         let mut rec = self.node_records.get(id);
         let loc = self.locate_or_recorded(id, rec.as_ref());
         let devices = match &loc {
-            Some(l) => self.devices(l)?,
+            Some(l) => self.devices(l, rec.as_ref())?,
             None => Vec::new(),
         };
+        let mut mounts = self.mounts()?;
         if let Some(loc) = &loc {
-            self.unmount_owned(id, loc, &devices, target)?;
-        } else if self.mounts()?.iter().any(|m| m.mount_point == target) {
+            self.unmount_owned(id, loc, &devices, target, &mut mounts)?;
+        } else if mounts.iter().any(|m| m.mount_point == target) {
             return Err(Error::not_found(format!(
                 "volume {id} does not exist; {} is left alone",
                 target.display()
@@ -1137,12 +1178,14 @@ impl Node {
             _ => {}
         }
         if let Some(dev) = entry.and_then(|t| t.ro_device) {
-            let mounts = self.mounts()?;
-            if mounts_of(&mounts, &dev).is_empty() && devices.iter().any(|d| d.device == dev) {
+            if devices.iter().any(|d| d.device == dev) && !self.is_mounted(&mut mounts, &dev)? {
                 self.sys
                     .loops
                     .detach(&dev)
                     .context(|| format!("detaching {}", dev.display()))?;
+                if let Some(list) = rec.as_mut().and_then(|r| r.loop_devices.as_mut()) {
+                    list.retain(|d| *d != dev);
+                }
             }
         }
         if let Some(r) = rec {
@@ -1171,7 +1214,7 @@ impl Node {
             return Err(Error::not_found(format!("{volume_path} does not exist")));
         }
         let rec = self.node_records.get(id);
-        let devices = self.devices(&loc)?;
+        let devices = self.devices(&loc, rec.as_ref())?;
         let mounts = self.mounts()?;
         let mount = mounts.iter().rev().find(|m| m.mount_point == path);
         let mut stats = VolumeStats::default();
@@ -1281,7 +1324,7 @@ impl Node {
             }
             file::grow(&loc.path, want).context(|| format!("growing {}", loc.path.display()))?;
         }
-        let devices = self.loops_of(&loc.path)?;
+        let devices = self.devices(&loc, self.node_records.get(id).as_ref())?;
         let dev = devices.iter().find(|d| !d.read_only).ok_or_else(|| {
             Error::precondition(format!("volume {id} is not staged on this node"))
         })?;
@@ -1642,7 +1685,11 @@ impl Node {
 impl LiveDevices for Node {
     fn apply_live(&self, image: &Path, wanted: LoopSettings) -> Result<DevicesBefore> {
         let mut before = Vec::new();
-        for d in self.loops_of(image)? {
+        let rec = image
+            .file_stem()
+            .and_then(|s| VolumeId::parse(&s.to_string_lossy()))
+            .and_then(|id| self.node_records.get(id));
+        for d in self.image_devices(image, rec.as_ref())? {
             before.push((d.device.clone(), self.current_settings(&d)?));
         }
         match before
