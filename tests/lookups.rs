@@ -252,7 +252,7 @@ fn delete_refuses_an_image_attached_by_something_else() {
     let image = p.path(&format!("pool/volumes/{id}.img"));
     let dev = p.losetup(&image);
     let err = d.controller().unwrap().delete_volume(&id).unwrap_err();
-    assert_eq!(err.code(), Code::FailedPrecondition, "{err}");
+    assert_eq!(csi_glue::code(&err), Code::FailedPrecondition, "{err}");
     assert!(err.to_string().contains(&dev), "{err}");
     assert!(image.exists());
     run("losetup", &["-d", &dev]);
