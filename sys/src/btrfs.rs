@@ -234,25 +234,6 @@ pub fn set_compression(subvol_path: &Path, algorithm: &str) -> Result<()> {
     .map(|_| ())
 }
 
-/// The compression property of a subvolume (empty when none).
-pub fn compression(subvol_path: &Path) -> Result<String> {
-    let out = btrfs(
-        &[
-            "property".as_ref(),
-            "get".as_ref(),
-            subvol_path.as_os_str(),
-            "compression".as_ref(),
-        ],
-        SHORT_TIMEOUT,
-    )?;
-    let text = String::from_utf8_lossy(&out.stdout);
-    Ok(text
-        .trim()
-        .strip_prefix("compression=")
-        .unwrap_or("")
-        .to_string())
-}
-
 /// The figures of the qgroup 0/<id> of a subvolume.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct QgroupInfo {
@@ -294,11 +275,6 @@ pub fn qgroup_info(subvol_path: &Path) -> Result<QgroupInfo> {
             cmd::display("btrfs", &args)
         ),
     })
-}
-
-/// Bytes referenced by the subvolume `subvol_path` (its qgroup 0/<id>).
-pub fn qgroup_usage(subvol_path: &Path) -> Result<u64> {
-    qgroup_info(subvol_path).map(|q| q.referenced)
 }
 
 /// Parse `btrfs qgroup show --raw -r` text. Columns are found by their header

@@ -86,7 +86,7 @@ fn root_btrfs_qgroup_limit_is_enforced_and_usage_reported() {
 
     // Write 4 MiB: usage follows.
     fs::write(vol.join("small"), vec![1u8; 4 << 20]).unwrap();
-    let used = btrfs::qgroup_usage(&vol).unwrap();
+    let used = btrfs::qgroup_info(&vol).unwrap().referenced;
     assert!((4 * MIB..6 * MIB).contains(&used), "{used}");
 
     // Writing past the limit fails with EDQUOT.
@@ -103,7 +103,7 @@ fn root_btrfs_qgroup_limit_is_enforced_and_usage_reported() {
     let err = err.expect("the qgroup limit was not enforced");
     assert_eq!(err.raw_os_error(), Some(libc::EDQUOT), "{err:?}");
     assert!(csi_sys::SysError::io("write", vol.join("big"), err).is_no_space());
-    let used = btrfs::qgroup_usage(&vol).unwrap();
+    let used = btrfs::qgroup_info(&vol).unwrap().referenced;
     assert!(used <= 17 * MIB, "{used}");
 
     // Lifting the limit.
@@ -113,6 +113,6 @@ fn root_btrfs_qgroup_limit_is_enforced_and_usage_reported() {
 
     // Usage of something that is not a subvolume on btrfs is an error, not a panic.
     let tmp = tempfile::tempdir().unwrap();
-    assert!(btrfs::qgroup_usage(tmp.path()).is_err());
+    assert!(btrfs::qgroup_info(tmp.path()).is_err());
     assert!(file::statvfs(p).unwrap().total_bytes > 0);
 }
