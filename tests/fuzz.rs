@@ -913,16 +913,37 @@ fn outside_fingerprint(test_dir: &Path) -> BTreeMap<String, String> {
             out.insert(format!("/tmp/{n}"), "marker".into());
         }
     }
-    let other = |p: &str| p.starts_with("/tmp/") && !Path::new(p).starts_with(test_dir);
+    // Mounts the driver could make or remove: any mount of the pool's devices
+    // (its own loop mount, the volumes' loop devices, binds of its folders),
+    // wherever it is, and any mount at the paths outside the test dirs that
+    // requests name. Other mounts (a cluster or a build on the same machine)
+    // come and go on their own.
+    let devices: std::collections::BTreeSet<String> = loop_devices()
+        .into_iter()
+        .filter(|(_, b)| b.starts_with(test_dir))
+        .map(|(d, _)| d)
+        .collect();
+    let named = |mp: &Path| {
+        ["/", "/proc/1/root", "/dev/null"]
+            .iter()
+            .any(|n| mp == Path::new(n))
+            || mp.starts_with("/etc")
+    };
     for l in std::fs::read_to_string("/proc/self/mountinfo")
         .unwrap_or_default()
         .lines()
     {
         let f: Vec<&str> = l.split(' ').collect();
-        if let Some(mp) = f.get(4) {
-            if !other(mp) && !Path::new(mp).starts_with(test_dir) {
-                out.insert(format!("mount {mp}"), f.get(5).unwrap_or(&"").to_string());
-            }
+        let (Some(mp), Some(dash)) = (f.get(4), f.iter().position(|x| *x == "-")) else {
+            continue;
+        };
+        let mp = Path::new(mp);
+        let source = f.get(dash + 2).copied().unwrap_or("");
+        if !mp.starts_with(test_dir) && (named(mp) || devices.contains(source)) {
+            out.insert(
+                format!("mount {} {source}", mp.display()),
+                f.get(5).unwrap_or(&"").to_string(),
+            );
         }
     }
     out
