@@ -156,9 +156,21 @@ pool_loops_left() {
         'index(pools, " " $2 " ") || index($3, w) == 1 || index($3, r) == 1 {print $1}'
 }
 
-# detach_pool_loops: volumes' loop devices first, then the pools'.
+# The loop devices the kubelet attaches over a block volume's device node to
+# hold it while a pod maps it (their backing file is on /dev's filesystem). A
+# kubelet stopped before it unmaps leaves them, and they keep the volume's own
+# loop device, and through it the pool, busy. Only those made during this run.
+kubelet_device_loops_left() {
+    local dev; dev=$(stat -c '%Hd:%Ld' /dev)
+    losetup -n -O NAME,BACK-MAJ:MIN 2>/dev/null | awk -v dev="$dev" '$2 == dev {print $1}' | sort \
+        | comm -13 "$W/host-before/loops" -
+}
+
+# detach_pool_loops: the kubelet's holds first, then the volumes' loop
+# devices, then the pools'.
 detach_pool_loops() {
     local l
+    for l in $(kubelet_device_loops_left); do losetup -d "$l" 2>/dev/null || true; done
     for l in $(pool_loops_left | sort -r); do losetup -d "$l" 2>/dev/null || true; done
 }
 

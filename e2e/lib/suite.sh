@@ -22,14 +22,15 @@ suite_skip_patterns() {
 # The test images the suite's storage tests run, under the names this release
 # asks for: busybox as for the scenarios; agnhost built from the release's
 # sources on the same busybox layer (the tests run shell commands in it too);
-# glibc-dns-testing, which the multi-volume tests use for GNU dd and sha256sum,
-# as the Debian root filesystem of the driver's image. Made after
+# glibc-dns-testing (the multi-volume tests want GNU dd and sha256sum) and
+# nginx (the exec test wants a shell and chmod) as the Debian root filesystem
+# of the driver's image. Made after
 # build_images, before the nodes start (they import every image).
 suite_images() {
     local bin=$E2E_CACHE/suite-$KUBERNETES_VERSION dir=$W/images
     local names name i=0
     names=$("$bin/e2e.test" --list-images \
-        | grep -E '^registry\.k8s\.io/e2e-test-images/(busybox|agnhost|glibc-dns-testing):')
+        | grep -E '^registry\.k8s\.io/e2e-test-images/(busybox|agnhost|glibc-dns-testing|nginx):')
     grep -q /agnhost: <<<"$names" && grep -q /busybox: <<<"$names" \
         || die "the suite does not name its busybox and agnhost images"
     rm -rf "$dir/agnhost"; cp -a "$dir/busybox" "$dir/agnhost"
@@ -41,7 +42,7 @@ suite_images() {
                              --layer "$dir/busybox" --cmd '["sh"]' ;;
             */agnhost:*) python3 "$E2E_ROOT/e2e/lib/mkimage.py" "$dir/suite-$i.tar" "$name" \
                              --layer "$dir/agnhost" --entrypoint '["/agnhost"]' ;;
-            */glibc-dns-testing:*) python3 "$E2E_ROOT/e2e/lib/mkimage.py" "$dir/suite-$i.tar" "$name" \
+            */glibc-dns-testing:*|*/nginx:*) python3 "$E2E_ROOT/e2e/lib/mkimage.py" "$dir/suite-$i.tar" "$name" \
                              --layer "$(driver_rootfs)" --cmd '["sh"]' ;;
         esac
     done

@@ -40,7 +40,9 @@ def main():
             if state == "passed":
                 counts["passed"] += 1
             elif state == "skipped":
-                if message:
+                if "nterrupted" in message or "imeout" in message:
+                    counts["timed out"] += 1
+                elif message:
                     counts["skipped by the suite"] += 1
                     reasons[message.splitlines()[0][:160]] += 1
                 else:
@@ -56,6 +58,7 @@ def main():
     print(f"skipped by the suite: {counts['skipped by the suite']}")
     print(f"skipped by e2e/skips.md: {counts['skipped by e2e/skips.md']}")
     print(f"pending: {counts['pending']}")
+    print(f"not run, the run's time ran out: {counts['timed out']}")
     print(f"time: {took}s")
     if failures:
         print("failures:")
