@@ -489,6 +489,20 @@ fn configure_legacy(dev: &File, file: &File, mut info: LoopInfo64) -> std::resul
     Ok(())
 }
 
+/// Whether a filesystem on the block device `device` is mounted in this mount
+/// namespace (by its device number in /proc/self/mountinfo).
+fn mounted_device(device: &Path) -> Result<bool> {
+    let rdev = match std::fs::metadata(device) {
+        Ok(m) => m.rdev(),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(false),
+        Err(e) => return Err(SysError::io("stat", device, e)),
+    };
+    let (major, minor) = (libc::major(rdev), libc::minor(rdev));
+    Ok(crate::mountinfo::read()?
+        .iter()
+        .any(|m| m.major == major && m.minor == minor))
+}
+
 /// (st_dev, st_ino) of the backing file of an attached loop device, from
 /// LOOP_GET_STATUS64.
 pub(crate) fn backing_identity(device: &Path) -> Option<(u64, u64)> {
@@ -739,12 +753,28 @@ impl Loops for LinuxLoops {
             Ok(f) => f,
             Err(e) if e.is_not_found() => return Ok(()),
             Err(SysError::Busy { .. }) => {
+                // Mounted here: it stays attached. Mounted only in another mount
+                // namespace (a copy of the mount table a container runtime took a
+                // moment before the unmount here) or held exclusively by another
+                // process: the kernel is told to detach it once that goes, or it
+                // would stay attached for good.
+                let mounted_here = mounted_device(device)?;
+                if !mounted_here {
+                    if let Ok(f) = open_device(device, false, false) {
+                        // Sets autoclear while the device has other users.
+                        let _ = ioctl_errno(&f, LOOP_CLR_FD, 0 as libc::c_ulong);
+                    }
+                }
                 return Err(SysError::Busy {
-                    what: format!(
-                        "{} is mounted or held exclusively; not detached",
-                        device.display()
-                    ),
-                })
+                    what: if mounted_here {
+                        format!("{} is mounted; not detached", device.display())
+                    } else {
+                        format!(
+                            "{} is held elsewhere (mounted in another mount namespace, or open exclusively); the kernel detaches it when it is released",
+                            device.display()
+                        )
+                    },
+                });
             }
             Err(e) => return Err(e),
         };

@@ -551,3 +551,68 @@ fn root_loop_found_after_the_attaching_mount_is_gone() {
     assert_eq!(found[0].backing_file, std::fs::canonicalize(&img).unwrap());
     assert!(loops.find(&twin).unwrap().is_empty());
 }
+
+/// A device whose filesystem is mounted only in another mount namespace (as when
+/// a container runtime copied the mount table a moment before the unmount here)
+/// cannot be detached now; detach says so and the kernel detaches it once that
+/// namespace lets go. Mounted here, it stays attached.
+#[test]
+#[ignore = "needs root: loop devices and mounts"]
+fn root_loop_detach_when_mounted_only_in_another_namespace() {
+    require_root();
+    let tmp = tempfile::tempdir().unwrap();
+    let img = image(tmp.path(), "held.img", 64 * MIB);
+    let a = Attached::new(&img, LoopOptions::default());
+    LinuxFilesystems::default().mkfs(a.path(), "ext4").unwrap();
+    let loops = LinuxLoops::default();
+    let n = a.path().file_name().unwrap().to_str().unwrap().to_string();
+
+    // Mounted here: busy, and it stays attached after the unmount.
+    let here = mountpoint(tmp.path(), "here");
+    LinuxMounter
+        .mount(a.path(), &here, "ext4", &MountOptions::default())
+        .unwrap();
+    assert!(loops.detach(a.path()).unwrap_err().is_busy());
+    assert_eq!(sysfs(a.path(), "loop/autoclear"), "0");
+    LinuxMounter.unmount(&here).unwrap();
+    assert!(!loops.find(&img).unwrap().is_empty());
+
+    // Mounted in another namespace only.
+    let there = mountpoint(tmp.path(), "there");
+    struct Holder(std::process::Child);
+    impl Drop for Holder {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let mut holder = std::process::Command::new("unshare")
+        .args(["--mount", "--propagation", "private", "sh", "-c"])
+        .arg(format!(
+            "mount {} {} && echo ready && exec sleep 600",
+            a.path().display(),
+            there.display()
+        ))
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let out = holder.stdout.take().unwrap();
+    let holder = Holder(holder);
+    let mut line = String::new();
+    std::io::BufRead::read_line(&mut std::io::BufReader::new(out), &mut line).unwrap();
+    assert_eq!(line.trim(), "ready");
+    let err = loops.detach(a.path()).unwrap_err();
+    assert!(err.is_busy(), "{err}");
+    assert!(err.to_string().contains("held elsewhere"), "{err}");
+    assert_eq!(sysfs(a.path(), "loop/autoclear"), "1");
+    assert!(!loops.find(&img).unwrap().is_empty(), "still attached");
+    drop(holder);
+    let gone = (0..100).any(|_| {
+        std::thread::sleep(Duration::from_millis(50));
+        !Path::new(&format!("/sys/block/{n}/loop/backing_file")).exists()
+    });
+    assert!(
+        gone,
+        "the kernel detached {n} once the other namespace let go"
+    );
+}
