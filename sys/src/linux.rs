@@ -228,8 +228,11 @@ const LOOP_CTL_GET_FREE: u64 = 0x4C82;
 const LO_FLAGS_READ_ONLY: u32 = 1;
 const LO_FLAGS_DIRECT_IO: u32 = 16;
 
-/// BLKROSET = _IO(0x12, 93), BLKGETSIZE64 = _IOR(0x12, 114, u64).
+/// BLKROSET = _IO(0x12, 93), BLKGETSIZE64 = _IOR(0x12, 114, u64);
+/// BLKRASET = _IO(0x12, 98) and BLKRAGET = _IO(0x12, 99), in 512-byte sectors.
 const BLKROSET: u64 = 0x125D;
+const BLKRASET: u64 = 0x1262;
+const BLKRAGET: u64 = 0x1263;
 const BLKGETSIZE64: u64 = 0x8008_1272;
 
 /// How many free devices attach tries when another process grabs the one it got.
@@ -835,6 +838,40 @@ impl Loops for LinuxLoops {
                     e,
                 )
             })
+    }
+
+    /// Through the device (BLKRASET), not sysfs: a container that is not in the
+    /// host's network namespace gets /sys read-only, privileged or not.
+    fn set_read_ahead_kib(&self, device: &Path, kib: u32) -> Result<()> {
+        let dev = open_device(device, false, false)?;
+        let sectors = libc::c_ulong::from(kib) * 2;
+        ioctl_errno(&dev, BLKRASET, sectors)
+            .map(|_| ())
+            .map_err(|e| {
+                SysError::syscall(
+                    format!("set the read-ahead of {} to {kib} KiB", device.display()),
+                    device,
+                    e,
+                )
+            })
+    }
+
+    fn read_ahead_kib(&self, device: &Path) -> Result<u32> {
+        let dev = open_device(device, false, false)?;
+        let mut sectors: libc::c_long = 0;
+        ioctl_errno(&dev, BLKRAGET, &mut sectors as *mut libc::c_long).map_err(|e| {
+            SysError::syscall(
+                format!("read the read-ahead of {}", device.display()),
+                device,
+                e,
+            )
+        })?;
+        u32::try_from(sectors / 2).map_err(|_| SysError::InvalidArgument {
+            what: format!(
+                "{} reports a read-ahead of {sectors} sectors",
+                device.display()
+            ),
+        })
     }
 }
 

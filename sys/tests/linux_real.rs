@@ -616,3 +616,21 @@ fn root_loop_detach_when_mounted_only_in_another_namespace() {
         "the kernel detached {n} once the other namespace let go"
     );
 }
+
+/// Read-ahead is set and read through the device itself, and the kernel's view
+/// in sysfs agrees (a container off the host's network namespace sees /sys
+/// read-only, so sysfs cannot be the way in).
+#[test]
+#[ignore = "needs root: loop devices and mounts"]
+fn root_loop_read_ahead_through_the_device() {
+    require_root();
+    let tmp = tempfile::tempdir().unwrap();
+    let img = image(tmp.path(), "ra.img", 16 * MIB);
+    let a = Attached::new(&img, LoopOptions::default());
+    let loops = LinuxLoops::default();
+    for kib in [512, 4096, 0, 128] {
+        loops.set_read_ahead_kib(a.path(), kib).unwrap();
+        assert_eq!(loops.read_ahead_kib(a.path()).unwrap(), kib);
+        assert_eq!(sysfs(a.path(), "queue/read_ahead_kb"), kib.to_string());
+    }
+}
