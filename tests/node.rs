@@ -72,15 +72,7 @@ impl Fx {
         cap: csi::VolumeCapability,
         params: &[(&str, &str)],
     ) -> String {
-        self.c
-            .controller
-            .create_volume(create_req(name, size, cap, params))
-            .await
-            .unwrap_or_else(|e| panic!("CreateVolume {name}: {e:?}"))
-            .into_inner()
-            .volume
-            .unwrap()
-            .volume_id
+        self.c.create(name, size, cap, params).await
     }
 
     /// DeleteVolume, retried as a CO retries while it answers FAILED_PRECONDITION:

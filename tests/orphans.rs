@@ -165,19 +165,8 @@ async fn root_cleanup_orphans_leaves_another_instances_volumes_alone() {
     let dir: &[(&str, &str)] = &[("kind", "dir")];
     let mut ca = a.clients().await;
     let mut cb = b.clients().await;
-    let id = ca
-        .controller
-        .create_volume(create_req("pvc-shared", 64 * MIB, cap.clone(), dir))
-        .await
-        .unwrap()
-        .into_inner()
-        .volume
-        .unwrap()
-        .volume_id;
-    cb.controller
-        .create_volume(create_req("pvc-shared", 64 * MIB, cap.clone(), dir))
-        .await
-        .unwrap();
+    let id = ca.create("pvc-shared", 64 * MIB, cap.clone(), dir).await;
+    cb.create("pvc-shared", 64 * MIB, cap.clone(), dir).await;
     let scratch = pool_a.scratch("node");
     let (staging, target) = (scratch.join("staging"), scratch.join("target"));
     std::fs::create_dir_all(&staging).unwrap();
@@ -203,15 +192,7 @@ async fn root_cleanup_orphans_finds_a_loop_attached_through_another_view() {
     let mut d = Driver::start(&pool, &[]);
     let mut c = d.clients().await;
     let cap = mount_cap("ext4", writer());
-    let id = c
-        .controller
-        .create_volume(create_req("pvc-orphan-view", 64 * MIB, cap, &[]))
-        .await
-        .unwrap()
-        .into_inner()
-        .volume
-        .unwrap()
-        .volume_id;
+    let id = c.create("pvc-orphan-view", 64 * MIB, cap, &[]).await;
     drop(c);
     d.kill9();
     let image = pool.path.join("volumes").join(format!("{id}.img"));

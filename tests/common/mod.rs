@@ -192,6 +192,24 @@ pub struct Clients {
 }
 
 impl Clients {
+    /// CreateVolume, which must succeed; the new volume's id.
+    pub async fn create(
+        &mut self,
+        name: &str,
+        size: i64,
+        cap: csi::VolumeCapability,
+        params: &[(&str, &str)],
+    ) -> String {
+        self.controller
+            .create_volume(create_req(name, size, cap, params))
+            .await
+            .unwrap_or_else(|e| panic!("CreateVolume {name}: {e:?}"))
+            .into_inner()
+            .volume
+            .unwrap()
+            .volume_id
+    }
+
     /// NodeStageVolume then a read-write NodePublishVolume, as kubelet readies a
     /// volume for a pod; both must succeed.
     pub async fn stage_and_publish(
