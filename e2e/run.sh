@@ -180,13 +180,7 @@ make_pools() {
     # needs a shared mount on the host (systemd makes / shared; here it is not).
     mount --bind "$POOL_ROOT" "$POOL_ROOT"
     mount --make-rshared "$POOL_ROOT"
-    local name
-    for name in pool ssd; do
-        truncate -s 64G "$W/pools/$name.img"
-        mkfs.xfs -q -f -m reflink=1 "$W/pools/$name.img"
-        mkdir -p "$POOL_ROOT/$name"
-        mount -o loop "$W/pools/$name.img" "$POOL_ROOT/$name"
-    done
+    mount_pools "" "$POOL_ROOT"
 }
 
 # ------------------------------------------------------------------ deploy

@@ -217,6 +217,18 @@ EOF
     wait_for 120 "node $name Ready" node_ready "$name" || die "node $name not Ready (logs/kubelet-$name.log)"
 }
 
+# mount_pools PREFIX DIR: the two pools the manifests name (pool, ssd), each an
+# xfs with reflink on a sparse image $W/pools/PREFIX<name>.img, mounted at DIR/<name>.
+mount_pools() {
+    local p
+    for p in pool ssd; do
+        truncate -s 64G "$W/pools/$1$p.img"
+        mkfs.xfs -q -f -m reflink=1 "$W/pools/$1$p.img"
+        mkdir -p "$2/$p"
+        mount -o loop "$W/pools/$1$p.img" "$2/$p"
+    done
+}
+
 # node_namespace NAME: the mount namespace of a second node on this machine.
 # deploy/ mounts /var/lib/kubelet and /var/lib/example-csi on every node; here
 # they (and the kubelet's pod logs, which a kubelet prunes of pods it does not
@@ -225,14 +237,9 @@ EOF
 # so that the checks see them). The namespace is held by a process recorded
 # for teardown; its containerd and kubelet enter it.
 node_namespace() {
-    local name=$1 dir=$W/node-$1 p
+    local name=$1 dir=$W/node-$1
     mkdir -p "$dir/kubelet" "$dir/example-csi" "$dir/log-pods" "$dir/log-containers"
-    for p in pool ssd; do
-        truncate -s 64G "$W/pools/$name-$p.img"
-        mkfs.xfs -q -f -m reflink=1 "$W/pools/$name-$p.img"
-        mkdir -p "$dir/example-csi/$p"
-        mount -o loop "$W/pools/$name-$p.img" "$dir/example-csi/$p"
-    done
+    mount_pools "$name-" "$dir/example-csi"
     start_bg "mntns-$name" unshare --mount --propagation private sleep infinity
     local pid; pid=$(awk -v n="mntns-$name" '$2 == n {p = $1} END {print p}' "$W/pids")
     wait_for 10 "the mount namespace of $name" not_my_mntns "$pid" || die "no mount namespace for $name"
