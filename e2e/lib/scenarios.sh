@@ -256,20 +256,27 @@ print(sum(1 for i in items if any(o.get("kind") == "VolumeGroupSnapshot" for o i
 }
 
 scenario_fsgroup() {
-    scenario "fsGroup through VOLUME_MOUNT_GROUP (no recursive chown)"
+    scenario "fsGroup through VOLUME_MOUNT_GROUP (contents given once, on a new group)"
     pvc shared 1Gi example-csi
     pod first shared "touch /data/old && exec sleep 100000"
     eventually 120 "root pod running" pod_running first || return
     eventually 30 "root pod made a file" in_pod first test -e /data/old
     delete_pod first
-    pod second shared "exec sleep 100000" "  securityContext: {runAsUser: 1000, runAsGroup: 1000, fsGroup: 2000}"
+    local sc="  securityContext: {runAsUser: 1000, runAsGroup: 1000, fsGroup: 2000}"
+    pod second shared "exec sleep 100000" "$sc"
     eventually 120 "pod with fsGroup 2000 running" pod_running second || return
     check_eq "volume root owned by group 2000 with setgid" "2000 2" \
         "$(in_pod second sh -c 'stat -c "%g %a" /data | cut -c1-6')"
+    check_eq "the earlier pod's file given to the new group" 2000 "$(in_pod second stat -c %g /data/old)"
     check "the pod (uid 1000) can write" in_pod second touch /data/new
     check_eq "a new file takes the group" 2000 "$(in_pod second stat -c %g /data/new)"
-    check_eq "the old file kept its group: no recursive chown" 0 "$(in_pod second stat -c %g /data/old)"
+    check "the pod gives its file to its own group" in_pod second chgrp 1000 /data/new
     delete_pod second
+    pod third shared "exec sleep 100000" "$sc"
+    eventually 120 "a pod with the same fsGroup running" pod_running third || return
+    check_eq "same group: no walk, the file keeps the group the pod gave it" 1000 \
+        "$(in_pod third stat -c %g /data/new)"
+    delete_pod third
 }
 
 # The node plugin's pod replaced while a pod uses a volume: the new container

@@ -32,7 +32,10 @@ use crate::state::{Domain, OwnerLock, VolumeLock};
 use crate::store::Store;
 
 mod devices;
+mod group;
 mod health;
+
+use group::apply_mount_group;
 
 /// The node domain of a process.
 pub struct Node {
@@ -1736,16 +1739,4 @@ fn make_file(path: &Path) -> Result<()> {
             .map(drop)
             .map_err(|e| Error::invalid(format!("cannot make {}: {e}", path.display()))),
     }
-}
-
-/// Gives the volume's root to `group` with group write and setgid, so new files
-/// inherit the group and a pod's fsGroup works without a recursive chown.
-fn apply_mount_group(root: &Path, group: &str) -> Result<()> {
-    let gid: u32 = group.parse().map_err(|_| {
-        Error::invalid(format!(
-            "volume_mount_group {group:?} is not a numeric group id"
-        ))
-    })?;
-    file::share_with_group(root, gid)
-        .context(|| format!("giving {} to group {gid}", root.display()))
 }
