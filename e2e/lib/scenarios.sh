@@ -224,6 +224,34 @@ scenario_modify() {
     local f; f=$(pool_file_of "$(volume_of attrs)")
     check_eq "directIO recorded on the volume" true "$(getfattr --only-values -n user.example-csi.directIO "$f" 2>/dev/null)"
     check_eq "readAheadKiB recorded on the volume" 1024 "$(getfattr --only-values -n user.example-csi.readAheadKiB "$f" 2>/dev/null)"
+    # In use: the stage gives the loop device what is recorded, and a change
+    # while the pod runs reaches the device at once (in the central flavor the
+    # controller hands it to the node plugin's process).
+    pod attrs attrs "exec sleep 100000"
+    eventually 120 "a pod on the claim running" pod_running attrs || return
+    check_eq "the staged volume's loop device has the class's settings" "1 1024" "$(loop_settings_of "$f")"
+    apply <<EOF
+apiVersion: storage.k8s.io/v1
+kind: VolumeAttributesClass
+metadata: {name: e2e-slow}
+driverName: example.csi.k8s.io
+parameters: {directIO: "false", readAheadKiB: "256"}
+EOF
+    kc -n "$NS" patch pvc attrs -p '{"spec":{"volumeAttributesClassName":"e2e-slow"}}' >/dev/null
+    eventually 120 "claim in use now has class e2e-slow" \
+        field_is pvc/attrs '{.status.currentVolumeAttributesClassName}' e2e-slow
+    check_eq "the loop device serving the pod changed at once" "0 256" "$(loop_settings_of "$f")"
+    check "the pod still writes" in_pod attrs sh -c 'echo x > /data/after && sync'
+    delete_pod attrs
+    kc delete volumeattributesclass e2e-slow --wait=false >/dev/null
+}
+
+# loop_settings_of FILE: "DIO READ_AHEAD_KB" of the loop device serving FILE.
+loop_settings_of() {
+    local dev; dev=$(loops_of "$1" | head -n1)
+    [ -n "$dev" ] || { echo "no loop device"; return; }
+    dev=${dev#/dev/}
+    echo "$(cat "/sys/block/$dev/loop/dio") $(cat "/sys/block/$dev/queue/read_ahead_kb")"
 }
 
 scenario_group_snapshot() {
