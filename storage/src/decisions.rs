@@ -1626,32 +1626,49 @@ fn the_controller_does_not_delete_a_volume_the_node_has_staged() {
 }
 
 #[test]
-fn a_controller_without_the_node_refuses_to_change_a_staged_image() {
+fn a_controller_without_the_node_hands_a_staged_image_change_to_the_node_process() {
     let (w, node) = split();
     let id = w.create("pvc-a", ext4());
     stage_on(&node, &w, &id, &ext4()).unwrap();
-    let want = BTreeMap::from([("directIO".to_string(), "true".to_string())]);
+    let image = w.tmp.path().join(format!("pool/volumes/{id}.img"));
+    let direct_io = || {
+        w.fake
+            .loops()
+            .iter()
+            .filter(|d| d.backing_file.ends_with(format!("{id}.img")))
+            .map(|d| d.direct_io)
+            .collect::<Vec<_>>()
+    };
+    assert_eq!(direct_io(), vec![false]);
+    let on = BTreeMap::from([("directIO".to_string(), "true".to_string())]);
+    w.c().modify_volume(&id, &on).unwrap();
     assert_eq!(
-        kind(w.c().modify_volume(&id, &want)),
+        direct_io(),
+        vec![true],
+        "the node process changed its device"
+    );
+    let attr = csi_sys::xattr::get(&image, "example-csi.directIO").unwrap();
+    assert_eq!(attr.as_deref(), Some(&b"true"[..]));
+
+    // Without the node process, a change of the staged image is refused and
+    // nothing changes.
+    drop(node);
+    let off = BTreeMap::from([("directIO".to_string(), "false".to_string())]);
+    assert_eq!(
+        kind(w.c().modify_volume(&id, &off)),
         Kind::FailedPrecondition
     );
-    let image = w.tmp.path().join(format!("pool/volumes/{id}.img"));
-    let attr = csi_sys::xattr::get(&image, "example-csi.directIO").unwrap();
-    assert_eq!(attr, None, "nothing recorded");
-    assert!(w
-        .c()
-        .get_volume(&id)
-        .unwrap()
-        .record
-        .mutable_parameters
-        .is_empty());
-    unstage_on(&node, &w, &id).unwrap();
-    w.c().modify_volume(&id, &want).unwrap();
+    assert_eq!(direct_io(), vec![true]);
     let attr = csi_sys::xattr::get(&image, "example-csi.directIO").unwrap();
     assert_eq!(
         attr.as_deref(),
         Some(&b"true"[..]),
-        "recorded for the next stage"
+        "the attribute was kept"
+    );
+    let rec = w.c().get_volume(&id).unwrap().record;
+    assert_eq!(
+        rec.mutable_parameters.get("directIO").map(String::as_str),
+        Some("true")
     );
 }
 

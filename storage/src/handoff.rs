@@ -7,6 +7,7 @@
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::fs::PermissionsExt;
+use std::os::unix::io::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -84,6 +85,9 @@ impl Code {
 /// domain until dropped.
 pub struct Server {
     path: PathBuf,
+    /// The listening socket, kept to shut it down: that ends the thread's accept
+    /// whatever became of the socket's file.
+    listening: UnixListener,
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
 }
@@ -103,6 +107,9 @@ impl Server {
         let listener = UnixListener::bind(path).map_err(|e| fail("listening on", e))?;
         std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
             .map_err(|e| fail("restricting", e))?;
+        let listening = listener
+            .try_clone()
+            .map_err(|e| fail("keeping a handle of", e))?;
         let stop = Arc::new(AtomicBool::new(false));
         let stopped = stop.clone();
         let thread = std::thread::Builder::new()
@@ -114,7 +121,11 @@ impl Server {
                     }
                     match conn {
                         Ok(stream) => serve_one(stream, node.as_ref()),
-                        Err(e) => tracing::warn!(error = %e, "accepting a hand-off connection"),
+                        Err(e) => {
+                            tracing::warn!(error = %e, "accepting a hand-off connection");
+                            // Not a busy loop on a socket that keeps failing.
+                            std::thread::sleep(Duration::from_millis(100));
+                        }
                     }
                 }
             })
@@ -122,6 +133,7 @@ impl Server {
         tracing::info!(socket = %path.display(), "serving the controller's changes of staged volumes");
         Ok(Server {
             path: path.to_path_buf(),
+            listening,
             stop,
             thread: Some(thread),
         })
@@ -131,8 +143,11 @@ impl Server {
 impl Drop for Server {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Release);
-        // Wakes the accept; the thread sees the flag and ends.
-        let _ = UnixStream::connect(&self.path);
+        // Wakes the accept (it fails from now on); the thread sees the flag and ends.
+        let _ = nix::sys::socket::shutdown(
+            self.listening.as_raw_fd(),
+            nix::sys::socket::Shutdown::Both,
+        );
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
@@ -311,6 +326,22 @@ mod tests {
             .apply_live(Path::new("/pool/v.img"), wanted)
             .unwrap_err();
         assert!(matches!(e, Error::FailedPrecondition(_)), "{e:?}");
+    }
+
+    #[test]
+    fn the_server_stops_when_its_socket_file_is_already_gone() {
+        let dir = tempfile::tempdir().unwrap();
+        let socket = dir.path().join("node.sock");
+        let server = Server::start(&socket, Arc::new(Devices::default())).unwrap();
+        std::fs::remove_file(&socket).unwrap();
+        let (done, stopped) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            drop(server);
+            let _ = done.send(());
+        });
+        stopped
+            .recv_timeout(Duration::from_secs(5))
+            .expect("the server stopped");
     }
 
     #[test]

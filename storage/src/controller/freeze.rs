@@ -28,7 +28,7 @@
 //! backoff; DEADLINE_EXCEEDED speaks of the caller's own deadline, after which the
 //! outcome is unknown.
 
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
@@ -217,18 +217,31 @@ impl Controller {
             .mounter
             .mounts()
             .context(|| "reading the mount table".into())?;
+        // Only a loop device mounted here can need a freeze: each of those is
+        // asked whether it serves one of the images, rather than every loop
+        // device of the node (hundreds on a busy one) being looked at.
+        let mut mounted: Vec<&Path> = mounts
+            .iter()
+            .filter(|m| m.source.starts_with("/dev/loop"))
+            .map(|m| Path::new(&m.source))
+            .collect();
+        mounted.sort();
+        mounted.dedup();
         let mut mountpoints = Vec::new();
         for (_, image) in images {
             if image.is_dir() {
                 continue;
             }
-            let devs = self
-                .sys
-                .loops
-                .find(image)
-                .context(|| "listing loop devices".into())?;
-            for dev in devs {
-                if let Some(m) = mounts_of(&mounts, &dev.device).first() {
+            for dev in &mounted {
+                let serves = self
+                    .sys
+                    .loops
+                    .serving(dev, image)
+                    .context(|| format!("reading loop device {}", dev.display()))?;
+                if serves.is_none() {
+                    continue;
+                }
+                if let Some(m) = mounts_of(&mounts, dev).first() {
                     if !mountpoints.contains(&m.mount_point) {
                         mountpoints.push(m.mount_point.clone());
                     }
