@@ -82,3 +82,6 @@ impl Deref for Driver {
         &self.core
     }
 }
+
+#[cfg(test)]
+mod tests;

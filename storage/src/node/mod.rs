@@ -44,6 +44,8 @@ mod publish;
 mod recovery;
 mod stage;
 mod stats;
+#[cfg(test)]
+mod tests;
 mod unpublish;
 mod unstage;
 
