@@ -3,12 +3,14 @@
 
 use std::path::PathBuf;
 
-use csi_sys::{btrfs, file, SysError};
+use csi_sys::{btrfs, file, LoopDevice, MountEntry, SysError};
 
 use super::{Node, BTRFS_LEAST_RESIZE};
 use crate::data::mounts_of;
 use crate::error::{Context, Error, Result};
+use crate::ids::VolumeId;
 use crate::model::*;
+use crate::pool::Located;
 use crate::settings::recorded_size;
 
 impl Node {
@@ -49,9 +51,32 @@ impl Node {
             }
             return Ok(recorded_size(&loc.path).unwrap_or(required));
         }
-        // The controller grew the image already; the node only makes up for a
-        // missed growth, never beyond what was required.
-        let want = range.required.max(0) as u64;
+        self.grow_image(&loc, range.required.max(0) as u64)?;
+        let devices = self.devices(&loc, self.node_records.get(id).as_ref())?;
+        let dev = devices.iter().find(|d| !d.read_only).ok_or_else(|| {
+            Error::precondition(format!("volume {id} is not staged on this node"))
+        })?;
+        for d in &devices {
+            self.sys
+                .loops
+                .refresh_capacity(&d.device)
+                .context(|| format!("refreshing the size of {}", d.device.display()))?;
+        }
+        let size = self
+            .sys
+            .fs
+            .device_size(&dev.device)
+            .context(|| format!("sizing {}", dev.device.display()))?;
+        let mounts = self.mounts()?;
+        let Some(m) = mounts_of(&mounts, &dev.device).into_iter().next().cloned() else {
+            return Ok(size); // block volume, or not mounted: nothing more to grow
+        };
+        self.grow_mounted(id, dev, &m, size)
+    }
+
+    /// The controller grew the image already; the node only makes up for a
+    /// missed growth, never beyond what was required (`want`).
+    fn grow_image(&self, loc: &Located, want: u64) -> Result<()> {
         let len = file::file_len(&loc.path).context(|| format!("sizing {}", loc.path.display()))?;
         if want > len {
             let want = want.div_ceil(4096).saturating_mul(4096);
@@ -72,25 +97,18 @@ impl Node {
             }
             file::grow(&loc.path, want).context(|| format!("growing {}", loc.path.display()))?;
         }
-        let devices = self.devices(&loc, self.node_records.get(id).as_ref())?;
-        let dev = devices.iter().find(|d| !d.read_only).ok_or_else(|| {
-            Error::precondition(format!("volume {id} is not staged on this node"))
-        })?;
-        for d in &devices {
-            self.sys
-                .loops
-                .refresh_capacity(&d.device)
-                .context(|| format!("refreshing the size of {}", d.device.display()))?;
-        }
-        let size = self
-            .sys
-            .fs
-            .device_size(&dev.device)
-            .context(|| format!("sizing {}", dev.device.display()))?;
-        let mounts = self.mounts()?;
-        let Some(m) = mounts_of(&mounts, &dev.device).into_iter().next().cloned() else {
-            return Ok(size); // block volume, or not mounted: nothing more to grow
-        };
+        Ok(())
+    }
+
+    /// Grows the filesystem mounted from `dev` (mount `m`) online to the device's
+    /// `size`; returns that size.
+    fn grow_mounted(
+        &self,
+        id: VolumeId,
+        dev: &LoopDevice,
+        m: &MountEntry,
+        size: u64,
+    ) -> Result<u64> {
         // A filesystem that fills its device already is left alone: growing it
         // again is refused by some (btrfs below 256 MiB, ext4 online without
         // CAP_SYS_RESOURCE) and needless for all.

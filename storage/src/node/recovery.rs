@@ -2,7 +2,7 @@
 //! records, and mounts, loop devices and ephemeral data of the pools that no
 //! volume accounts for reported (and removed when asked).
 
-use csi_sys::LoopDevice;
+use csi_sys::{LoopDevice, MountEntry};
 
 use super::Node;
 use crate::data::{is_mount_of, mounts_of};
@@ -51,9 +51,17 @@ impl Node {
             .into_iter()
             .filter_map(|d| self.as_pool_loop(d))
             .collect();
+        self.report_orphan_mounts(&loops);
+        self.report_orphan_loops(loops);
+        Ok(())
+    }
+
+    /// Mounts of pool volumes (of their loop devices, or binds of their
+    /// directories) that no staged volume accounts for: reported, and unmounted
+    /// when asked.
+    fn report_orphan_mounts(&self, loops: &[LoopDevice]) {
         let known_id =
             |id: Option<VolumeId>| id.is_some_and(|id| self.node_records.get(id).is_some());
-        // Mounts of pool volumes: of their loop devices, or binds of their directories.
         let all = self.mounts().unwrap_or_default();
         for m in all.iter().cloned() {
             if self
@@ -63,33 +71,7 @@ impl Node {
             {
                 continue; // the pool itself, or mounts inside it
             }
-            let by_device = loops.iter().find(|d| {
-                self.pools.values().any(|p| p.contains(&d.backing_file))
-                    && is_mount_of(&m, &d.device)
-            });
-            let id = if let Some(d) = by_device {
-                Some(
-                    d.backing_file
-                        .file_stem()
-                        .and_then(|s| VolumeId::parse(&s.to_string_lossy())),
-                )
-            } else if m
-                .root
-                .parent()
-                .is_some_and(|p| p.ends_with("volumes") || p.ends_with("ephemeral"))
-            {
-                m.root
-                    .file_name()
-                    .and_then(|s| VolumeId::parse(&s.to_string_lossy()))
-                    .filter(|id| {
-                        self.locate(*id)
-                            .is_some_and(|loc| self.owns(&all, &m, *id, &loc, &[]))
-                    })
-                    .map(Some)
-            } else {
-                None
-            };
-            if let Some(id) = id {
+            if let Some(id) = self.pool_volume_mounted(&all, &m, loops) {
                 if !known_id(id) {
                     tracing::warn!(mountpoint = %m.mount_point.display(), source = %m.source,
                         clean = self.cfg.cleanup_orphans,
@@ -103,6 +85,46 @@ impl Node {
                 }
             }
         }
+    }
+
+    /// Some when `m` is a mount of a pool volume, with the volume's id when its
+    /// image's name tells one; None for any other mount.
+    fn pool_volume_mounted(
+        &self,
+        all: &[MountEntry],
+        m: &MountEntry,
+        loops: &[LoopDevice],
+    ) -> Option<Option<VolumeId>> {
+        let by_device = loops.iter().find(|d| {
+            self.pools.values().any(|p| p.contains(&d.backing_file)) && is_mount_of(m, &d.device)
+        });
+        if let Some(d) = by_device {
+            Some(
+                d.backing_file
+                    .file_stem()
+                    .and_then(|s| VolumeId::parse(&s.to_string_lossy())),
+            )
+        } else if m
+            .root
+            .parent()
+            .is_some_and(|p| p.ends_with("volumes") || p.ends_with("ephemeral"))
+        {
+            m.root
+                .file_name()
+                .and_then(|s| VolumeId::parse(&s.to_string_lossy()))
+                .filter(|id| {
+                    self.locate(*id)
+                        .is_some_and(|loc| self.owns(all, m, *id, &loc, &[]))
+                })
+                .map(Some)
+        } else {
+            None
+        }
+    }
+
+    /// Loop devices of pool images that no staged volume accounts for:
+    /// reported, and detached when asked and not mounted.
+    fn report_orphan_loops(&self, loops: Vec<LoopDevice>) {
         let mounts = self.mounts().unwrap_or_default();
         for d in loops {
             if self.pools.values().any(|p| p.contains(&d.backing_file)) {
@@ -124,7 +146,6 @@ impl Node {
                 }
             }
         }
-        Ok(())
     }
 
     /// `d` as a loop device of a pool image (its backing file named by its pool

@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use csi_sys::{file, LoopDevice, LoopOptions, MountOptions};
+use csi_sys::{file, LoopDevice, LoopOptions, MountEntry, MountOptions};
 
 use super::{devices, make_dir, Node, NodeRecord, BTRFS_LEAST_RESIZE};
 use crate::data::mounts_of;
@@ -114,46 +114,10 @@ impl Node {
         let devices = self.devices(loc, existing.as_ref())?;
         let mut rec = match existing {
             Some(r) => {
-                if let Some(old) = r.staging_path.as_ref().filter(|p| *p != staging) {
-                    let mounts = self.mounts()?;
-                    if mounts
-                        .iter()
-                        .any(|m| &m.mount_point == old && self.owns(&mounts, m, id, loc, &devices))
-                    {
-                        return Err(Error::AlreadyExists(format!(
-                            "volume {id} is staged at {} already",
-                            old.display()
-                        )));
-                    }
-                }
-                if r.block != cap.is_block() && !r.targets.is_empty() {
-                    return Err(Error::AlreadyExists(format!(
-                        "volume {id} is staged with another access type"
-                    )));
-                }
+                self.check_restage(&r, id, loc, staging, cap, &devices)?;
                 r
             }
-            None => {
-                let max = self.cfg.max_volumes_per_node;
-                if max > 0 && self.node_records.len() as u64 >= max {
-                    return Err(Error::ResourceExhausted(format!(
-                        "this node has {max} volumes staged, its limit"
-                    )));
-                }
-                NodeRecord {
-                    id,
-                    volume_id: volume_id.to_string(),
-                    data: loc.path.clone(),
-                    backing: loc.backing,
-                    staging_path: None,
-                    block: cap.is_block(),
-                    fs_type: None,
-                    mode: cap.mode,
-                    targets: BTreeMap::new(),
-                    ephemeral,
-                    loop_devices: None,
-                }
-            }
+            None => self.new_node_record(id, volume_id, loc, cap, ephemeral)?,
         };
         rec.staging_path = Some(staging.to_path_buf());
         rec.block = cap.is_block();
@@ -175,28 +139,9 @@ impl Node {
             } => (mount_flags.clone(), volume_mount_group.clone()),
             Access::Block => (Vec::new(), String::new()),
         };
+        let opts = MountOptions { read_only, flags };
         if loc.backing != Backing::Image {
-            // A directory volume is bind-mounted at the staging path, so that
-            // publish and the checks after it treat both kinds alike.
-            let mounts = self.mounts()?;
-            if let Some(m) = mounts.iter().find(|m| m.mount_point == staging) {
-                if self.owns(&mounts, m, id, loc, &[]) {
-                    return self.finish_stage(rec, staging, &group);
-                }
-                return Err(Error::AlreadyExists(format!(
-                    "{} is a mount of something else",
-                    staging.display()
-                )));
-            }
-            make_dir(staging)?;
-            let opts = MountOptions {
-                read_only,
-                flags: flags.clone(),
-            };
-            self.sys
-                .mounter
-                .bind(&loc.path, staging, &opts)
-                .context(|| format!("binding {} at {}", loc.path.display(), staging.display()))?;
+            self.bind_dir_at_staging(id, loc, staging, &opts)?;
             return self.finish_stage(rec, staging, &group);
         }
 
@@ -207,22 +152,185 @@ impl Node {
             return self.finish_stage(rec, staging, "");
         }
         let mounts = self.mounts()?;
+        let fs_type = match self.mounted_at_staging(&mounts, id, loc, &dev, staging)? {
+            Some(fs_type) => fs_type,
+            None => self.mount_at_staging(id, &dev, staging, cap, context, opts)?,
+        };
+        rec.fs_type = Some(fs_type);
+        self.finish_stage(rec, staging, &group)
+    }
+
+    /// Checks that a volume the node staged already may be staged again at
+    /// `staging` with `cap`.
+    fn check_restage(
+        &self,
+        r: &NodeRecord,
+        id: VolumeId,
+        loc: &Located,
+        staging: &Path,
+        cap: &Capability,
+        devices: &[LoopDevice],
+    ) -> Result<()> {
+        if let Some(old) = r.staging_path.as_ref().filter(|p| *p != staging) {
+            let mounts = self.mounts()?;
+            if mounts
+                .iter()
+                .any(|m| &m.mount_point == old && self.owns(&mounts, m, id, loc, devices))
+            {
+                return Err(Error::AlreadyExists(format!(
+                    "volume {id} is staged at {} already",
+                    old.display()
+                )));
+            }
+        }
+        if r.block != cap.is_block() && !r.targets.is_empty() {
+            return Err(Error::AlreadyExists(format!(
+                "volume {id} is staged with another access type"
+            )));
+        }
+        Ok(())
+    }
+
+    /// The record of a volume staged here for the first time, within the node's
+    /// limit of staged volumes.
+    fn new_node_record(
+        &self,
+        id: VolumeId,
+        volume_id: &str,
+        loc: &Located,
+        cap: &Capability,
+        ephemeral: bool,
+    ) -> Result<NodeRecord> {
+        let max = self.cfg.max_volumes_per_node;
+        if max > 0 && self.node_records.len() as u64 >= max {
+            return Err(Error::ResourceExhausted(format!(
+                "this node has {max} volumes staged, its limit"
+            )));
+        }
+        Ok(NodeRecord {
+            id,
+            volume_id: volume_id.to_string(),
+            data: loc.path.clone(),
+            backing: loc.backing,
+            staging_path: None,
+            block: cap.is_block(),
+            fs_type: None,
+            mode: cap.mode,
+            targets: BTreeMap::new(),
+            ephemeral,
+            loop_devices: None,
+        })
+    }
+
+    /// A directory volume is bind-mounted at the staging path, so that publish
+    /// and the checks after it treat both kinds alike.
+    fn bind_dir_at_staging(
+        &self,
+        id: VolumeId,
+        loc: &Located,
+        staging: &Path,
+        opts: &MountOptions,
+    ) -> Result<()> {
+        let mounts = self.mounts()?;
         if let Some(m) = mounts.iter().find(|m| m.mount_point == staging) {
-            if self.owns(&mounts, m, id, loc, std::slice::from_ref(&dev)) {
-                rec.fs_type = Some(m.fs_type.clone());
-                return self.finish_stage(rec, staging, &group);
+            if self.owns(&mounts, m, id, loc, &[]) {
+                return Ok(());
             }
             return Err(Error::AlreadyExists(format!(
                 "{} is a mount of something else",
                 staging.display()
             )));
         }
-        if let Some(m) = mounts_of(&mounts, &dev.device).first() {
+        make_dir(staging)?;
+        self.sys
+            .mounter
+            .bind(&loc.path, staging, opts)
+            .context(|| format!("binding {} at {}", loc.path.display(), staging.display()))
+    }
+
+    /// The filesystem type of the volume's mount at the staging path, when it is
+    /// mounted there already; an error when something else is mounted there or
+    /// the volume is mounted elsewhere.
+    fn mounted_at_staging(
+        &self,
+        mounts: &[MountEntry],
+        id: VolumeId,
+        loc: &Located,
+        dev: &LoopDevice,
+        staging: &Path,
+    ) -> Result<Option<String>> {
+        if let Some(m) = mounts.iter().find(|m| m.mount_point == staging) {
+            if self.owns(mounts, m, id, loc, std::slice::from_ref(dev)) {
+                return Ok(Some(m.fs_type.clone()));
+            }
+            return Err(Error::AlreadyExists(format!(
+                "{} is a mount of something else",
+                staging.display()
+            )));
+        }
+        if let Some(m) = mounts_of(mounts, &dev.device).first() {
             return Err(Error::AlreadyExists(format!(
                 "volume {id} is mounted at {} already",
                 m.mount_point.display()
             )));
         }
+        Ok(None)
+    }
+
+    /// Mounts the volume's filesystem at the staging path: made on a blank
+    /// device, else checked and grown to its device; returns its type.
+    fn mount_at_staging(
+        &self,
+        id: VolumeId,
+        dev: &LoopDevice,
+        staging: &Path,
+        cap: &Capability,
+        context: &BTreeMap<String, String>,
+        mut opts: MountOptions,
+    ) -> Result<String> {
+        let (fs_type, fresh) = self.filesystem_of(id, dev, cap, context)?;
+        failpoint::hit("stage.after-mkfs");
+        if !fresh {
+            self.heavy(|| self.sys.fs.check(&dev.device, &fs_type))?
+                .context(|| format!("checking the {fs_type} filesystem of volume {id}"))?;
+            if fs_type == "ext4" && self.grows_at_stage(&dev.device, &fs_type) {
+                // ext4 is grown before it is mounted: online growth needs a
+                // privilege some nodes withhold, offline growth does not.
+                self.heavy(|| self.sys.fs.grow(&dev.device, None, &fs_type))?
+                    .context(|| format!("growing the ext4 filesystem of volume {id}"))?;
+            }
+        }
+        make_dir(staging)?;
+        if fs_type == "xfs" && !opts.flags.iter().any(|f| f == "nouuid") {
+            // Snapshots and clones share their source's UUID; xfs refuses a second
+            // mount of one UUID unless told not to check.
+            opts.flags.push("nouuid".into());
+        }
+        self.sys
+            .mounter
+            .mount(&dev.device, staging, &fs_type, &opts)
+            .context(|| format!("mounting volume {id} at {}", staging.display()))?;
+        failpoint::hit("stage.after-mount");
+        let read_only = opts.read_only;
+        if !fresh && fs_type != "ext4" && !read_only && self.grows_at_stage(&dev.device, &fs_type) {
+            self.sys
+                .fs
+                .grow(&dev.device, Some(staging), &fs_type)
+                .context(|| format!("growing the {fs_type} filesystem of volume {id}"))?;
+        }
+        Ok(fs_type)
+    }
+
+    /// The filesystem on the device and whether it was made just now: a blank
+    /// device gets the one asked for; one that holds a filesystem is never
+    /// reformatted.
+    fn filesystem_of(
+        &self,
+        id: VolumeId,
+        dev: &LoopDevice,
+        cap: &Capability,
+        context: &BTreeMap<String, String>,
+    ) -> Result<(String, bool)> {
         let wanted = cap
             .fs_type()
             .map(String::from)
@@ -233,7 +341,7 @@ impl Node {
             .fs
             .probe(&dev.device)
             .context(|| format!("probing {}", dev.device.display()))?;
-        let (fs_type, fresh) = match found {
+        match found {
             None => {
                 let size = self
                     .sys
@@ -248,7 +356,7 @@ impl Node {
                 }
                 self.heavy(|| self.sys.fs.mkfs(&dev.device, &wanted))?
                     .context(|| format!("making {wanted} on {}", dev.device.display()))?;
-                (wanted, true)
+                Ok((wanted, true))
             }
             Some(have) => {
                 if cap.fs_type().is_some_and(|w| w != have) {
@@ -257,44 +365,9 @@ impl Node {
                          reformatted"
                     )));
                 }
-                (have, false)
-            }
-        };
-        failpoint::hit("stage.after-mkfs");
-        if !fresh {
-            self.heavy(|| self.sys.fs.check(&dev.device, &fs_type))?
-                .context(|| format!("checking the {fs_type} filesystem of volume {id}"))?;
-            if fs_type == "ext4" && self.grows_at_stage(&dev.device, &fs_type) {
-                // ext4 is grown before it is mounted: online growth needs a
-                // privilege some nodes withhold, offline growth does not.
-                self.heavy(|| self.sys.fs.grow(&dev.device, None, &fs_type))?
-                    .context(|| format!("growing the ext4 filesystem of volume {id}"))?;
+                Ok((have, false))
             }
         }
-        make_dir(staging)?;
-        let mut mflags = flags;
-        if fs_type == "xfs" && !mflags.iter().any(|f| f == "nouuid") {
-            // Snapshots and clones share their source's UUID; xfs refuses a second
-            // mount of one UUID unless told not to check.
-            mflags.push("nouuid".into());
-        }
-        let opts = MountOptions {
-            read_only,
-            flags: mflags,
-        };
-        self.sys
-            .mounter
-            .mount(&dev.device, staging, &fs_type, &opts)
-            .context(|| format!("mounting volume {id} at {}", staging.display()))?;
-        failpoint::hit("stage.after-mount");
-        if !fresh && fs_type != "ext4" && !read_only && self.grows_at_stage(&dev.device, &fs_type) {
-            self.sys
-                .fs
-                .grow(&dev.device, Some(staging), &fs_type)
-                .context(|| format!("growing the {fs_type} filesystem of volume {id}"))?;
-        }
-        rec.fs_type = Some(fs_type);
-        self.finish_stage(rec, staging, &group)
     }
 
     /// The loop device serving an image read-write (among `devices`, those serving
