@@ -3,13 +3,26 @@
 //! attempt made: the same volume, a conflict, or data to start over from.
 
 use std::collections::BTreeMap;
+use std::path::PathBuf;
 
 use super::{parse_parameters, CreateVolume, VolumeInfo, VolumeKind, VolumeParams};
 use crate::error::{Error, Result};
 use crate::failpoint;
 use crate::ids::{validate_name, VolumeId};
 use crate::model::*;
+use crate::pool::Pool;
 use crate::Controller;
+
+/// What a CreateVolume request asks for, checked: the pool, the kind of data and
+/// the filesystem.
+struct Plan {
+    params: VolumeParams,
+    pool: Pool,
+    backing: Backing,
+    fs_type: Option<String>,
+    /// Whether the capabilities name a filesystem (else it is the default).
+    fs_named: bool,
+}
 
 impl Controller {
     fn check_capabilities(&self, caps: &[Capability]) -> Result<()> {
@@ -23,7 +36,59 @@ impl Controller {
         }
         Ok(())
     }
+
     pub fn create_volume(&self, req: CreateVolume) -> Result<VolumeInfo> {
+        let mut plan = self.plan_volume(&req)?;
+        let id = VolumeId::for_name(&req.name);
+        let mut keys = vec![format!("volume:{id}")];
+        // A snapshot does not change while it is read, so restores from one
+        // snapshot share it; a live source volume is frozen for the copy, one at a time.
+        let mut shared = Vec::new();
+        let source = req.source;
+        match source {
+            Some(ContentSource::Snapshot(s)) => shared.push(format!("snapshot:{s}")),
+            Some(ContentSource::Volume(v)) => keys.push(format!("volume:{v}")),
+            None => {}
+        }
+        let _guard = self.locks.try_lock_with(keys, shared)?;
+
+        if let Some(existing) = self.volumes.get(id) {
+            if existing.state == RecordState::Ready {
+                return self.same_volume(existing, &req, &plan.params, plan.backing);
+            }
+            // An earlier attempt failed or crashed part-way: start over.
+            self.roll_back_volume(&existing)?;
+        }
+
+        // The source decides the least size, the filesystem and the data.
+        let (src_path, at_least) = match source {
+            None => (None, 0),
+            Some(src) => self.plan_source(src, &mut plan)?,
+        };
+        let size = self.size_in_pool(req.capacity, &plan, at_least)?;
+
+        let record = VolumeRecord {
+            id,
+            name: req.name.clone(),
+            pool: plan.pool.name.clone(),
+            backing: plan.backing,
+            size,
+            fs_type: plan.fs_type,
+            capabilities: req.capabilities.clone(),
+            parameters: req.parameters.clone(),
+            mutable_parameters: req.mutable_parameters.clone(),
+            source,
+            created: Timestamp::now(),
+            state: RecordState::Ready,
+            pending_size: None,
+            published: BTreeMap::new(),
+            ephemeral: false,
+        };
+        self.make_volume(record, &plan.pool, src_path)
+    }
+
+    /// Checks a request and decides its pool, its kind of data and its filesystem.
+    fn plan_volume(&self, req: &CreateVolume) -> Result<Plan> {
         validate_name("volume", &req.name)?;
         self.check_capabilities(&req.capabilities)?;
         req.capacity.validate()?;
@@ -61,7 +126,7 @@ impl Controller {
                 fs_types.join(", ")
             )));
         }
-        let mut fs_type = match backing {
+        let fs_type = match backing {
             Backing::Image if req.capabilities.iter().all(Capability::is_block) => None,
             Backing::Image => Some(
                 fs_types
@@ -71,65 +136,60 @@ impl Controller {
             ),
             _ => None,
         };
+        Ok(Plan {
+            params,
+            pool,
+            backing,
+            fs_type,
+            fs_named: !fs_types.is_empty(),
+        })
+    }
 
-        let id = VolumeId::for_name(&req.name);
-        let mut keys = vec![format!("volume:{id}")];
-        // A snapshot does not change while it is read, so restores from one
-        // snapshot share it; a live source volume is frozen for the copy, one at a time.
-        let mut shared = Vec::new();
-        let source = req.source;
-        match source {
-            Some(ContentSource::Snapshot(s)) => shared.push(format!("snapshot:{s}")),
-            Some(ContentSource::Volume(v)) => keys.push(format!("volume:{v}")),
-            None => {}
+    /// Checks that a content source can fill the planned volume, which takes its
+    /// filesystem; returns the source's data and its size, the least the volume
+    /// may have.
+    fn plan_source(
+        &self,
+        src: ContentSource,
+        plan: &mut Plan,
+    ) -> Result<(Option<(PathBuf, Backing)>, u64)> {
+        let (pool, backing) = (&plan.pool, plan.backing);
+        let (src_pool, src_path, src_backing, src_size, src_fs) = self.source_data(src)?;
+        if src_pool != pool.name {
+            return Err(Error::invalid(format!(
+                "the content source is in pool {src_pool}; a volume made from it must \
+                 be in the same pool, not {}",
+                pool.name
+            )));
         }
-        let _guard = self.locks.try_lock_with(keys, shared)?;
-
-        if let Some(existing) = self.volumes.get(id) {
-            if existing.state == RecordState::Ready {
-                return self.same_volume(existing, &req, &params, backing);
-            }
-            // An earlier attempt failed or crashed part-way: start over.
-            self.roll_back_volume(&existing)?;
+        let same_kind = (src_backing == Backing::Image) == (backing == Backing::Image);
+        if !same_kind {
+            return Err(Error::invalid(format!(
+                "the content source is a {src_backing:?} volume; it cannot fill a \
+                 {backing:?} volume"
+            )));
         }
-
-        // The source decides the least size, the filesystem and the data.
-        let (src_path, at_least) = match source {
-            None => (None, 0),
-            Some(src) => {
-                let (src_pool, src_path, src_backing, src_size, src_fs) = self.source_data(src)?;
-                if src_pool != pool.name {
-                    return Err(Error::invalid(format!(
-                        "the content source is in pool {src_pool}; a volume made from it must \
-                         be in the same pool, not {}",
-                        pool.name
-                    )));
-                }
-                let same_kind = (src_backing == Backing::Image) == (backing == Backing::Image);
-                if !same_kind {
-                    return Err(Error::invalid(format!(
-                        "the content source is a {src_backing:?} volume; it cannot fill a \
-                         {backing:?} volume"
-                    )));
-                }
-                if let (Some(want), Some(have)) = (&fs_type, &src_fs) {
-                    if want != have && !fs_types.is_empty() {
-                        return Err(Error::invalid(format!(
-                            "the content source holds {have}, not the requested {want}"
-                        )));
-                    }
-                }
-                if src_fs.is_some() {
-                    fs_type = src_fs;
-                }
-                (Some((src_path, src_backing)), src_size)
+        if let (Some(want), Some(have)) = (&plan.fs_type, &src_fs) {
+            if want != have && plan.fs_named {
+                return Err(Error::invalid(format!(
+                    "the content source holds {have}, not the requested {want}"
+                )));
             }
-        };
-        let size = self.size_for(req.capacity, fs_type.as_deref(), at_least)?;
-        if at_least > 0 && req.capacity.limit > 0 && at_least > req.capacity.limit as u64 {
+        }
+        if src_fs.is_some() {
+            plan.fs_type = src_fs;
+        }
+        Ok((Some((src_path, src_backing)), src_size))
+    }
+
+    /// The size to make, within the request's range and what the pool can hold.
+    fn size_in_pool(&self, capacity: CapacityRange, plan: &Plan, at_least: u64) -> Result<u64> {
+        let pool = &plan.pool;
+        let size = self.size_for(capacity, plan.fs_type.as_deref(), at_least)?;
+        if at_least > 0 && capacity.limit > 0 && at_least > capacity.limit as u64 {
             return Err(Error::OutOfRange(format!(
                 "the content source is {at_least} bytes, more than limit_bytes {}",
-                req.capacity.limit
+                capacity.limit
             )));
         }
         let (available, total) = pool.space()?;
@@ -140,30 +200,23 @@ impl Controller {
                 pool.name
             )));
         }
-        if size > available && backing != Backing::Directory {
+        if size > available && plan.backing != Backing::Directory {
             return Err(Error::ResourceExhausted(format!(
                 "pool {} has {available} bytes free; {size} were asked for",
                 pool.name
             )));
         }
+        Ok(size)
+    }
 
-        let record = VolumeRecord {
-            id,
-            name: req.name.clone(),
-            pool: pool.name.clone(),
-            backing,
-            size,
-            fs_type,
-            capabilities: req.capabilities.clone(),
-            parameters: req.parameters.clone(),
-            mutable_parameters: req.mutable_parameters.clone(),
-            source,
-            created: Timestamp::now(),
-            state: RecordState::Ready,
-            pending_size: None,
-            published: BTreeMap::new(),
-            ephemeral: false,
-        };
+    /// Makes the volume's data and then its record.
+    fn make_volume(
+        &self,
+        record: VolumeRecord,
+        pool: &Pool,
+        src_path: Option<(PathBuf, Backing)>,
+    ) -> Result<VolumeInfo> {
+        let id = record.id;
         // No intent record is written: the id comes from the name, so data that a
         // crash leaves without a record is found by the retry (removed just below)
         // or by the orphan sweep at start. One record write, after the data is
@@ -174,7 +227,7 @@ impl Controller {
         self.remove_volume_data(id, false)?;
         failpoint::hit("create-volume.before-data");
         if let Err(e) = self.make_volume_data(
-            &pool,
+            pool,
             &record,
             src_path.as_ref().map(|(p, b)| (p.as_path(), *b)),
         ) {
