@@ -155,6 +155,7 @@ pub struct Metrics {
     ready: Gauge,
     scrape_errors: Counter<u64, AtomicU64>,
     volumes_unhealthy: Family<Labels, Gauge>,
+    node_volumes_unhealthy: Family<Labels, Gauge>,
     pool_problems: Family<Labels, Gauge>,
     pool_healthy: Family<Labels, Gauge>,
     health_age: Gauge<f64, AtomicU64>,
@@ -226,6 +227,13 @@ impl Metrics {
             "Volumes with this problem at the last health check (what \
              ControllerListVolumeHealth reports), by CSI error type and reason",
         );
+        let node_volumes_unhealthy = gauge(
+            &mut registry,
+            "node_volumes_unhealthy",
+            "Volumes this node serves (staged, published or ephemeral here) with this \
+             problem at the last health check (what NodeGetVolumeHealth reports at \
+             their recorded paths), by CSI error type and reason",
+        );
         let pool_problems = gauge(
             &mut registry,
             "pool_health_problems",
@@ -272,6 +280,7 @@ impl Metrics {
             ready,
             scrape_errors,
             volumes_unhealthy,
+            node_volumes_unhealthy,
             pool_problems,
             pool_healthy,
             health_age,
@@ -362,19 +371,25 @@ impl Metrics {
     fn show_health(&self, figures: Option<&HealthFigures>) {
         // Cleared first: a problem that is gone must leave no sample behind.
         self.volumes_unhealthy.clear();
+        self.node_volumes_unhealthy.clear();
         self.pool_problems.clear();
         self.pool_healthy.clear();
         let taken = figures.map_or(self.health.created, |f| f.taken);
         self.health_age.set(taken.elapsed().as_secs_f64());
         let Some(f) = figures else { return };
         self.health_took.set(f.took.as_secs_f64());
-        for ((error_type, reason), n) in f.volumes.iter().flatten() {
-            self.volumes_unhealthy
-                .get_or_create(&vec![
-                    ("error_type", error_type.to_string()),
-                    ("reason", reason.to_string()),
-                ])
-                .set(*n);
+        for (family, counts) in [
+            (&self.volumes_unhealthy, &f.volumes),
+            (&self.node_volumes_unhealthy, &f.served),
+        ] {
+            for ((error_type, reason), n) in counts.iter().flatten() {
+                family
+                    .get_or_create(&vec![
+                        ("error_type", error_type.to_string()),
+                        ("reason", reason.to_string()),
+                    ])
+                    .set(*n);
+            }
         }
         for (pool, problems) in &f.pools {
             self.pool_healthy
@@ -418,6 +433,8 @@ struct HealthFigures {
     /// Volumes with a problem, by (CSI error type, reason); `None` where this
     /// process has no controller domain (`--mode node`).
     volumes: Option<BTreeMap<(&'static str, &'static str), i64>>,
+    /// The same for the volumes the node serves; `None` without a node domain.
+    served: Option<BTreeMap<(&'static str, &'static str), i64>>,
     /// Every pool of the node, with its problems as (CSI error type, reason).
     pools: BTreeMap<String, Vec<(&'static str, &'static str)>>,
     took: Duration,
@@ -440,7 +457,8 @@ fn pool_error_type(s: PoolSeverity) -> &'static str {
     }
 }
 
-/// The checks of ControllerListVolumeHealth (every page) and NodeGetStorageHealth.
+/// The checks of ControllerListVolumeHealth (every page), NodeGetVolumeHealth of
+/// every volume the node serves, and NodeGetStorageHealth.
 fn check_health(driver: &Driver, errors: &Counter<u64, AtomicU64>) -> HealthFigures {
     let started = Instant::now();
     let volumes = driver.controller().map(|c| {
@@ -470,6 +488,23 @@ fn check_health(driver: &Driver, errors: &Counter<u64, AtomicU64>) -> HealthFigu
         }
         counts
     });
+    let served = driver.node().map(|n| {
+        let mut counts = BTreeMap::new();
+        match n.served_health() {
+            Ok(volumes) => {
+                for p in volumes.iter().flat_map(|v| v.problems.iter()) {
+                    *counts
+                        .entry((volume_error_type(p.severity), p.reason))
+                        .or_default() += 1;
+                }
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "metrics: the node's volume health failed");
+                errors.inc();
+            }
+        }
+        counts
+    });
     let mut pools: BTreeMap<String, Vec<_>> = driver
         .pools()
         .map(|p| (p.name.clone(), Vec::new()))
@@ -482,6 +517,7 @@ fn check_health(driver: &Driver, errors: &Counter<u64, AtomicU64>) -> HealthFigu
     }
     HealthFigures {
         volumes,
+        served,
         pools,
         took: started.elapsed(),
         taken: Instant::now(),
@@ -1033,6 +1069,7 @@ mod tests {
     fn figures_now() -> HealthFigures {
         HealthFigures {
             volumes: Some(BTreeMap::from([(("DATA_LOSS", "ImageTruncated"), 2)])),
+            served: Some(BTreeMap::new()),
             pools: BTreeMap::from([
                 ("default".to_string(), vec![]),
                 (

@@ -690,4 +690,17 @@ async fn root_health_problems_show_in_the_metrics() {
     assert_eq!(value(&text, read_only), None, "{text}");
     assert_eq!(value(&text, truncated), None, "{text}");
     assert_eq!(value(&text, missing), Some(2.0), "{text}");
+
+    // The node's side: a volume it serves whose published mount went away.
+    let served = "example_csi_node_volumes_unhealthy{";
+    let unpublished = r#"example_csi_node_volumes_unhealthy{error_type="INACCESSIBLE",reason="PublishMountMissing"}"#;
+    let v = fx.in_use("pvc-served", 64 * MIB, cap.clone(), &[]).await;
+    let text = scrape(port);
+    assert!(!text.contains(served), "{text}");
+    sh("umount", &[v.target.to_str().unwrap()]);
+    let text = scrape(port);
+    assert_eq!(value(&text, unpublished), Some(1.0), "{text}");
+    fx.unuse(&v).await;
+    let text = scrape(port);
+    assert!(!text.contains(served), "{text}");
 }

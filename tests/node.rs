@@ -559,6 +559,30 @@ async fn root_volume_mount_group_gives_group_and_setgid() {
         assert_eq!(std::fs::metadata(target.join("sub")).unwrap().gid(), 4321);
         fx.unpublish(&id, &target).await.unwrap();
         fx.unstage(&id, &staging).await.unwrap();
+        // A pod with another fsGroup: what the first one wrote is given to it.
+        let other = cap_with(fs, writer(), &[], "4322");
+        fx.stage(&id, &staging, &other).await.unwrap();
+        fx.publish(&id, &staging, &target, &other, false)
+            .await
+            .unwrap();
+        for p in [&target, &target.join("sub"), &target.join("file")] {
+            let m = std::fs::metadata(p).unwrap();
+            assert_eq!(m.gid(), 4322, "{fs}: {} takes the new group", p.display());
+            assert!(
+                m.permissions().mode() & 0o060 == 0o060,
+                "{fs}: group read/write"
+            );
+        }
+        let sub = std::fs::metadata(target.join("sub"))
+            .unwrap()
+            .permissions()
+            .mode();
+        assert!(
+            sub & 0o2010 == 0o2010,
+            "{fs}: a directory gets setgid and search: {sub:o}"
+        );
+        fx.unpublish(&id, &target).await.unwrap();
+        fx.unstage(&id, &staging).await.unwrap();
         fx.delete(&id).await;
     }
     assert!(fx.volume_loops().is_empty());

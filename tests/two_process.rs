@@ -313,25 +313,56 @@ async fn root_a_delete_and_a_stage_from_the_two_processes_exclude_each_other() {
     assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
     assert!(pool.path.join(format!("volumes/{staged}.img")).is_file());
 
-    // The controller cannot change the loop device of a volume the node has
-    // staged: refused, nothing changed.
-    let modify = csi::ControllerModifyVolumeRequest {
+    // The controller changes the loop device of a volume the node has staged
+    // through the node plugin's process: on the device at once, and recorded.
+    let image = pool.path.join(format!("volumes/{staged}.img"));
+    let recorded = || {
+        let out = Command::new("getfattr")
+            .args(["--only-values", "-n", "user.example-csi.readAheadKiB"])
+            .arg(&image)
+            .output()
+            .unwrap();
+        out.status
+            .success()
+            .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+    };
+    let devices = loops_below(&pool.path);
+    assert_eq!(devices.len(), 1, "one loop device serves the staged volume");
+    let read_ahead = || {
+        let name = devices[0].trim_start_matches("/dev/");
+        std::fs::read_to_string(format!("/sys/block/{name}/queue/read_ahead_kb"))
+            .unwrap()
+            .trim()
+            .to_string()
+    };
+    let modify = |kib: &str| csi::ControllerModifyVolumeRequest {
         volume_id: staged.clone(),
-        mutable_parameters: [("readAheadKiB".to_string(), "512".to_string())].into(),
+        mutable_parameters: [("readAheadKiB".to_string(), kib.to_string())].into(),
         ..Default::default()
     };
+    c.controller_modify_volume(modify("512")).await.unwrap();
+    assert_eq!(
+        read_ahead(),
+        "512",
+        "the staged volume's device has the new read-ahead"
+    );
+    assert_eq!(recorded().as_deref(), Some("512"));
+
+    // Without its node plugin, a change of the staged volume is refused and
+    // nothing changes.
+    let mut node = node;
+    node.stop();
     let err = c
-        .controller_modify_volume(modify.clone())
+        .controller_modify_volume(modify("1024"))
         .await
         .unwrap_err();
     assert_eq!(err.code(), Code::FailedPrecondition, "{err:?}");
-    let image = pool.path.join(format!("volumes/{staged}.img"));
-    let attr = Command::new("getfattr")
-        .args(["--only-values", "-n", "user.example-csi.readAheadKiB"])
-        .arg(&image)
-        .output()
-        .unwrap();
-    assert!(!attr.status.success(), "the attribute was recorded");
+    assert!(err.message().contains("node plugin"), "{err:?}");
+    assert_eq!(recorded().as_deref(), Some("512"), "the attribute was kept");
+    assert_eq!(read_ahead(), "512", "the device was not changed");
+    node.spawn();
+    let mut n = node.clients().await.node;
+    let modify = modify("1024");
 
     n.node_unstage_volume(unstage_req(&staged, &staging))
         .await

@@ -224,6 +224,34 @@ scenario_modify() {
     local f; f=$(pool_file_of "$(volume_of attrs)")
     check_eq "directIO recorded on the volume" true "$(getfattr --only-values -n user.example-csi.directIO "$f" 2>/dev/null)"
     check_eq "readAheadKiB recorded on the volume" 1024 "$(getfattr --only-values -n user.example-csi.readAheadKiB "$f" 2>/dev/null)"
+    # In use: the stage gives the loop device what is recorded, and a change
+    # while the pod runs reaches the device at once (in the central flavor the
+    # controller hands it to the node plugin's process).
+    pod attrs attrs "exec sleep 100000"
+    eventually 120 "a pod on the claim running" pod_running attrs || return
+    check_eq "the staged volume's loop device has the class's settings" "1 1024" "$(loop_settings_of "$f")"
+    apply <<EOF
+apiVersion: storage.k8s.io/v1
+kind: VolumeAttributesClass
+metadata: {name: e2e-slow}
+driverName: example.csi.k8s.io
+parameters: {directIO: "false", readAheadKiB: "256"}
+EOF
+    kc -n "$NS" patch pvc attrs -p '{"spec":{"volumeAttributesClassName":"e2e-slow"}}' >/dev/null
+    eventually 120 "claim in use now has class e2e-slow" \
+        field_is pvc/attrs '{.status.currentVolumeAttributesClassName}' e2e-slow
+    check_eq "the loop device serving the pod changed at once" "0 256" "$(loop_settings_of "$f")"
+    check "the pod still writes" in_pod attrs sh -c 'echo x > /data/after && sync'
+    delete_pod attrs
+    kc delete volumeattributesclass e2e-slow --wait=false >/dev/null
+}
+
+# loop_settings_of FILE: "DIO READ_AHEAD_KB" of the loop device serving FILE.
+loop_settings_of() {
+    local dev; dev=$(loops_of "$1" | head -n1)
+    [ -n "$dev" ] || { echo "no loop device"; return; }
+    dev=${dev#/dev/}
+    echo "$(cat "/sys/block/$dev/loop/dio") $(cat "/sys/block/$dev/queue/read_ahead_kb")"
 }
 
 scenario_group_snapshot() {
@@ -256,20 +284,27 @@ print(sum(1 for i in items if any(o.get("kind") == "VolumeGroupSnapshot" for o i
 }
 
 scenario_fsgroup() {
-    scenario "fsGroup through VOLUME_MOUNT_GROUP (no recursive chown)"
+    scenario "fsGroup through VOLUME_MOUNT_GROUP (contents given once, on a new group)"
     pvc shared 1Gi example-csi
     pod first shared "touch /data/old && exec sleep 100000"
     eventually 120 "root pod running" pod_running first || return
     eventually 30 "root pod made a file" in_pod first test -e /data/old
     delete_pod first
-    pod second shared "exec sleep 100000" "  securityContext: {runAsUser: 1000, runAsGroup: 1000, fsGroup: 2000}"
+    local sc="  securityContext: {runAsUser: 1000, runAsGroup: 1000, fsGroup: 2000}"
+    pod second shared "exec sleep 100000" "$sc"
     eventually 120 "pod with fsGroup 2000 running" pod_running second || return
     check_eq "volume root owned by group 2000 with setgid" "2000 2" \
         "$(in_pod second sh -c 'stat -c "%g %a" /data | cut -c1-6')"
+    check_eq "the earlier pod's file given to the new group" 2000 "$(in_pod second stat -c %g /data/old)"
     check "the pod (uid 1000) can write" in_pod second touch /data/new
     check_eq "a new file takes the group" 2000 "$(in_pod second stat -c %g /data/new)"
-    check_eq "the old file kept its group: no recursive chown" 0 "$(in_pod second stat -c %g /data/old)"
+    check "the pod gives its file to its own group" in_pod second chgrp 1000 /data/new
     delete_pod second
+    pod third shared "exec sleep 100000" "$sc"
+    eventually 120 "a pod with the same fsGroup running" pod_running third || return
+    check_eq "same group: no walk, the file keeps the group the pod gave it" 1000 \
+        "$(in_pod third stat -c %g /data/new)"
+    delete_pod third
 }
 
 # The node plugin's pod replaced while a pod uses a volume: the new container

@@ -7,12 +7,15 @@ use std::ops::Deref;
 use std::sync::Arc;
 
 use crate::core::settings::LiveDevices;
+use crate::handoff;
 use crate::{Config, Controller, Core, Node, Result, System};
 
 pub struct Driver {
     core: Arc<Core>,
     controller: Option<Arc<Controller>>,
     node: Option<Arc<Node>>,
+    /// A node plugin beside a controller in another process serves its changes.
+    _handoff: Option<handoff::Server>,
 }
 
 impl Driver {
@@ -30,13 +33,24 @@ impl Driver {
             true => Some(Arc::new(Node::open(core.clone())?)),
             false => None,
         };
-        if let (Some(c), Some(n)) = (&controller, &node) {
-            c.set_live_devices(n.clone() as Arc<dyn LiveDevices>);
+        let socket = core.state.handoff_socket();
+        let mut served = None;
+        match (&controller, &node) {
+            (Some(c), Some(n)) => c.set_live_devices(n.clone() as Arc<dyn LiveDevices>),
+            (Some(c), None) => c.set_live_devices(Arc::new(handoff::Remote::new(&socket))),
+            (None, Some(n)) => {
+                served = Some(handoff::Server::start(
+                    &socket,
+                    n.clone() as Arc<dyn LiveDevices>,
+                )?)
+            }
+            (None, None) => {}
         }
         Ok(Driver {
             core,
             controller,
             node,
+            _handoff: served,
         })
     }
 

@@ -15,6 +15,7 @@
 pub mod controller;
 pub mod core;
 mod driver;
+mod handoff;
 pub mod node;
 
 pub use crate::controller::{metadata, snapshots, volumes, Controller};

@@ -10,7 +10,7 @@ use csi_sys::{file, xattr};
 use crate::error::{Context, Error, Result};
 
 /// The mutable attributes of an image volume that its loop devices carry.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct LoopSettings {
     pub direct_io: Option<bool>,
     pub read_ahead_kib: Option<u32>,

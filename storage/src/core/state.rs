@@ -93,6 +93,10 @@ impl StateDir {
     fn staged_dir(&self) -> PathBuf {
         self.shared().join("staged")
     }
+    /// Where the node plugin takes the controller's changes of staged volumes.
+    pub(crate) fn handoff_socket(&self) -> PathBuf {
+        self.shared().join("node.sock")
+    }
     pub(crate) fn frozen_dir(&self) -> PathBuf {
         self.shared().join("frozen")
     }

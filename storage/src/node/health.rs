@@ -45,20 +45,51 @@ impl Node {
         let loc = self.locate_or_recorded(id, rec.as_ref()).ok_or_else(|| {
             Error::not_found(format!("volume {volume_id} does not exist on this node"))
         })?;
-
-        let mut problems = data_problems(&loc.path, loc.backing, None);
-        if loc.backing == Backing::Image {
-            problems.extend(self.image_against_devices(&loc.path, rec.as_ref()));
-        }
         let mounts = self.mounts()?;
-        for expected in expected_mounts(rec.as_ref(), publish, staging) {
-            let m = mounts.iter().rev().find(|m| m.mount_point == expected.path);
-            problems.extend(self.mount_problems(&mounts, m, &expected, id, &loc));
-        }
         Ok(VolumeHealth {
             volume_id: volume_id.to_string(),
-            problems,
+            problems: self.problems(id, rec.as_ref(), &loc, &mounts, publish, staging),
         })
+    }
+
+    /// The health of every volume this node serves (staged, published or
+    /// ephemeral here), as NodeGetVolumeHealth would answer for each at its
+    /// recorded paths; the mount table is read once for all of them.
+    pub fn served_health(&self) -> Result<Vec<VolumeHealth>> {
+        let mounts = self.mounts()?;
+        let mut out = Vec::new();
+        for rec in self.node_records.all() {
+            // With a record there is always a place to look (the recorded one
+            // when the pool no longer has the data, which data_problems reports).
+            let Some(loc) = self.locate_or_recorded(rec.id, Some(&rec)) else {
+                continue;
+            };
+            out.push(VolumeHealth {
+                volume_id: rec.volume_id.clone(),
+                problems: self.problems(rec.id, Some(&rec), &loc, &mounts, None, None),
+            });
+        }
+        Ok(out)
+    }
+
+    fn problems(
+        &self,
+        id: VolumeId,
+        rec: Option<&NodeRecord>,
+        loc: &Located,
+        mounts: &[MountEntry],
+        publish: Option<PathBuf>,
+        staging: Option<PathBuf>,
+    ) -> Problems {
+        let mut problems = data_problems(&loc.path, loc.backing, None);
+        if loc.backing == Backing::Image {
+            problems.extend(self.image_against_devices(&loc.path, rec));
+        }
+        for expected in expected_mounts(rec, publish, staging) {
+            let m = mounts.iter().rev().find(|m| m.mount_point == expected.path);
+            problems.extend(self.mount_problems(mounts, m, &expected, id, loc));
+        }
+        problems
     }
 
     /// An image shorter than the loop device serving it: the kernel reads past

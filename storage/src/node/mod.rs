@@ -37,6 +37,7 @@ mod checks;
 mod devices;
 mod ephemeral;
 mod expand;
+mod group;
 mod health;
 mod live_settings;
 mod mounts;

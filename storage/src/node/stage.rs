@@ -5,8 +5,9 @@
 use std::collections::BTreeMap;
 use std::path::Path;
 
-use csi_sys::{file, LoopDevice, LoopOptions, MountEntry, MountOptions};
+use csi_sys::{LoopDevice, LoopOptions, MountEntry, MountOptions};
 
+use super::group::apply_mount_group;
 use super::{devices, make_dir, Node, NodeRecord, BTRFS_LEAST_RESIZE};
 use crate::data::mounts_of;
 use crate::error::{Context, Error, Result};
@@ -437,16 +438,4 @@ impl Node {
         failpoint::hit("stage.after-commit");
         Ok(())
     }
-}
-
-/// Gives the volume's root to `group` with group write and setgid, so new files
-/// inherit the group and a pod's fsGroup works without a recursive chown.
-fn apply_mount_group(root: &Path, group: &str) -> Result<()> {
-    let gid: u32 = group.parse().map_err(|_| {
-        Error::invalid(format!(
-            "volume_mount_group {group:?} is not a numeric group id"
-        ))
-    })?;
-    file::share_with_group(root, gid)
-        .context(|| format!("giving {} to group {gid}", root.display()))
 }

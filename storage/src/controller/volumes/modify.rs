@@ -69,9 +69,10 @@ impl Controller {
     /// then changes all or nothing. An image volume staged here gets the new values
     /// on its loop devices at once (elsewhere at its next stage); when they cannot
     /// be applied, the call fails and the volume keeps its old ones. Only the node
-    /// domain reaches loop devices: a controller process without it refuses to
-    /// change an image volume the node has staged, rather than answer for a change
-    /// the volume does not have.
+    /// domain reaches loop devices: a controller process without it asks the node
+    /// plugin's process through the hand-off socket, and refuses to change an image
+    /// volume the node has staged when that plugin cannot be reached, rather than
+    /// answer for a change the volume does not have.
     pub fn modify_volume(&self, volume_id: &str, m: &BTreeMap<String, String>) -> Result<()> {
         let id = VolumeId::parse_existing(volume_id)?;
         self.check_mutable(m)?;
@@ -170,7 +171,8 @@ impl Controller {
     /// Every step is tried; the first failure is returned.
     fn restore_image_settings(&self, before: &ImageSettingsBefore) -> Result<()> {
         let mut result = Ok(());
-        if let Some(live) = self.live_devices() {
+        // No device changed, nothing to ask of the node (which may be unreachable).
+        if let Some(live) = self.live_devices().filter(|_| !before.devices.is_empty()) {
             result = result.and(live.restore_live(&before.devices));
         }
         for (key, old) in &before.attributes {
