@@ -212,29 +212,7 @@ impl Controller {
             .collect::<Result<Vec<_>>>()?;
         crate::failpoint::hit("freeze.after-volume-lock");
         cancel::check()?;
-        let mounts = self
-            .sys
-            .mounter
-            .mounts()
-            .context(|| "reading the mount table".into())?;
-        let mut mountpoints = Vec::new();
-        for (_, image) in images {
-            if image.is_dir() {
-                continue;
-            }
-            let devs = self
-                .sys
-                .loops
-                .find(image)
-                .context(|| "listing loop devices".into())?;
-            for dev in devs {
-                if let Some(m) = mounts_of(&mounts, &dev.device).first() {
-                    if !mountpoints.contains(&m.mount_point) {
-                        mountpoints.push(m.mount_point.clone());
-                    }
-                }
-            }
-        }
+        let mountpoints = self.mountpoints_of(images)?;
         if mountpoints.is_empty() {
             if held.iter().any(|v| v.is_staged()) {
                 tracing::info!(volumes = ?ids,
@@ -258,7 +236,58 @@ impl Controller {
                 mountpoints: mountpoints.clone(),
             },
         )?;
+        let (window, mut guard) = self.open_window(marker, budget)?;
+        self.freeze_each(&window, &mountpoints)?;
+        crate::failpoint::hit("freeze.after-freeze");
+        let out = if window.lock().phase == Phase::Open {
+            Some(f())
+        } else {
+            None
+        };
+        match guard.close() {
+            None => out.unwrap_or_else(|| Err(Error::internal("freeze closed without a copy"))),
+            Some(Cut::Cancelled) => Err(cancel::cancelled()),
+            Some(Cut::Deadline) => Err(Error::Aborted(format!(
+                "the copy of volume {key} kept its filesystem frozen longer than {} s \
+                 (--freeze-timeout plus the copy's expected time); the filesystem was thawed \
+                 and the copy undone; retry",
+                budget.as_secs()
+            ))),
+        }
+    }
 
+    /// The mount points of the staged images among `images`.
+    fn mountpoints_of(&self, images: &[(VolumeId, PathBuf)]) -> Result<Vec<PathBuf>> {
+        let mounts = self
+            .sys
+            .mounter
+            .mounts()
+            .context(|| "reading the mount table".into())?;
+        let mut mountpoints = Vec::new();
+        for (_, image) in images {
+            if image.is_dir() {
+                continue;
+            }
+            let devs = self
+                .sys
+                .loops
+                .find(image)
+                .context(|| "listing loop devices".into())?;
+            for dev in devs {
+                if let Some(m) = mounts_of(&mounts, &dev.device).first() {
+                    if !mountpoints.contains(&m.mount_point) {
+                        mountpoints.push(m.mount_point.clone());
+                    }
+                }
+            }
+        }
+        Ok(mountpoints)
+    }
+
+    /// Opens the freeze's window and starts its watchdog, which closes it at the
+    /// end of `budget` or when the call is cancelled. The guard thaws and removes
+    /// `marker` when it goes.
+    fn open_window(&self, marker: PathBuf, budget: Duration) -> Result<(Arc<Window>, Freeze)> {
         let window = Arc::new(Window {
             state: Mutex::new(WindowState {
                 phase: Phase::Open,
@@ -285,7 +314,12 @@ impl Controller {
                 .map_err(|e| Error::internal(format!("starting the freeze watchdog: {e}")))?
         };
         guard.watchdog = Some(watchdog);
-        for mp in &mountpoints {
+        Ok((window, guard))
+    }
+
+    /// Freezes each mount point while the window is open.
+    fn freeze_each(&self, window: &Window, mountpoints: &[PathBuf]) -> Result<()> {
+        for mp in mountpoints {
             if window.lock().phase != Phase::Open {
                 break;
             }
@@ -304,22 +338,7 @@ impl Controller {
                 }
             }
         }
-        crate::failpoint::hit("freeze.after-freeze");
-        let out = if window.lock().phase == Phase::Open {
-            Some(f())
-        } else {
-            None
-        };
-        match guard.close() {
-            None => out.unwrap_or_else(|| Err(Error::internal("freeze closed without a copy"))),
-            Some(Cut::Cancelled) => Err(cancel::cancelled()),
-            Some(Cut::Deadline) => Err(Error::Aborted(format!(
-                "the copy of volume {key} kept its filesystem frozen longer than {} s \
-                 (--freeze-timeout plus the copy's expected time); the filesystem was thawed \
-                 and the copy undone; retry",
-                budget.as_secs()
-            ))),
-        }
+        Ok(())
     }
 
     /// Thaws what a crash of this domain left frozen; the markers of another

@@ -14,6 +14,7 @@ use crate::error::{Context, Error, Result};
 use crate::failpoint;
 use crate::ids::{validate_name, VolumeId};
 use crate::model::*;
+use crate::pool::Pool;
 use crate::size::parse_size;
 use crate::state::Domain;
 
@@ -42,6 +43,35 @@ impl Node {
     pub(super) fn publish_ephemeral(&self, req: &Publish, target: &Path) -> Result<()> {
         validate_name("ephemeral volume", &req.volume_id)?;
         let id = VolumeId::for_ephemeral(&req.volume_id);
+        let cap = Self::ephemeral_capability(req)?;
+        let (pool, size, fs) = self.ephemeral_attributes(req, &cap)?;
+        let (available, total) = pool.space()?;
+        if size > total {
+            return Err(Error::OutOfRange(format!(
+                "{size} bytes exceeds the largest volume pool {} can hold ({total} bytes)",
+                pool.name
+            )));
+        }
+        let _guard = self.locks.try_lock([format!("node:{id}")])?;
+        let created = self
+            .ephemeral_volumes
+            .get(id)
+            .is_none_or(|r| r.state != RecordState::Ready);
+        if created && size > available {
+            return Err(Error::ResourceExhausted(format!(
+                "pool {} has {available} bytes free; {size} were asked for",
+                pool.name
+            )));
+        }
+        let result = self.make_ephemeral(req, target, id, &pool, &cap, size, fs, created);
+        if result.is_err() && created {
+            self.undo_first_ephemeral_publish(id, target);
+        }
+        result
+    }
+
+    /// The capability of an ephemeral volume: a supported mount.
+    fn ephemeral_capability(req: &Publish) -> Result<Capability> {
         let cap = req
             .capability
             .clone()
@@ -52,6 +82,12 @@ impl Node {
         if let Some(why) = cap.unsupported_reason() {
             return Err(Error::invalid(why));
         }
+        Ok(cap)
+    }
+
+    /// The pool, size and filesystem that an ephemeral volume's attributes ask
+    /// for; the size is rounded up to the filesystem's least and whole MiB.
+    fn ephemeral_attributes(&self, req: &Publish, cap: &Capability) -> Result<(Pool, u64, String)> {
         let allowed = ["size", "type", EPHEMERAL_KEY];
         if let Some(k) = req
             .volume_context
@@ -86,40 +122,22 @@ impl Node {
             .ok_or_else(|| {
                 Error::OutOfRange(format!("volumeAttribute size={size} is too large"))
             })?;
-        let (available, total) = pool.space()?;
-        if size > total {
-            return Err(Error::OutOfRange(format!(
-                "{size} bytes exceeds the largest volume pool {} can hold ({total} bytes)",
-                pool.name
-            )));
+        Ok((pool, size, fs))
+    }
+
+    /// A refused or failed first publish leaves nothing behind.
+    fn undo_first_ephemeral_publish(&self, id: VolumeId, target: &Path) {
+        let staging = self.ephemeral_staging(id);
+        // The target may hold something else: that is left alone, the rest goes.
+        let _ = self.unpublish_locked(id, target);
+        let undo = self
+            .unstage_locked(id, &staging, None)
+            .and_then(|()| self.remove_volume_data(id, true))
+            .and_then(|()| self.ephemeral_volumes.remove(id));
+        let _ = std::fs::remove_dir(&staging);
+        if let Err(e) = undo {
+            tracing::warn!(volume.id = %id, error = %e, "could not undo a failed ephemeral publish");
         }
-        let _guard = self.locks.try_lock([format!("node:{id}")])?;
-        let created = self
-            .ephemeral_volumes
-            .get(id)
-            .is_none_or(|r| r.state != RecordState::Ready);
-        if created && size > available {
-            return Err(Error::ResourceExhausted(format!(
-                "pool {} has {available} bytes free; {size} were asked for",
-                pool.name
-            )));
-        }
-        let result = self.make_ephemeral(req, target, id, &pool, &cap, size, fs, created);
-        if result.is_err() && created {
-            // A refused or failed first publish leaves nothing behind.
-            let staging = self.ephemeral_staging(id);
-            // The target may hold something else: that is left alone, the rest goes.
-            let _ = self.unpublish_locked(id, target);
-            let undo = self
-                .unstage_locked(id, &staging, None)
-                .and_then(|()| self.remove_volume_data(id, true))
-                .and_then(|()| self.ephemeral_volumes.remove(id));
-            let _ = std::fs::remove_dir(&staging);
-            if let Err(e) = undo {
-                tracing::warn!(volume.id = %id, error = %e, "could not undo a failed ephemeral publish");
-            }
-        }
-        result
     }
 
     #[allow(clippy::too_many_arguments)]
