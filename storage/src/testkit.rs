@@ -22,10 +22,12 @@ use crate::{Config, Driver, Error, Result};
 /// One test's world: a pool and a state dir in a temporary directory, the fake
 /// system and the driver on them.
 pub(crate) struct World {
+    /// First, so that it is dropped first: the driver stops before the directory
+    /// that holds its state (and its sockets) is removed.
+    pub(crate) driver: Option<Driver>,
     pub(crate) tmp: tempfile::TempDir,
     pub(crate) sys: System,
     pub(crate) fake: Arc<FakeState>,
-    pub(crate) driver: Option<Driver>,
 }
 
 pub(crate) fn base_dir() -> PathBuf {
