@@ -15,6 +15,8 @@ use csi_storage::size::parse_size;
 use serde_json::{json, Map, Value};
 use tonic::transport::Channel;
 
+mod calls;
+
 #[derive(Debug, Args)]
 pub struct ClientArgs {
     /// Output format (before or after the call's name).
@@ -72,146 +74,200 @@ pub enum Call {
     /// Plugin, controller, node and group controller capabilities.
     Capabilities,
     /// CreateVolume.
-    CreateVolume {
-        name: String,
-        /// Requested size: bytes or with a suffix (K, M, G, T, Ki, Mi, Gi, Ti).
-        #[arg(long, value_parser = parse_size, default_value = "1Gi")]
-        size: i64,
-        /// Largest size accepted (0: no limit).
-        #[arg(long, value_parser = parse_size, default_value = "0")]
-        limit: i64,
-        #[command(flatten)]
-        access: Access,
-        /// StorageClass parameter KEY=VALUE (repeatable).
-        #[arg(long = "param", value_parser = parse_pair)]
-        params: Vec<(String, String)>,
-        /// Restore from this snapshot.
-        #[arg(long, conflicts_with = "source_volume")]
-        source_snapshot: Option<String>,
-        /// Clone this volume.
-        #[arg(long)]
-        source_volume: Option<String>,
-    },
+    CreateVolume(CreateVolume),
     /// DeleteVolume.
-    DeleteVolume { volume_id: String },
+    DeleteVolume(DeleteVolume),
     /// ControllerGetVolume.
-    GetVolume { volume_id: String },
+    GetVolume(GetVolume),
     /// ListVolumes (one page with --max, all pages without).
-    ListVolumes {
-        #[arg(long, default_value_t = 0)]
-        max: i32,
-        #[arg(long, default_value = "")]
-        token: String,
-    },
+    ListVolumes(ListVolumes),
     /// ControllerExpandVolume.
-    ExpandVolume {
-        volume_id: String,
-        #[arg(long, value_parser = parse_size)]
-        size: i64,
-        #[command(flatten)]
-        access: Access,
-    },
+    ExpandVolume(ExpandVolume),
     /// NodeExpandVolume.
-    NodeExpand {
-        volume_id: String,
-        #[arg(long, value_parser = parse_size)]
-        size: i64,
-        /// The published (or staged) path.
-        #[arg(long)]
-        path: String,
-        #[arg(long, default_value = "")]
-        staging: String,
-    },
+    NodeExpand(NodeExpand),
     /// CreateSnapshot.
-    CreateSnapshot {
-        name: String,
-        #[arg(long)]
-        volume: String,
-        #[arg(long = "param", value_parser = parse_pair)]
-        params: Vec<(String, String)>,
-    },
+    CreateSnapshot(CreateSnapshot),
     /// DeleteSnapshot.
-    DeleteSnapshot { snapshot_id: String },
+    DeleteSnapshot(DeleteSnapshot),
     /// ListSnapshots (all pages).
-    ListSnapshots {
-        #[arg(long, default_value = "")]
-        volume: String,
-        #[arg(long, default_value = "")]
-        snapshot: String,
-    },
+    ListSnapshots(ListSnapshots),
     /// GetCapacity.
-    Capacity {
-        #[arg(long = "param", value_parser = parse_pair)]
-        params: Vec<(String, String)>,
-    },
+    Capacity(Capacity),
     /// NodeStageVolume.
-    NodeStage {
-        volume_id: String,
-        #[arg(long)]
-        staging: String,
-        #[command(flatten)]
-        access: Access,
-        /// volume_context KEY=VALUE, as CreateVolume returned it (repeatable).
-        #[arg(long = "context", value_parser = parse_pair)]
-        context: Vec<(String, String)>,
-    },
+    NodeStage(NodeStage),
     /// NodePublishVolume.
-    NodePublish {
-        volume_id: String,
-        #[arg(long, default_value = "")]
-        staging: String,
-        #[arg(long)]
-        target: String,
-        #[arg(long)]
-        readonly: bool,
-        #[command(flatten)]
-        access: Access,
-        #[arg(long = "context", value_parser = parse_pair)]
-        context: Vec<(String, String)>,
-    },
+    NodePublish(NodePublish),
     /// NodeUnpublishVolume.
-    NodeUnpublish {
-        volume_id: String,
-        #[arg(long)]
-        target: String,
-    },
+    NodeUnpublish(NodeUnpublish),
     /// NodeUnstageVolume.
-    NodeUnstage {
-        volume_id: String,
-        #[arg(long)]
-        staging: String,
-    },
+    NodeUnstage(NodeUnstage),
     /// NodeGetVolumeStats.
-    Stats {
-        volume_id: String,
-        /// The published (or staged) path.
-        #[arg(long)]
-        path: String,
-        #[arg(long, default_value = "")]
-        staging: String,
-    },
+    Stats(Stats),
     /// Volume health: ControllerGetVolumeHealth of one volume, NodeGetVolumeHealth
     /// with --node, or without an id ControllerListVolumeHealth (the volumes with
     /// a problem; one page with --max, all pages without).
-    VolumeHealth {
-        volume_id: Option<String>,
-        /// Ask the node service (what this node sees: mounts, loop device,
-        /// filesystem errors).
-        #[arg(long, requires = "volume_id")]
-        node: bool,
-        /// With --node: the published path to check (default: all it knows).
-        #[arg(long, default_value = "", requires = "node")]
-        path: String,
-        /// With --node: the staging path to check (default: the one it knows).
-        #[arg(long, default_value = "", requires = "node")]
-        staging: String,
-        #[arg(long, default_value_t = 0, conflicts_with = "volume_id")]
-        max: i32,
-        #[arg(long, default_value = "", conflicts_with = "volume_id")]
-        token: String,
-    },
+    VolumeHealth(VolumeHealth),
     /// NodeGetStorageHealth: the problems of this node's pools.
     StorageHealth,
+}
+
+#[derive(Debug, Args)]
+pub struct CreateVolume {
+    name: String,
+    /// Requested size: bytes or with a suffix (K, M, G, T, Ki, Mi, Gi, Ti).
+    #[arg(long, value_parser = parse_size, default_value = "1Gi")]
+    size: i64,
+    /// Largest size accepted (0: no limit).
+    #[arg(long, value_parser = parse_size, default_value = "0")]
+    limit: i64,
+    #[command(flatten)]
+    access: Access,
+    /// StorageClass parameter KEY=VALUE (repeatable).
+    #[arg(long = "param", value_parser = parse_pair)]
+    params: Vec<(String, String)>,
+    /// Restore from this snapshot.
+    #[arg(long, conflicts_with = "source_volume")]
+    source_snapshot: Option<String>,
+    /// Clone this volume.
+    #[arg(long)]
+    source_volume: Option<String>,
+}
+
+#[derive(Debug, Args)]
+pub struct DeleteVolume {
+    volume_id: String,
+}
+
+#[derive(Debug, Args)]
+pub struct GetVolume {
+    volume_id: String,
+}
+
+#[derive(Debug, Args)]
+pub struct ListVolumes {
+    #[arg(long, default_value_t = 0)]
+    max: i32,
+    #[arg(long, default_value = "")]
+    token: String,
+}
+
+#[derive(Debug, Args)]
+pub struct ExpandVolume {
+    volume_id: String,
+    #[arg(long, value_parser = parse_size)]
+    size: i64,
+    #[command(flatten)]
+    access: Access,
+}
+
+#[derive(Debug, Args)]
+pub struct NodeExpand {
+    volume_id: String,
+    #[arg(long, value_parser = parse_size)]
+    size: i64,
+    /// The published (or staged) path.
+    #[arg(long)]
+    path: String,
+    #[arg(long, default_value = "")]
+    staging: String,
+}
+
+#[derive(Debug, Args)]
+pub struct CreateSnapshot {
+    name: String,
+    #[arg(long)]
+    volume: String,
+    #[arg(long = "param", value_parser = parse_pair)]
+    params: Vec<(String, String)>,
+}
+
+#[derive(Debug, Args)]
+pub struct DeleteSnapshot {
+    snapshot_id: String,
+}
+
+#[derive(Debug, Args)]
+pub struct ListSnapshots {
+    #[arg(long, default_value = "")]
+    volume: String,
+    #[arg(long, default_value = "")]
+    snapshot: String,
+}
+
+#[derive(Debug, Args)]
+pub struct Capacity {
+    #[arg(long = "param", value_parser = parse_pair)]
+    params: Vec<(String, String)>,
+}
+
+#[derive(Debug, Args)]
+pub struct NodeStage {
+    volume_id: String,
+    #[arg(long)]
+    staging: String,
+    #[command(flatten)]
+    access: Access,
+    /// volume_context KEY=VALUE, as CreateVolume returned it (repeatable).
+    #[arg(long = "context", value_parser = parse_pair)]
+    context: Vec<(String, String)>,
+}
+
+#[derive(Debug, Args)]
+pub struct NodePublish {
+    volume_id: String,
+    #[arg(long, default_value = "")]
+    staging: String,
+    #[arg(long)]
+    target: String,
+    #[arg(long)]
+    readonly: bool,
+    #[command(flatten)]
+    access: Access,
+    #[arg(long = "context", value_parser = parse_pair)]
+    context: Vec<(String, String)>,
+}
+
+#[derive(Debug, Args)]
+pub struct NodeUnpublish {
+    volume_id: String,
+    #[arg(long)]
+    target: String,
+}
+
+#[derive(Debug, Args)]
+pub struct NodeUnstage {
+    volume_id: String,
+    #[arg(long)]
+    staging: String,
+}
+
+#[derive(Debug, Args)]
+pub struct Stats {
+    volume_id: String,
+    /// The published (or staged) path.
+    #[arg(long)]
+    path: String,
+    #[arg(long, default_value = "")]
+    staging: String,
+}
+
+#[derive(Debug, Args)]
+pub struct VolumeHealth {
+    volume_id: Option<String>,
+    /// Ask the node service (what this node sees: mounts, loop device,
+    /// filesystem errors).
+    #[arg(long, requires = "volume_id")]
+    node: bool,
+    /// With --node: the published path to check (default: all it knows).
+    #[arg(long, default_value = "", requires = "node")]
+    path: String,
+    /// With --node: the staging path to check (default: the one it knows).
+    #[arg(long, default_value = "", requires = "node")]
+    staging: String,
+    #[arg(long, default_value_t = 0, conflicts_with = "volume_id")]
+    max: i32,
+    #[arg(long, default_value = "", conflicts_with = "volume_id")]
+    token: String,
 }
 
 fn parse_pair(s: &str) -> Result<(String, String), String> {
@@ -346,403 +402,63 @@ impl From<tonic::Status> for Failure {
     }
 }
 
+/// The clients of the driver's services, on one connection.
+struct Services {
+    id: IdentityClient<Channel>,
+    ctl: ControllerClient<Channel>,
+    node: NodeClient<Channel>,
+    channel: Channel,
+}
+
 async fn run(endpoint: &str, call: &Call) -> Result<Value, Failure> {
     let channel = csi_glue::connect(endpoint)
         .await
         .map_err(|e| Failure::Connect(root_cause(&e)))?;
-    let mut id = IdentityClient::new(channel.clone());
-    let mut ctl = ControllerClient::new(channel.clone());
-    let mut node = NodeClient::new(channel.clone());
-    Ok(match call {
-        Call::Info => {
-            let info = id
-                .get_plugin_info(csi::GetPluginInfoRequest {})
-                .await?
-                .into_inner();
-            let probe = id.probe(csi::ProbeRequest {}).await?.into_inner();
-            let mut out = json!({
-                "name": info.name,
-                "vendor_version": info.vendor_version,
-                "manifest": info.manifest,
-                "ready": probe.ready,
-            });
-            // A controller-only driver has no Node service: say so rather than fail.
-            match node.node_get_info(csi::NodeGetInfoRequest {}).await {
-                Ok(n) => {
-                    let n = n.into_inner();
-                    out["node"] = json!({
-                        "node_id": n.node_id,
-                        "max_volumes_per_node": n.max_volumes_per_node,
-                        "accessible_topology": n.accessible_topology.map(|t| t.segments),
-                    });
-                }
-                Err(s) => out["node"] = json!(format!("{:?}: {}", s.code(), s.message())),
-            }
-            out
-        }
-        Call::Capabilities => capabilities(&mut id, &mut ctl, &mut node, channel).await?,
-        Call::CreateVolume {
-            name,
-            size,
-            limit,
-            access,
-            params,
-            source_snapshot,
-            source_volume,
-        } => {
-            use csi::volume_content_source::{SnapshotSource, Type, VolumeSource};
-            let source = match (source_snapshot, source_volume) {
-                (Some(s), _) => Some(Type::Snapshot(SnapshotSource {
-                    snapshot_id: s.clone(),
-                })),
-                (_, Some(v)) => Some(Type::Volume(VolumeSource {
-                    volume_id: v.clone(),
-                })),
-                _ => None,
-            };
-            let r = ctl
-                .create_volume(csi::CreateVolumeRequest {
-                    name: name.clone(),
-                    capacity_range: Some(csi::CapacityRange {
-                        required_bytes: *size,
-                        limit_bytes: *limit,
-                    }),
-                    volume_capabilities: vec![access.capability()],
-                    parameters: to_map(params),
-                    volume_content_source: source
-                        .map(|t| csi::VolumeContentSource { r#type: Some(t) }),
-                    ..Default::default()
-                })
-                .await?
-                .into_inner();
-            json!({ "volume": r.volume.as_ref().map(volume) })
-        }
-        Call::DeleteVolume { volume_id } => {
-            ctl.delete_volume(csi::DeleteVolumeRequest {
-                volume_id: volume_id.clone(),
-                ..Default::default()
-            })
-            .await?;
-            json!({ "deleted": volume_id })
-        }
-        Call::GetVolume { volume_id } => {
-            let r = ctl
-                .controller_get_volume(csi::ControllerGetVolumeRequest {
-                    volume_id: volume_id.clone(),
-                })
-                .await?
-                .into_inner();
-            json!({
-                "volume": r.volume.as_ref().map(volume),
-                "status": r.status.map(|s| json!({
-                    "published_node_ids": s.published_node_ids,
-                })),
-            })
-        }
-        Call::ListVolumes { max, token } => {
-            let mut entries = Vec::new();
-            let mut token = token.clone();
-            loop {
-                let r = ctl
-                    .list_volumes(csi::ListVolumesRequest {
-                        max_entries: *max,
-                        starting_token: token.clone(),
-                    })
-                    .await?
-                    .into_inner();
-                for e in r.entries {
-                    let mut v = e.volume.as_ref().map(volume).unwrap_or(Value::Null);
-                    if let Some(s) = e.status {
-                        v["published_node_ids"] = json!(s.published_node_ids);
-                    }
-                    entries.push(v);
-                }
-                token = r.next_token;
-                if token.is_empty() || *max > 0 {
-                    break;
-                }
-            }
-            let mut out = json!({ "volumes": entries });
-            if !token.is_empty() {
-                out["next_token"] = json!(token);
-            }
-            out
-        }
-        Call::ExpandVolume {
-            volume_id,
-            size,
-            access,
-        } => {
-            let r = ctl
-                .controller_expand_volume(csi::ControllerExpandVolumeRequest {
-                    volume_id: volume_id.clone(),
-                    capacity_range: Some(csi::CapacityRange {
-                        required_bytes: *size,
-                        limit_bytes: 0,
-                    }),
-                    volume_capability: Some(access.capability()),
-                    ..Default::default()
-                })
-                .await?
-                .into_inner();
-            json!({"capacity_bytes": r.capacity_bytes, "node_expansion_required": r.node_expansion_required})
-        }
-        Call::NodeExpand {
-            volume_id,
-            size,
-            path,
-            staging,
-        } => {
-            let r = node
-                .node_expand_volume(csi::NodeExpandVolumeRequest {
-                    volume_id: volume_id.clone(),
-                    volume_path: path.clone(),
-                    staging_target_path: staging.clone(),
-                    capacity_range: Some(csi::CapacityRange {
-                        required_bytes: *size,
-                        limit_bytes: 0,
-                    }),
-                    ..Default::default()
-                })
-                .await?
-                .into_inner();
-            json!({"capacity_bytes": r.capacity_bytes})
-        }
-        Call::CreateSnapshot {
-            name,
-            volume,
-            params,
-        } => {
-            let r = ctl
-                .create_snapshot(csi::CreateSnapshotRequest {
-                    source_volume_id: volume.clone(),
-                    name: name.clone(),
-                    parameters: to_map(params),
-                    ..Default::default()
-                })
-                .await?
-                .into_inner();
-            json!({ "snapshot": r.snapshot.as_ref().map(snapshot) })
-        }
-        Call::DeleteSnapshot { snapshot_id } => {
-            ctl.delete_snapshot(csi::DeleteSnapshotRequest {
-                snapshot_id: snapshot_id.clone(),
-                ..Default::default()
-            })
-            .await?;
-            json!({ "deleted": snapshot_id })
-        }
-        Call::ListSnapshots {
-            volume,
-            snapshot: snap,
-        } => {
-            let mut entries = Vec::new();
-            let mut token = String::new();
-            loop {
-                let r = ctl
-                    .list_snapshots(csi::ListSnapshotsRequest {
-                        source_volume_id: volume.clone(),
-                        snapshot_id: snap.clone(),
-                        starting_token: token.clone(),
-                        ..Default::default()
-                    })
-                    .await?
-                    .into_inner();
-                entries.extend(
-                    r.entries
-                        .iter()
-                        .filter_map(|e| e.snapshot.as_ref().map(snapshot)),
-                );
-                token = r.next_token;
-                if token.is_empty() {
-                    break;
-                }
-            }
-            json!({ "snapshots": entries })
-        }
-        Call::Capacity { params } => {
-            let r = ctl
-                .get_capacity(csi::GetCapacityRequest {
-                    parameters: to_map(params),
-                    ..Default::default()
-                })
-                .await?
-                .into_inner();
-            json!({
-                "available_capacity": r.available_capacity,
-                "maximum_volume_size": r.maximum_volume_size,
-                "minimum_volume_size": r.minimum_volume_size,
-            })
-        }
-        Call::NodeStage {
-            volume_id,
-            staging,
-            access,
-            context,
-        } => {
-            node.node_stage_volume(csi::NodeStageVolumeRequest {
-                volume_id: volume_id.clone(),
-                staging_target_path: staging.clone(),
-                volume_capability: Some(access.capability()),
-                volume_context: to_map(context),
-                ..Default::default()
-            })
-            .await?;
-            json!({ "staged": volume_id, "staging_target_path": staging })
-        }
-        Call::NodePublish {
-            volume_id,
-            staging,
-            target,
-            readonly,
-            access,
-            context,
-        } => {
-            node.node_publish_volume(csi::NodePublishVolumeRequest {
-                volume_id: volume_id.clone(),
-                staging_target_path: staging.clone(),
-                target_path: target.clone(),
-                volume_capability: Some(access.capability()),
-                readonly: *readonly,
-                volume_context: to_map(context),
-                ..Default::default()
-            })
-            .await?;
-            json!({ "published": volume_id, "target_path": target })
-        }
-        Call::NodeUnpublish { volume_id, target } => {
-            node.node_unpublish_volume(csi::NodeUnpublishVolumeRequest {
-                volume_id: volume_id.clone(),
-                target_path: target.clone(),
-            })
-            .await?;
-            json!({ "unpublished": volume_id, "target_path": target })
-        }
-        Call::NodeUnstage { volume_id, staging } => {
-            node.node_unstage_volume(csi::NodeUnstageVolumeRequest {
-                volume_id: volume_id.clone(),
-                staging_target_path: staging.clone(),
-            })
-            .await?;
-            json!({ "unstaged": volume_id, "staging_target_path": staging })
-        }
-        Call::Stats {
-            volume_id,
-            path,
-            staging,
-        } => {
-            let r = node
-                .node_get_volume_stats(csi::NodeGetVolumeStatsRequest {
-                    volume_id: volume_id.clone(),
-                    volume_path: path.clone(),
-                    staging_target_path: staging.clone(),
-                })
-                .await?
-                .into_inner();
-            let usage: Vec<Value> = r
-                .usage
-                .iter()
-                .map(|u| {
-                    json!({
-                        "unit": csi::volume_usage::Unit::try_from(u.unit)
-                            .map(|x| x.as_str_name().to_string())
-                            .unwrap_or_else(|_| u.unit.to_string()),
-                        "total": u.total, "used": u.used, "available": u.available,
-                    })
-                })
-                .collect();
-            json!({ "usage": usage })
-        }
-        Call::VolumeHealth {
-            volume_id: Some(volume_id),
-            node: true,
-            path,
-            staging,
-            ..
-        } => {
-            let r = node
-                .node_get_volume_health(csi::NodeGetVolumeHealthRequest {
-                    volume_id: volume_id.clone(),
-                    volume_publish_path: path.clone(),
-                    staging_target_path: staging.clone(),
-                })
-                .await?
-                .into_inner();
-            json!({ "volume_health": r.volume_health.as_ref().map(volume_health) })
-        }
-        Call::VolumeHealth {
-            volume_id: Some(volume_id),
-            ..
-        } => {
-            let r = ctl
-                .controller_get_volume_health(csi::ControllerGetVolumeHealthRequest {
-                    volume_id: volume_id.clone(),
-                    ..Default::default()
-                })
-                .await?
-                .into_inner();
-            json!({ "volume_health": r.volume_health.as_ref().map(volume_health) })
-        }
-        Call::VolumeHealth {
-            volume_id: None,
-            max,
-            token,
-            ..
-        } => {
-            let mut entries = Vec::new();
-            let mut token = token.clone();
-            loop {
-                let r = ctl
-                    .controller_list_volume_health(csi::ControllerListVolumeHealthRequest {
-                        max_entries: *max,
-                        starting_token: token.clone(),
-                        ..Default::default()
-                    })
-                    .await?
-                    .into_inner();
-                entries.extend(r.entries.iter().map(volume_health));
-                token = r.next_token;
-                if token.is_empty() || *max > 0 {
-                    break;
-                }
-            }
-            let mut out = json!({ "unhealthy_volumes": entries });
-            if !token.is_empty() {
-                out["next_token"] = json!(token);
-            }
-            out
-        }
-        Call::StorageHealth => {
-            let r = node
-                .node_get_storage_health(csi::NodeGetStorageHealthRequest::default())
-                .await?
-                .into_inner();
-            let problems: Vec<Value> = r
-                .backend_health
-                .iter()
-                .map(|b| {
-                    let status = csi::StorageHealthErrorType::try_from(b.status)
-                        .map(|x| x.as_str_name())
-                        .map_err(|_| b.status);
-                    finding(status, &b.reason, &b.message)
-                })
-                .collect();
-            json!({ "backend_health": problems })
-        }
-    })
+    let s = &mut Services {
+        id: IdentityClient::new(channel.clone()),
+        ctl: ControllerClient::new(channel.clone()),
+        node: NodeClient::new(channel.clone()),
+        channel,
+    };
+    match call {
+        Call::Info => calls::info(s).await,
+        Call::Capabilities => capabilities(s).await,
+        Call::CreateVolume(a) => calls::create_volume(s, a).await,
+        Call::DeleteVolume(a) => calls::delete_volume(s, a).await,
+        Call::GetVolume(a) => calls::get_volume(s, a).await,
+        Call::ListVolumes(a) => calls::list_volumes(s, a).await,
+        Call::ExpandVolume(a) => calls::expand_volume(s, a).await,
+        Call::NodeExpand(a) => calls::node_expand(s, a).await,
+        Call::CreateSnapshot(a) => calls::create_snapshot(s, a).await,
+        Call::DeleteSnapshot(a) => calls::delete_snapshot(s, a).await,
+        Call::ListSnapshots(a) => calls::list_snapshots(s, a).await,
+        Call::Capacity(a) => calls::capacity(s, a).await,
+        Call::NodeStage(a) => calls::node_stage(s, a).await,
+        Call::NodePublish(a) => calls::node_publish(s, a).await,
+        Call::NodeUnpublish(a) => calls::node_unpublish(s, a).await,
+        Call::NodeUnstage(a) => calls::node_unstage(s, a).await,
+        Call::Stats(a) => calls::stats(s, a).await,
+        Call::VolumeHealth(a) => calls::health(s, a).await,
+        Call::StorageHealth => calls::storage_health(s).await,
+    }
 }
 
-async fn capabilities(
-    id: &mut IdentityClient<Channel>,
-    ctl: &mut ControllerClient<Channel>,
-    node: &mut NodeClient<Channel>,
-    channel: Channel,
-) -> Result<Value, Failure> {
-    use csi::{
-        controller_service_capability, group_controller_service_capability,
-        node_service_capability, plugin_capability,
-    };
-    let plugin: Vec<Value> = id
+async fn capabilities(s: &mut Services) -> Result<Value, Failure> {
+    let plugin = plugin_capabilities(&mut s.id).await?;
+    let controller = controller_rpcs(&mut s.ctl).await;
+    let node_caps = node_rpcs(&mut s.node).await;
+    let group_caps = group_controller_rpcs(s.channel.clone()).await;
+    Ok(json!({
+        "plugin": plugin,
+        "controller": controller,
+        "node": node_caps,
+        "group_controller": group_caps,
+    }))
+}
+
+async fn plugin_capabilities(id: &mut IdentityClient<Channel>) -> Result<Vec<Value>, Failure> {
+    use csi::plugin_capability;
+    Ok(id
         .get_plugin_capabilities(csi::GetPluginCapabilitiesRequest {})
         .await?
         .into_inner()
@@ -763,8 +479,12 @@ async fn capabilities(
                     .unwrap_or("UNKNOWN")
             )),
         })
-        .collect();
-    let controller = rpc_names(
+        .collect())
+}
+
+async fn controller_rpcs(ctl: &mut ControllerClient<Channel>) -> Value {
+    use csi::controller_service_capability;
+    rpc_names(
         ctl.controller_get_capabilities(csi::ControllerGetCapabilitiesRequest {})
             .await,
         |r| {
@@ -780,8 +500,12 @@ async fn capabilities(
                 .ok()
                 .map(|t| t.as_str_name())
         },
-    );
-    let node_caps = rpc_names(
+    )
+}
+
+async fn node_rpcs(node: &mut NodeClient<Channel>) -> Value {
+    use csi::node_service_capability;
+    rpc_names(
         node.node_get_capabilities(csi::NodeGetCapabilitiesRequest {})
             .await,
         |r| {
@@ -797,9 +521,13 @@ async fn capabilities(
                 .ok()
                 .map(|t| t.as_str_name())
         },
-    );
+    )
+}
+
+async fn group_controller_rpcs(channel: Channel) -> Value {
+    use csi::group_controller_service_capability;
     let mut group = csi::group_controller_client::GroupControllerClient::new(channel);
-    let group_caps = rpc_names(
+    rpc_names(
         group
             .group_controller_get_capabilities(csi::GroupControllerGetCapabilitiesRequest {})
             .await,
@@ -816,13 +544,7 @@ async fn capabilities(
                 .ok()
                 .map(|t| t.as_str_name())
         },
-    );
-    Ok(json!({
-        "plugin": plugin,
-        "controller": controller,
-        "node": node_caps,
-        "group_controller": group_caps,
-    }))
+    )
 }
 
 /// The names of the RPC capabilities a GetCapabilities call answered; a service

@@ -94,24 +94,7 @@ fn main() -> ExitCode {
     if let Err(e) = init_logging(&cli) {
         return usage_error(e);
     }
-    let mut cfg = Config::new(&nodeid, &cli.state_dir, pools);
-    cfg.driver_name = cli.drivername.clone();
-    cfg.default_fstype = cli.default_fstype.clone();
-    cfg.enable_attach = cli.enable_attach;
-    cfg.controller_expansion = !cli.disable_controller_expansion;
-    cfg.mutable_parameters = cli
-        .mutable_parameters
-        .iter()
-        .filter(|m| !m.is_empty())
-        .cloned()
-        .collect();
-    cfg.max_volumes_per_node = cli.max_volumes_per_node;
-    cfg.controller = cli.mode != Mode::Node;
-    cfg.node = cli.mode != Mode::Controller;
-    cfg.heavy_operations = cli.heavy_operations as usize;
-    cfg.cleanup_orphans = cli.cleanup_orphans;
-    cfg.freeze_timeout = Duration::from_secs(cli.freeze_timeout);
-    cfg.pool_full_percent = cli.pool_full_percent;
+    let cfg = config(&cli, &nodeid, pools);
 
     let (_, blocking_threads) = limits(cfg.heavy_operations);
     let runtime = match tokio::runtime::Builder::new_multi_thread()
@@ -137,6 +120,29 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// The domain's configuration from the command line.
+fn config(cli: &Cli, nodeid: &str, pools: Vec<(String, PathBuf)>) -> Config {
+    let mut cfg = Config::new(nodeid, &cli.state_dir, pools);
+    cfg.driver_name = cli.drivername.clone();
+    cfg.default_fstype = cli.default_fstype.clone();
+    cfg.enable_attach = cli.enable_attach;
+    cfg.controller_expansion = !cli.disable_controller_expansion;
+    cfg.mutable_parameters = cli
+        .mutable_parameters
+        .iter()
+        .filter(|m| !m.is_empty())
+        .cloned()
+        .collect();
+    cfg.max_volumes_per_node = cli.max_volumes_per_node;
+    cfg.controller = cli.mode != Mode::Node;
+    cfg.node = cli.mode != Mode::Controller;
+    cfg.heavy_operations = cli.heavy_operations as usize;
+    cfg.cleanup_orphans = cli.cleanup_orphans;
+    cfg.freeze_timeout = Duration::from_secs(cli.freeze_timeout);
+    cfg.pool_full_percent = cli.pool_full_percent;
+    cfg
 }
 
 /// Why serving ended in error.
@@ -260,43 +266,13 @@ async fn serve(
     sys.fs = Arc::new(csi_sys::linux::LinuxFilesystems::with_timeout(
         Duration::from_secs(cli.command_timeout),
     ));
-    let driver_sys = sys.clone();
-    let driver = tokio::task::spawn_blocking(move || Driver::open(cfg, driver_sys))
-        .await
-        .map_err(|e| format!("opening the driver failed: {e}"))?
-        .map_err(|e| match e {
-            csi_storage::Error::StateInUse(msg) => Stop::Refused(msg),
-            e => Stop::Failed(format!("opening the driver failed: {e}")),
-        })?;
-    let driver = Arc::new(driver);
-    tracing::info!(
-        volumes = driver.volume_count(),
-        snapshots = driver.snapshot_count(),
-        "state loaded"
-    );
+    let driver = open_driver(cfg, sys.clone()).await?;
 
     // The metrics listener is bound before the CSI socket: a busy port fails the
     // start without leaving a socket behind.
     let metrics = match metrics_address {
         None => None,
-        Some(addr) => {
-            let listener = metrics::bind(addr).await?;
-            let m = Arc::new(metrics::Metrics::new(
-                &driver.cfg.driver_name,
-                mode_name(mode),
-                Duration::from_secs(cli.metrics_health_max_age),
-            ));
-            tracing::info!(address = %listener.local_addr().map_err(|e| e.to_string())?,
-                "serving metrics on /metrics and health on /healthz");
-            tokio::spawn(metrics::serve(
-                listener,
-                m.clone(),
-                driver.clone(),
-                sys,
-                endpoint.clone(),
-            ));
-            Some(m)
-        }
+        Some(addr) => Some(start_metrics(addr, &cli, &driver, sys, &endpoint).await?),
     };
 
     let controller = driver.controller().cloned();
@@ -347,21 +323,7 @@ async fn serve(
                 UnixListenerStream::new(listener).map(|s| s.map(authority::Conn::new)),
                 stopping,
             ));
-            // The kubelet calls the CSI socket as soon as it is registered, so the
-            // registration starts once that socket is served.
-            let registering = match start_registration(registration) {
-                Ok(r) => r,
-                Err(e) => {
-                    server.abort();
-                    let _ = std::fs::remove_file(&path);
-                    return Err(e.into());
-                }
-            };
-            let result = wait(server, stop_tx, grace).await;
-            stop_registration(registering).await;
-            let _ = std::fs::remove_file(&path);
-            tracing::info!("stopped");
-            Ok(result?)
+            serve_unix(server, stop_tx, grace, registration, &path).await
         }
         Endpoint::Tcp(addr) => {
             let addr = addr.parse().map_err(|e| format!("{addr}: {e}"))?;
@@ -373,6 +335,77 @@ async fn serve(
             Ok(result?)
         }
     }
+}
+
+/// Opens the driver's state off the async runtime: the start-up repair may take
+/// a while.
+async fn open_driver(cfg: Config, sys: System) -> Result<Arc<Driver>, Stop> {
+    let driver = tokio::task::spawn_blocking(move || Driver::open(cfg, sys))
+        .await
+        .map_err(|e| format!("opening the driver failed: {e}"))?
+        .map_err(|e| match e {
+            csi_storage::Error::StateInUse(msg) => Stop::Refused(msg),
+            e => Stop::Failed(format!("opening the driver failed: {e}")),
+        })?;
+    let driver = Arc::new(driver);
+    tracing::info!(
+        volumes = driver.volume_count(),
+        snapshots = driver.snapshot_count(),
+        "state loaded"
+    );
+    Ok(driver)
+}
+
+/// Binds the metrics listener and serves /metrics and /healthz on it.
+async fn start_metrics(
+    addr: std::net::SocketAddr,
+    cli: &Cli,
+    driver: &Arc<Driver>,
+    sys: System,
+    endpoint: &Endpoint,
+) -> Result<Arc<metrics::Metrics>, Stop> {
+    let listener = metrics::bind(addr).await?;
+    let m = Arc::new(metrics::Metrics::new(
+        &driver.cfg.driver_name,
+        mode_name(cli.mode),
+        Duration::from_secs(cli.metrics_health_max_age),
+    ));
+    tracing::info!(address = %listener.local_addr().map_err(|e| e.to_string())?,
+        "serving metrics on /metrics and health on /healthz");
+    tokio::spawn(metrics::serve(
+        listener,
+        m.clone(),
+        driver.clone(),
+        sys,
+        endpoint.clone(),
+    ));
+    Ok(m)
+}
+
+/// Registers with the kubelet once the CSI socket at `path` is served, waits
+/// for the server to stop, and removes the socket.
+async fn serve_unix(
+    server: tokio::task::JoinHandle<Result<(), tonic::transport::Error>>,
+    stop_tx: tokio::sync::oneshot::Sender<()>,
+    grace: Duration,
+    registration: Option<registration::Config>,
+    path: &std::path::Path,
+) -> Result<(), Stop> {
+    // The kubelet calls the CSI socket as soon as it is registered, so the
+    // registration starts once that socket is served.
+    let registering = match start_registration(registration) {
+        Ok(r) => r,
+        Err(e) => {
+            server.abort();
+            let _ = std::fs::remove_file(path);
+            return Err(e.into());
+        }
+    };
+    let result = wait(server, stop_tx, grace).await;
+    stop_registration(registering).await;
+    let _ = std::fs::remove_file(path);
+    tracing::info!("stopped");
+    Ok(result?)
 }
 
 type Registering = (

@@ -41,16 +41,6 @@ struct InUse {
 }
 
 impl Fx {
-    async fn create(
-        &mut self,
-        name: &str,
-        size: i64,
-        cap: csi::VolumeCapability,
-        params: &[(&str, &str)],
-    ) -> String {
-        self.c.create(name, size, cap, params).await
-    }
-
     /// Stages and publishes a volume.
     async fn use_again(&mut self, v: &InUse, cap: csi::VolumeCapability) {
         self.c
@@ -74,7 +64,7 @@ impl Fx {
         params: &[(&str, &str)],
     ) -> InUse {
         let v = InUse {
-            id: self.create(name, size, cap.clone(), params).await,
+            id: self.c.create(name, size, cap.clone(), params).await,
             staging: self.pool.scratch(&format!("staging-{name}")),
             target: self.pool.scratch("pods").join(name),
         };
@@ -509,9 +499,9 @@ async fn root_dir_volumes_missing_or_at_their_quota_are_reported() {
     assert_eq!(fx.node(&v.id).await, vec![r(H::Degraded, "QuotaExceeded")]);
 
     // A subvolume deleted behind the driver's back.
-    let gone = fx
-        .create("pvc-gone", 16 * MIB, cap, &[("kind", "dir")])
-        .await;
+    let gone =
+        fx.c.create("pvc-gone", 16 * MIB, cap, &[("kind", "dir")])
+            .await;
     let path = fx.pool.path.join("volumes").join(&gone);
     sh("btrfs", &["subvolume", "delete", path.to_str().unwrap()]);
     assert_eq!(
@@ -525,8 +515,8 @@ async fn root_dir_volumes_missing_or_at_their_quota_are_reported() {
 async fn root_plain_dir_volume_missing_is_inaccessible() {
     require_root();
     let mut fx = fixture("xfs", &[]).await;
-    let id = fx
-        .create(
+    let id =
+        fx.c.create(
             "pvc-dir",
             16 * MIB,
             mount_cap("", writer()),
@@ -594,8 +584,8 @@ async fn root_storage_health_follows_the_pool() {
 async fn root_pool_shut_down_makes_images_unreadable() {
     require_root();
     let mut fx = fixture("xfs", &[]).await;
-    let id = fx
-        .create(
+    let id =
+        fx.c.create(
             "pvc-on-a-dying-pool",
             64 * MIB,
             mount_cap("ext4", writer()),
@@ -655,7 +645,7 @@ async fn root_health_problems_show_in_the_metrics() {
     let cap = mount_cap("ext4", writer());
     let mut ids = Vec::new();
     for name in ["pvc-short", "pvc-gone", "pvc-gone-too", "pvc-fine"] {
-        ids.push(fx.create(name, 64 * MIB, cap.clone(), &[]).await);
+        ids.push(fx.c.create(name, 64 * MIB, cap.clone(), &[]).await);
     }
     let truncated =
         r#"example_csi_volumes_unhealthy{error_type="DATA_LOSS",reason="ImageTruncated"}"#;

@@ -65,16 +65,6 @@ impl Fx {
         self.c = self.driver.clients().await;
     }
 
-    async fn create(
-        &mut self,
-        name: &str,
-        size: i64,
-        cap: csi::VolumeCapability,
-        params: &[(&str, &str)],
-    ) -> String {
-        self.c.create(name, size, cap, params).await
-    }
-
     /// DeleteVolume, retried as a CO retries while it answers FAILED_PRECONDITION:
     /// an unstage whose loop device was still open elsewhere for a moment succeeds
     /// and leaves the kernel to finish the detach, and until it has, the volume is
@@ -256,9 +246,9 @@ async fn round_trip(vol_fs: &str, size: i64) {
     let before_loops = fx.volume_loops();
     let before_mounts = fx.all_mounts();
     let cap = mount_cap(vol_fs, writer());
-    let id = fx
-        .create(&format!("pvc-rt-{vol_fs}"), size, cap.clone(), &[])
-        .await;
+    let id =
+        fx.c.create(&format!("pvc-rt-{vol_fs}"), size, cap.clone(), &[])
+            .await;
     let staging = fx.pool.scratch("staging");
     let target = fx.pool.scratch("pods").join("target");
     let data = pattern(3 * 1024 * 1024 + 17, 7);
@@ -319,7 +309,7 @@ async fn root_small_volume_refuses_writes_past_its_size() {
     require_root();
     let mut fx = fixture("xfs", &[]).await;
     let cap = mount_cap("ext4", writer());
-    let id = fx.create("pvc-full", 64 * MIB, cap.clone(), &[]).await;
+    let id = fx.c.create("pvc-full", 64 * MIB, cap.clone(), &[]).await;
     let staging = fx.pool.scratch("staging");
     let target = fx.pool.scratch("pods").join("t");
     fx.stage(&id, &staging, &cap).await.unwrap();
@@ -356,7 +346,7 @@ async fn root_read_only_publish_refuses_writes() {
     require_root();
     let mut fx = fixture("xfs", &[]).await;
     let cap = mount_cap("ext4", writer());
-    let id = fx.create("pvc-ro", 64 * MIB, cap.clone(), &[]).await;
+    let id = fx.c.create("pvc-ro", 64 * MIB, cap.clone(), &[]).await;
     let staging = fx.pool.scratch("staging");
     let rw = fx.pool.scratch("pods").join("rw");
     let ro = fx.pool.scratch("pods").join("ro");
@@ -390,7 +380,7 @@ async fn root_block_publish_read_only_refuses_writes_and_rw_works() {
     require_root();
     let mut fx = fixture("xfs", &[]).await;
     let cap = block_cap(Mode::SingleNodeMultiWriter);
-    let id = fx.create("pvc-block", 64 * MIB, cap.clone(), &[]).await;
+    let id = fx.c.create("pvc-block", 64 * MIB, cap.clone(), &[]).await;
     let staging = fx.pool.scratch("staging");
     let rw = fx.pool.scratch("pods").join("rw");
     let ro = fx.pool.scratch("pods").join("ro");
@@ -483,7 +473,7 @@ async fn root_publish_twice_is_one_mount_and_unpublish_twice_succeeds() {
     require_root();
     let mut fx = fixture("xfs", &[]).await;
     let cap = mount_cap("ext4", writer());
-    let id = fx.create("pvc-idem", 64 * MIB, cap.clone(), &[]).await;
+    let id = fx.c.create("pvc-idem", 64 * MIB, cap.clone(), &[]).await;
     let staging = fx.pool.scratch("staging");
     let target = fx.pool.scratch("pods").join("t");
     fx.stage(&id, &staging, &cap).await.unwrap();
@@ -529,7 +519,7 @@ async fn root_unpublish_never_does_not_touch_foreign_mounts() {
     require_root();
     let mut fx = fixture("xfs", &[]).await;
     let cap = mount_cap("ext4", writer());
-    let id = fx.create("pvc-foreign", 64 * MIB, cap.clone(), &[]).await;
+    let id = fx.c.create("pvc-foreign", 64 * MIB, cap.clone(), &[]).await;
     // A tmpfs that is not the volume's sits at the target.
     let target = fx.pool.scratch("pods").join("foreign");
     std::fs::create_dir(&target).unwrap();
@@ -549,9 +539,9 @@ async fn root_volume_mount_group_gives_group_and_setgid() {
     for fs in ["ext4", "xfs"] {
         let cap = cap_with(fs, writer(), &[], "4321");
         let size = if fs == "xfs" { 300 * MIB } else { 64 * MIB };
-        let id = fx
-            .create(&format!("pvc-group-{fs}"), size, cap.clone(), &[])
-            .await;
+        let id =
+            fx.c.create(&format!("pvc-group-{fs}"), size, cap.clone(), &[])
+                .await;
         let staging = fx.pool.scratch(&format!("staging-{fs}"));
         let target = fx.pool.scratch("pods").join(fs);
         fx.stage(&id, &staging, &cap).await.unwrap();
@@ -606,7 +596,7 @@ async fn root_stats_match_df_and_refuse_vanished_mounts() {
     require_root();
     let mut fx = fixture("xfs", &[]).await;
     let cap = mount_cap("ext4", writer());
-    let id = fx.create("pvc-stats", 64 * MIB, cap.clone(), &[]).await;
+    let id = fx.c.create("pvc-stats", 64 * MIB, cap.clone(), &[]).await;
     let staging = fx.pool.scratch("staging");
     let target = fx.pool.scratch("pods").join("t");
     fx.stage(&id, &staging, &cap).await.unwrap();
@@ -721,9 +711,9 @@ async fn root_stats_of_a_btrfs_dir_volume_are_its_qgroup() {
     require_root();
     let mut fx = fixture("btrfs", &[]).await;
     let cap = mount_cap("", writer());
-    let id = fx
-        .create("pvc-qgroup", 64 * MIB, cap.clone(), &[("kind", "dir")])
-        .await;
+    let id =
+        fx.c.create("pvc-qgroup", 64 * MIB, cap.clone(), &[("kind", "dir")])
+            .await;
     let subvolume = fx.pool.path.join("volumes").join(&id);
     let staging = fx.pool.scratch("staging");
     let target = fx.pool.scratch("pods").join("t");
@@ -811,9 +801,9 @@ async fn node_expand(
 async fn online_expand(vol_fs: &str, size: i64) {
     let mut fx = fixture("xfs", &[]).await;
     let cap = mount_cap(vol_fs, writer());
-    let id = fx
-        .create(&format!("pvc-grow-{vol_fs}"), size, cap.clone(), &[])
-        .await;
+    let id =
+        fx.c.create(&format!("pvc-grow-{vol_fs}"), size, cap.clone(), &[])
+            .await;
     let staging = fx.pool.scratch("staging");
     let target = fx.pool.scratch("pods").join("t");
     fx.stage(&id, &staging, &cap).await.unwrap();
@@ -863,7 +853,9 @@ async fn root_node_expand_ext4_grows_online_or_at_next_stage() {
     require_root();
     let mut fx = fixture("xfs", &[]).await;
     let cap = mount_cap("ext4", writer());
-    let id = fx.create("pvc-grow-ext4", 64 * MIB, cap.clone(), &[]).await;
+    let id =
+        fx.c.create("pvc-grow-ext4", 64 * MIB, cap.clone(), &[])
+            .await;
     let staging = fx.pool.scratch("staging");
     let target = fx.pool.scratch("pods").join("t");
     fx.stage(&id, &staging, &cap).await.unwrap();
@@ -929,9 +921,9 @@ async fn expand_to_present_size(pool_fs: &str, kinds: &[(&str, i64)]) {
         };
         // Asked small, made at the filesystem's minimum: the expansion asks for
         // what the volume has already.
-        let id = fx
-            .create(&format!("pvc-same-{kind}"), 64 * MIB, cap.clone(), &params)
-            .await;
+        let id =
+            fx.c.create(&format!("pvc-same-{kind}"), 64 * MIB, cap.clone(), &params)
+                .await;
         let staging = fx.pool.scratch(&format!("staging-{kind}"));
         let target = fx.pool.scratch("pods").join(kind);
         fx.stage(&id, &staging, &cap).await.unwrap();
@@ -1001,9 +993,9 @@ async fn root_btrfs_below_256_mib_says_it_cannot_grow_and_still_stages() {
     require_root();
     let mut fx = fixture("xfs", &[]).await;
     let cap = mount_cap("btrfs", writer());
-    let id = fx
-        .create("pvc-small-btrfs", 128 * MIB, cap.clone(), &[])
-        .await;
+    let id =
+        fx.c.create("pvc-small-btrfs", 128 * MIB, cap.clone(), &[])
+            .await;
     let staging = fx.pool.scratch("staging");
     fx.stage(&id, &staging, &cap).await.unwrap();
     let before = fs_bytes(&staging);
@@ -1036,9 +1028,9 @@ async fn root_expand_while_unstaged_completes_at_stage() {
     let mut fx = fixture("xfs", &[]).await;
     for (fs, size) in [("xfs", 300 * MIB), ("btrfs", 128 * MIB)] {
         let cap = mount_cap(fs, writer());
-        let id = fx
-            .create(&format!("pvc-offline-{fs}"), size, cap.clone(), &[])
-            .await;
+        let id =
+            fx.c.create(&format!("pvc-offline-{fs}"), size, cap.clone(), &[])
+                .await;
         let staging = fx.pool.scratch(&format!("staging-{fs}"));
         fx.stage(&id, &staging, &cap).await.unwrap();
         let before = fs_bytes(&staging);
@@ -1110,7 +1102,9 @@ async fn root_single_writer_refuses_second_writer_multi_writer_allows() {
     require_root();
     let mut fx = fixture("xfs", &[]).await;
     let single = mount_cap("ext4", Mode::SingleNodeSingleWriter);
-    let id = fx.create("pvc-single", 64 * MIB, single.clone(), &[]).await;
+    let id =
+        fx.c.create("pvc-single", 64 * MIB, single.clone(), &[])
+            .await;
     let staging = fx.pool.scratch("staging-single");
     let a = fx.pool.scratch("pods").join("a");
     let b = fx.pool.scratch("pods").join("b");
@@ -1127,7 +1121,7 @@ async fn root_single_writer_refuses_second_writer_multi_writer_allows() {
     fx.delete(&id).await;
 
     let multi = mount_cap("ext4", Mode::SingleNodeMultiWriter);
-    let id = fx.create("pvc-multi", 64 * MIB, multi.clone(), &[]).await;
+    let id = fx.c.create("pvc-multi", 64 * MIB, multi.clone(), &[]).await;
     let staging = fx.pool.scratch("staging-multi");
     fx.stage(&id, &staging, &multi).await.unwrap();
     fx.publish(&id, &staging, &a, &multi, false).await.unwrap();
@@ -1155,7 +1149,7 @@ async fn root_validation_refuses_bad_paths_and_capabilities() {
     require_root();
     let mut fx = fixture("btrfs", &[]).await;
     let cap = mount_cap("ext4", writer());
-    let id = fx.create("pvc-valid", 64 * MIB, cap.clone(), &[]).await;
+    let id = fx.c.create("pvc-valid", 64 * MIB, cap.clone(), &[]).await;
     let staging = fx.pool.scratch("staging");
     let mounts_before = fx.all_mounts();
     fx.stage(&id, &staging, &cap).await.unwrap();
@@ -1243,9 +1237,9 @@ async fn root_validation_refuses_bad_paths_and_capabilities() {
         Code::NotFound
     );
     // Block access on a kind=dir volume.
-    let dir = fx
-        .create("pvc-dir", 64 * MIB, cap.clone(), &[("kind", "dir")])
-        .await;
+    let dir =
+        fx.c.create("pvc-dir", 64 * MIB, cap.clone(), &[("kind", "dir")])
+            .await;
     let dstaging = fx.pool.scratch("dstaging");
     assert_eq!(
         code(fx.stage(&dir, &dstaging, &block_cap(writer())).await),
@@ -1289,8 +1283,8 @@ async fn root_concurrent_calls_on_one_volume_abort_others_proceed() {
     require_root();
     let mut fx = fixture("xfs", &[]).await;
     let cap = mount_cap("xfs", writer());
-    let id = fx.create("pvc-conc", 300 * MIB, cap.clone(), &[]).await;
-    let other = fx.create("pvc-conc-2", 300 * MIB, cap.clone(), &[]).await;
+    let id = fx.c.create("pvc-conc", 300 * MIB, cap.clone(), &[]).await;
+    let other = fx.c.create("pvc-conc-2", 300 * MIB, cap.clone(), &[]).await;
     let staging = fx.pool.scratch("staging");
     let staging2 = fx.pool.scratch("staging2");
     // Several stages of one volume at once (mkfs, check and mount take a while):
@@ -1358,7 +1352,7 @@ async fn crash_at(point: &str, phase: Phase, kind: Kind) {
         _ => block_cap(writer()),
     };
     let ro = kind == Kind::BlockRo;
-    let id = fx.create("pvc-crash", 64 * MIB, cap.clone(), &[]).await;
+    let id = fx.c.create("pvc-crash", 64 * MIB, cap.clone(), &[]).await;
     let staging = fx.pool.scratch("staging");
     let target = fx.pool.scratch("pods").join("t");
     let data = pattern(256 * 1024, 5);
@@ -1545,9 +1539,9 @@ async fn reboot(vol_fs: &str, size: i64) {
     let mut fx = fixture("xfs", &[]).await;
     let mounts_before = fx.all_mounts();
     let cap = mount_cap(vol_fs, writer());
-    let id = fx
-        .create(&format!("pvc-reboot-{vol_fs}"), size, cap.clone(), &[])
-        .await;
+    let id =
+        fx.c.create(&format!("pvc-reboot-{vol_fs}"), size, cap.clone(), &[])
+            .await;
     let staging = fx.pool.scratch("staging");
     let target = fx.pool.scratch("pods").join("t");
     let data = pattern(2 * 1024 * 1024 + 5, 13);
@@ -1616,9 +1610,9 @@ async fn root_reboot_block_volumes_come_back() {
     require_root();
     let mut fx = fixture("xfs", &[]).await;
     let cap = block_cap(writer());
-    let id = fx
-        .create("pvc-reboot-block", 64 * MIB, cap.clone(), &[])
-        .await;
+    let id =
+        fx.c.create("pvc-reboot-block", 64 * MIB, cap.clone(), &[])
+            .await;
     let staging = fx.pool.scratch("staging");
     let rw = fx.pool.scratch("pods").join("rw");
     let ro = fx.pool.scratch("pods").join("ro");
@@ -1661,7 +1655,7 @@ async fn root_unpublish_unstage_succeed_when_mounts_vanished() {
     let mut fx = fixture("xfs", &[]).await;
     let mounts_before = fx.all_mounts();
     let cap = mount_cap("ext4", writer());
-    let id = fx.create("pvc-vanish", 64 * MIB, cap.clone(), &[]).await;
+    let id = fx.c.create("pvc-vanish", 64 * MIB, cap.clone(), &[]).await;
     let staging = fx.pool.scratch("staging");
     let target = fx.pool.scratch("pods").join("t");
     fx.stage(&id, &staging, &cap).await.unwrap();
@@ -1816,7 +1810,7 @@ async fn root_start_reports_loop_devices_and_mounts_no_volume_accounts_for() {
     require_root();
     let mut fx = fixture("xfs", &[]).await;
     let cap = mount_cap("ext4", writer());
-    let id = fx.create("pvc-orphan", 64 * MIB, cap.clone(), &[]).await;
+    let id = fx.c.create("pvc-orphan", 64 * MIB, cap.clone(), &[]).await;
     let staging = fx.pool.scratch("staging");
     fx.stage(&id, &staging, &cap).await.unwrap();
     // The driver forgets the volume was staged (its node state is lost) while

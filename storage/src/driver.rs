@@ -96,3 +96,6 @@ impl Deref for Driver {
         &self.core
     }
 }
+
+#[cfg(test)]
+mod tests;

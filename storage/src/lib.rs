@@ -27,6 +27,6 @@ pub use csi_sys::System;
 pub use driver::Driver;
 pub use error::{Error, Result};
 #[cfg(test)]
-mod decisions;
-#[cfg(test)]
 mod power_loss;
+#[cfg(test)]
+mod testkit;

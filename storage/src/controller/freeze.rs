@@ -212,6 +212,52 @@ impl Controller {
             .collect::<Result<Vec<_>>>()?;
         crate::failpoint::hit("freeze.after-volume-lock");
         cancel::check()?;
+        let mountpoints = self.mountpoints_of(images)?;
+        if mountpoints.is_empty() {
+            if held.iter().any(|v| v.is_staged()) {
+                tracing::info!(volumes = ?ids,
+                    "copying a volume the node has staged without freezing it: its mounts are \
+                     not visible to this process; the copy is crash-consistent");
+            }
+            return f();
+        }
+        let budget = self.freeze_budget(images);
+        let key = images
+            .first()
+            .map(|(id, _)| id.to_string())
+            .unwrap_or_default();
+        let marker = self.state.frozen_dir().join(format!("{key}.json"));
+        self.state.write_freeze_marker(
+            &marker,
+            &FreezeMarker {
+                owner: Domain::Controller,
+                pid: std::process::id(),
+                volumes: ids.clone(),
+                mountpoints: mountpoints.clone(),
+            },
+        )?;
+        let (window, mut guard) = self.open_window(marker, budget)?;
+        self.freeze_each(&window, &mountpoints)?;
+        crate::failpoint::hit("freeze.after-freeze");
+        let out = if window.lock().phase == Phase::Open {
+            Some(f())
+        } else {
+            None
+        };
+        match guard.close() {
+            None => out.unwrap_or_else(|| Err(Error::internal("freeze closed without a copy"))),
+            Some(Cut::Cancelled) => Err(cancel::cancelled()),
+            Some(Cut::Deadline) => Err(Error::Aborted(format!(
+                "the copy of volume {key} kept its filesystem frozen longer than {} s \
+                 (--freeze-timeout plus the copy's expected time); the filesystem was thawed \
+                 and the copy undone; retry",
+                budget.as_secs()
+            ))),
+        }
+    }
+
+    /// The mount points of the staged images among `images`.
+    fn mountpoints_of(&self, images: &[(VolumeId, PathBuf)]) -> Result<Vec<PathBuf>> {
         let mounts = self
             .sys
             .mounter
@@ -248,30 +294,13 @@ impl Controller {
                 }
             }
         }
-        if mountpoints.is_empty() {
-            if held.iter().any(|v| v.is_staged()) {
-                tracing::info!(volumes = ?ids,
-                    "copying a volume the node has staged without freezing it: its mounts are \
-                     not visible to this process; the copy is crash-consistent");
-            }
-            return f();
-        }
-        let budget = self.freeze_budget(images);
-        let key = images
-            .first()
-            .map(|(id, _)| id.to_string())
-            .unwrap_or_default();
-        let marker = self.state.frozen_dir().join(format!("{key}.json"));
-        self.state.write_freeze_marker(
-            &marker,
-            &FreezeMarker {
-                owner: Domain::Controller,
-                pid: std::process::id(),
-                volumes: ids.clone(),
-                mountpoints: mountpoints.clone(),
-            },
-        )?;
+        Ok(mountpoints)
+    }
 
+    /// Opens the freeze's window and starts its watchdog, which closes it at the
+    /// end of `budget` or when the call is cancelled. The guard thaws and removes
+    /// `marker` when it goes.
+    fn open_window(&self, marker: PathBuf, budget: Duration) -> Result<(Arc<Window>, Freeze)> {
         let window = Arc::new(Window {
             state: Mutex::new(WindowState {
                 phase: Phase::Open,
@@ -298,7 +327,12 @@ impl Controller {
                 .map_err(|e| Error::internal(format!("starting the freeze watchdog: {e}")))?
         };
         guard.watchdog = Some(watchdog);
-        for mp in &mountpoints {
+        Ok((window, guard))
+    }
+
+    /// Freezes each mount point while the window is open.
+    fn freeze_each(&self, window: &Window, mountpoints: &[PathBuf]) -> Result<()> {
+        for mp in mountpoints {
             if window.lock().phase != Phase::Open {
                 break;
             }
@@ -317,22 +351,7 @@ impl Controller {
                 }
             }
         }
-        crate::failpoint::hit("freeze.after-freeze");
-        let out = if window.lock().phase == Phase::Open {
-            Some(f())
-        } else {
-            None
-        };
-        match guard.close() {
-            None => out.unwrap_or_else(|| Err(Error::internal("freeze closed without a copy"))),
-            Some(Cut::Cancelled) => Err(cancel::cancelled()),
-            Some(Cut::Deadline) => Err(Error::Aborted(format!(
-                "the copy of volume {key} kept its filesystem frozen longer than {} s \
-                 (--freeze-timeout plus the copy's expected time); the filesystem was thawed \
-                 and the copy undone; retry",
-                budget.as_secs()
-            ))),
-        }
+        Ok(())
     }
 
     /// Thaws what a crash of this domain left frozen; the markers of another

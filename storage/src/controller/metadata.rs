@@ -10,7 +10,8 @@
 //! blocks differ, or that is mapped on one side only, may have changed. Where the
 //! extents cannot tell, the two images are compared byte by byte.
 
-use std::path::PathBuf;
+use std::fs::File;
+use std::path::{Path, PathBuf};
 
 use csi_sys::extents::{self, Extent};
 pub use csi_sys::extents::{push_merged, ByteRange};
@@ -208,47 +209,58 @@ impl Controller {
             }
         }
         // Fallback when the extents cannot tell (a pool without reflink, where
-        // snapshots are copies, or images that share no extent): compare the data
-        // block by block, in chunks of 1 MiB, but only over the ranges allocated
-        // in either image, since holes on both sides read as zeros on both.
-        let mut either = Vec::new();
-        let mut b = extents::data_ranges(&fb, &base_path, start, capacity)
-            .context(at)?
-            .into_iter()
-            .peekable();
-        let mut t = extents::data_ranges(&ft, &target_path, start, capacity)
-            .context(at)?
-            .into_iter()
-            .peekable();
-        loop {
-            let next = match (b.peek(), t.peek()) {
-                (Some(x), Some(y)) if x.offset <= y.offset => b.next(),
-                (Some(_), Some(_)) => t.next(),
-                (Some(_), None) => b.next(),
-                (None, Some(_)) => t.next(),
-                (None, None) => None,
-            };
-            let Some(r) = next else { break };
-            push_merged(&mut either, r);
-        }
-        let mut ranges = Vec::new();
-        for r in either {
-            let diff = extents::differing_blocks(
-                (&fb, &base_path),
-                (&ft, &target_path),
-                r.offset,
-                r.end().min(capacity),
-                COMPARE_BLOCK,
-            )
-            .context(at)?;
-            for d in diff {
-                push_merged(&mut ranges, d);
-            }
-        }
+        // snapshots are copies, or images that share no extent).
+        let ranges =
+            compare_data((&fb, &base_path), (&ft, &target_path), start, capacity).context(at)?;
         tracing::debug!(base = %base.id, target = %target.id, start,
             ranges = ranges.len(), "delta from comparing data");
         Ok(done(ranges, DeltaMethod::Compare))
     }
+}
+
+/// The ranges where two images' data differ, from `start` to `capacity`:
+/// compared block by block, in chunks of 1 MiB, but only over the ranges
+/// allocated in either image, since holes on both sides read as zeros on both.
+fn compare_data(
+    base: (&File, &Path),
+    target: (&File, &Path),
+    start: u64,
+    capacity: u64,
+) -> csi_sys::Result<Vec<ByteRange>> {
+    let (fb, base_path) = base;
+    let (ft, target_path) = target;
+    let mut either = Vec::new();
+    let mut b = extents::data_ranges(fb, base_path, start, capacity)?
+        .into_iter()
+        .peekable();
+    let mut t = extents::data_ranges(ft, target_path, start, capacity)?
+        .into_iter()
+        .peekable();
+    loop {
+        let next = match (b.peek(), t.peek()) {
+            (Some(x), Some(y)) if x.offset <= y.offset => b.next(),
+            (Some(_), Some(_)) => t.next(),
+            (Some(_), None) => b.next(),
+            (None, Some(_)) => t.next(),
+            (None, None) => None,
+        };
+        let Some(r) = next else { break };
+        push_merged(&mut either, r);
+    }
+    let mut ranges = Vec::new();
+    for r in either {
+        let diff = extents::differing_blocks(
+            (fb, base_path),
+            (ft, target_path),
+            r.offset,
+            r.end().min(capacity),
+            COMPARE_BLOCK,
+        )?;
+        for d in diff {
+            push_merged(&mut ranges, d);
+        }
+    }
+    Ok(ranges)
 }
 
 /// Whether FIEMAP can answer: unless one image has no extents at all, the two

@@ -10,6 +10,8 @@
 pub mod freeze;
 pub mod metadata;
 pub mod snapshots;
+#[cfg(test)]
+mod tests;
 pub mod volumes;
 
 use std::collections::BTreeMap;

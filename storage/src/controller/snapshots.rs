@@ -265,14 +265,7 @@ impl Controller {
             return Err(Error::invalid("source_volume_ids are required"));
         }
         check_parameters(parameters)?;
-        let mut vids = Vec::new();
-        for s in source_volume_ids {
-            let v = VolumeId::parse_existing(s)?;
-            if vids.contains(&v) {
-                return Err(Error::invalid(format!("volume {v} is named twice")));
-            }
-            vids.push(v);
-        }
+        let vids = group_sources(source_volume_ids)?;
         let gid = GroupSnapshotId::for_name(name);
         let member_id = |v: VolumeId| SnapshotId::for_name(&format!("group/{gid}/{v}"));
         let mut keys = vec![format!("group:{gid}")];
@@ -294,15 +287,7 @@ impl Controller {
             }
             self.roll_back_group(&existing)?;
         }
-        let mut vols = Vec::new();
-        for v in &vids {
-            vols.push(
-                self.volumes
-                    .get(*v)
-                    .filter(|r| r.state == RecordState::Ready)
-                    .ok_or_else(|| Error::not_found(format!("source volume {v} does not exist")))?,
-            );
-        }
+        let vols = self.ready_sources(&vids)?;
         let mut group = GroupSnapshotRecord {
             id: gid,
             name: name.to_string(),
@@ -319,32 +304,7 @@ impl Controller {
                 self.snapshot_record(member_id(v.id), format!("{name}/{}", v.id), v, Some(gid))
             })
             .collect();
-        let made = (|| {
-            for m in &members {
-                self.snapshots.put(m)?;
-            }
-            let images = vols
-                .iter()
-                .map(|v| {
-                    Ok((
-                        v.id,
-                        self.pool(&v.pool)?.volume_path(v.id, v.backing, false),
-                    ))
-                })
-                .collect::<Result<Vec<_>>>()?;
-            // One freeze over all members: their snapshots are consistent with each
-            // other. One heavy slot, taken before the freeze, covers every copy.
-            self.heavy(|| {
-                self.with_frozen(&images, || {
-                    for (v, m) in vols.iter().zip(&members) {
-                        self.copy_to_snapshot(v, m)?;
-                        failpoint::hit("create-group-snapshot.after-member");
-                    }
-                    Ok(())
-                })
-            })?
-        })();
-        if let Err(e) = made {
+        if let Err(e) = self.copy_group_members(&vols, &members) {
             return Err(e.with_cleanup(self.roll_back_group(&group)));
         }
         for m in &mut members {
@@ -356,6 +316,48 @@ impl Controller {
         self.groups.put(&group)?;
         tracing::info!(group.id = %gid, name, members = members.len(), "group snapshot created");
         Ok(GroupSnapshot { group, members })
+    }
+
+    /// The records of a group's source volumes, each of which must exist.
+    fn ready_sources(&self, vids: &[VolumeId]) -> Result<Vec<VolumeRecord>> {
+        let mut vols = Vec::new();
+        for v in vids {
+            vols.push(
+                self.volumes
+                    .get(*v)
+                    .filter(|r| r.state == RecordState::Ready)
+                    .ok_or_else(|| Error::not_found(format!("source volume {v} does not exist")))?,
+            );
+        }
+        Ok(vols)
+    }
+
+    /// Records the members (not yet ready) and copies every source volume into
+    /// its member under one freeze.
+    fn copy_group_members(&self, vols: &[VolumeRecord], members: &[SnapshotRecord]) -> Result<()> {
+        for m in members {
+            self.snapshots.put(m)?;
+        }
+        let images = vols
+            .iter()
+            .map(|v| {
+                Ok((
+                    v.id,
+                    self.pool(&v.pool)?.volume_path(v.id, v.backing, false),
+                ))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        // One freeze over all members: their snapshots are consistent with each
+        // other. One heavy slot, taken before the freeze, covers every copy.
+        self.heavy(|| {
+            self.with_frozen(&images, || {
+                for (v, m) in vols.iter().zip(members) {
+                    self.copy_to_snapshot(v, m)?;
+                    failpoint::hit("create-group-snapshot.after-member");
+                }
+                Ok(())
+            })
+        })?
     }
 
     fn group_with_members(&self, group: GroupSnapshotRecord) -> Result<GroupSnapshot> {
@@ -465,4 +467,17 @@ impl Controller {
         }
         Ok(())
     }
+}
+
+/// The volume ids of a group snapshot's sources, each named once.
+fn group_sources(source_volume_ids: &[String]) -> Result<Vec<VolumeId>> {
+    let mut vids = Vec::new();
+    for s in source_volume_ids {
+        let v = VolumeId::parse_existing(s)?;
+        if vids.contains(&v) {
+            return Err(Error::invalid(format!("volume {v} is named twice")));
+        }
+        vids.push(v);
+    }
+    Ok(vids)
 }

@@ -1,0 +1,441 @@
+//! NodeStageVolume: attach the image to a loop device, make or check its
+//! filesystem, grow it if its device grew, and mount it at the staging path (a
+//! directory volume is bound there). A first stage that fails is undone.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use csi_sys::{LoopDevice, LoopOptions, MountEntry, MountOptions};
+
+use super::group::apply_mount_group;
+use super::{devices, make_dir, Node, NodeRecord, BTRFS_LEAST_RESIZE};
+use crate::data::mounts_of;
+use crate::error::{Context, Error, Result};
+use crate::failpoint;
+use crate::ids::VolumeId;
+use crate::model::*;
+use crate::pool::Located;
+use crate::settings::recorded_settings;
+use crate::state::VolumeLock;
+
+pub struct Stage {
+    pub volume_id: String,
+    pub staging_path: String,
+    pub capability: Option<Capability>,
+    pub volume_context: BTreeMap<String, String>,
+}
+
+impl Node {
+    pub fn node_stage(&self, req: Stage) -> Result<()> {
+        let staging = self.check_request(
+            &req.volume_id,
+            "staging_target_path",
+            &req.staging_path,
+            req.capability.is_some(),
+        )?;
+        let (id, loc) = self.located(&req.volume_id)?;
+        let cap = Self::check_capability(req.capability.as_ref(), &loc)?;
+        let _guard = self.locks.try_lock([format!("node:{id}")])?;
+        let (volume, loc) = self.lock_located(id)?;
+        self.stage_locked(
+            id,
+            &req.volume_id,
+            &loc,
+            &staging,
+            &cap,
+            &req.volume_context,
+            Some(&volume),
+        )
+    }
+
+    /// Stages a volume. When the first stage of a volume fails, what this call did
+    /// is undone (mount, loop device, record), so a refused or failed stage leaves
+    /// nothing behind; a crash instead leaves the record, which the retry or the
+    /// unstage finishes. A volume of the controller (`volume`, its lock held) is
+    /// marked staged before anything is done, so that the controller never deletes
+    /// it from under the node; an ephemeral volume is the node's alone.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn stage_locked(
+        &self,
+        id: VolumeId,
+        volume_id: &str,
+        loc: &Located,
+        staging: &Path,
+        cap: &Capability,
+        context: &BTreeMap<String, String>,
+        volume: Option<&VolumeLock>,
+    ) -> Result<()> {
+        let first_stage = self.node_records.get(id).is_none();
+        let ephemeral = volume.is_none();
+        let result = volume
+            .map_or(Ok(()), |v| v.set_staged(true))
+            .and_then(|()| self.stage_steps(id, volume_id, loc, staging, cap, context, ephemeral));
+        if result.is_err() && first_stage {
+            if let Err(e) = self.undo_first_stage(id, loc, staging, volume) {
+                tracing::warn!(volume.id = %id, error = %e, "could not undo a failed stage");
+            }
+        }
+        result
+    }
+
+    fn undo_first_stage(
+        &self,
+        id: VolumeId,
+        loc: &Located,
+        staging: &Path,
+        volume: Option<&VolumeLock>,
+    ) -> Result<()> {
+        let devices = self.devices(loc, self.node_records.get(id).as_ref())?;
+        let mut mounts = self.mounts()?;
+        self.unmount_owned(id, loc, &devices, staging, &mut mounts)?;
+        for d in &devices {
+            if !self.is_mounted(&mut mounts, &d.device)? {
+                self.sys
+                    .loops
+                    .detach(&d.device)
+                    .context(|| format!("detaching {}", d.device.display()))?;
+            }
+        }
+        self.node_records.remove(id)?;
+        volume.map_or(Ok(()), |v| v.set_staged(false))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn stage_steps(
+        &self,
+        id: VolumeId,
+        volume_id: &str,
+        loc: &Located,
+        staging: &Path,
+        cap: &Capability,
+        context: &BTreeMap<String, String>,
+        ephemeral: bool,
+    ) -> Result<()> {
+        let existing = self.node_records.get(id);
+        let devices = self.devices(loc, existing.as_ref())?;
+        let mut rec = match existing {
+            Some(r) => {
+                self.check_restage(&r, id, loc, staging, cap, &devices)?;
+                r
+            }
+            None => self.new_node_record(id, volume_id, loc, cap, ephemeral)?,
+        };
+        rec.staging_path = Some(staging.to_path_buf());
+        rec.block = cap.is_block();
+        rec.mode = cap.mode;
+        // The devices are named only when no attach is to come; else the record
+        // says so, and a crash after the attach leaves no device unnamed.
+        let attaching = loc.backing == Backing::Image && !devices.iter().any(|d| !d.read_only);
+        rec.loop_devices = (!attaching).then(|| devices::listed(&devices, None));
+        // The intent first: an unstage after a crash knows what to undo.
+        self.node_records.put(&rec)?;
+        failpoint::hit("stage.after-intent");
+
+        let read_only = cap.mode.is_read_only();
+        let (flags, group) = match &cap.access {
+            Access::Mount {
+                mount_flags,
+                volume_mount_group,
+                ..
+            } => (mount_flags.clone(), volume_mount_group.clone()),
+            Access::Block => (Vec::new(), String::new()),
+        };
+        let opts = MountOptions { read_only, flags };
+        if loc.backing != Backing::Image {
+            self.bind_dir_at_staging(id, loc, staging, &opts)?;
+            return self.finish_stage(rec, staging, &group);
+        }
+
+        let dev = self.attach(&loc.path, &devices)?;
+        rec.loop_devices = Some(devices::listed(&devices, Some(&dev)));
+        failpoint::hit("stage.after-attach");
+        if cap.is_block() {
+            return self.finish_stage(rec, staging, "");
+        }
+        let mounts = self.mounts()?;
+        let fs_type = match self.mounted_at_staging(&mounts, id, loc, &dev, staging)? {
+            Some(fs_type) => fs_type,
+            None => self.mount_at_staging(id, &dev, staging, cap, context, opts)?,
+        };
+        rec.fs_type = Some(fs_type);
+        self.finish_stage(rec, staging, &group)
+    }
+
+    /// Checks that a volume the node staged already may be staged again at
+    /// `staging` with `cap`.
+    fn check_restage(
+        &self,
+        r: &NodeRecord,
+        id: VolumeId,
+        loc: &Located,
+        staging: &Path,
+        cap: &Capability,
+        devices: &[LoopDevice],
+    ) -> Result<()> {
+        if let Some(old) = r.staging_path.as_ref().filter(|p| *p != staging) {
+            let mounts = self.mounts()?;
+            if mounts
+                .iter()
+                .any(|m| &m.mount_point == old && self.owns(&mounts, m, id, loc, devices))
+            {
+                return Err(Error::AlreadyExists(format!(
+                    "volume {id} is staged at {} already",
+                    old.display()
+                )));
+            }
+        }
+        if r.block != cap.is_block() && !r.targets.is_empty() {
+            return Err(Error::AlreadyExists(format!(
+                "volume {id} is staged with another access type"
+            )));
+        }
+        Ok(())
+    }
+
+    /// The record of a volume staged here for the first time, within the node's
+    /// limit of staged volumes.
+    fn new_node_record(
+        &self,
+        id: VolumeId,
+        volume_id: &str,
+        loc: &Located,
+        cap: &Capability,
+        ephemeral: bool,
+    ) -> Result<NodeRecord> {
+        let max = self.cfg.max_volumes_per_node;
+        if max > 0 && self.node_records.len() as u64 >= max {
+            return Err(Error::ResourceExhausted(format!(
+                "this node has {max} volumes staged, its limit"
+            )));
+        }
+        Ok(NodeRecord {
+            id,
+            volume_id: volume_id.to_string(),
+            data: loc.path.clone(),
+            backing: loc.backing,
+            staging_path: None,
+            block: cap.is_block(),
+            fs_type: None,
+            mode: cap.mode,
+            targets: BTreeMap::new(),
+            ephemeral,
+            loop_devices: None,
+        })
+    }
+
+    /// A directory volume is bind-mounted at the staging path, so that publish
+    /// and the checks after it treat both kinds alike.
+    fn bind_dir_at_staging(
+        &self,
+        id: VolumeId,
+        loc: &Located,
+        staging: &Path,
+        opts: &MountOptions,
+    ) -> Result<()> {
+        let mounts = self.mounts()?;
+        if let Some(m) = mounts.iter().find(|m| m.mount_point == staging) {
+            if self.owns(&mounts, m, id, loc, &[]) {
+                return Ok(());
+            }
+            return Err(Error::AlreadyExists(format!(
+                "{} is a mount of something else",
+                staging.display()
+            )));
+        }
+        make_dir(staging)?;
+        self.sys
+            .mounter
+            .bind(&loc.path, staging, opts)
+            .context(|| format!("binding {} at {}", loc.path.display(), staging.display()))
+    }
+
+    /// The filesystem type of the volume's mount at the staging path, when it is
+    /// mounted there already; an error when something else is mounted there or
+    /// the volume is mounted elsewhere.
+    fn mounted_at_staging(
+        &self,
+        mounts: &[MountEntry],
+        id: VolumeId,
+        loc: &Located,
+        dev: &LoopDevice,
+        staging: &Path,
+    ) -> Result<Option<String>> {
+        if let Some(m) = mounts.iter().find(|m| m.mount_point == staging) {
+            if self.owns(mounts, m, id, loc, std::slice::from_ref(dev)) {
+                return Ok(Some(m.fs_type.clone()));
+            }
+            return Err(Error::AlreadyExists(format!(
+                "{} is a mount of something else",
+                staging.display()
+            )));
+        }
+        if let Some(m) = mounts_of(mounts, &dev.device).first() {
+            return Err(Error::AlreadyExists(format!(
+                "volume {id} is mounted at {} already",
+                m.mount_point.display()
+            )));
+        }
+        Ok(None)
+    }
+
+    /// Mounts the volume's filesystem at the staging path: made on a blank
+    /// device, else checked and grown to its device; returns its type.
+    fn mount_at_staging(
+        &self,
+        id: VolumeId,
+        dev: &LoopDevice,
+        staging: &Path,
+        cap: &Capability,
+        context: &BTreeMap<String, String>,
+        mut opts: MountOptions,
+    ) -> Result<String> {
+        let (fs_type, fresh) = self.filesystem_of(id, dev, cap, context)?;
+        failpoint::hit("stage.after-mkfs");
+        if !fresh {
+            self.heavy(|| self.sys.fs.check(&dev.device, &fs_type))?
+                .context(|| format!("checking the {fs_type} filesystem of volume {id}"))?;
+            if fs_type == "ext4" && self.grows_at_stage(&dev.device, &fs_type) {
+                // ext4 is grown before it is mounted: online growth needs a
+                // privilege some nodes withhold, offline growth does not.
+                self.heavy(|| self.sys.fs.grow(&dev.device, None, &fs_type))?
+                    .context(|| format!("growing the ext4 filesystem of volume {id}"))?;
+            }
+        }
+        make_dir(staging)?;
+        if fs_type == "xfs" && !opts.flags.iter().any(|f| f == "nouuid") {
+            // Snapshots and clones share their source's UUID; xfs refuses a second
+            // mount of one UUID unless told not to check.
+            opts.flags.push("nouuid".into());
+        }
+        self.sys
+            .mounter
+            .mount(&dev.device, staging, &fs_type, &opts)
+            .context(|| format!("mounting volume {id} at {}", staging.display()))?;
+        failpoint::hit("stage.after-mount");
+        let read_only = opts.read_only;
+        if !fresh && fs_type != "ext4" && !read_only && self.grows_at_stage(&dev.device, &fs_type) {
+            self.sys
+                .fs
+                .grow(&dev.device, Some(staging), &fs_type)
+                .context(|| format!("growing the {fs_type} filesystem of volume {id}"))?;
+        }
+        Ok(fs_type)
+    }
+
+    /// The filesystem on the device and whether it was made just now: a blank
+    /// device gets the one asked for; one that holds a filesystem is never
+    /// reformatted.
+    fn filesystem_of(
+        &self,
+        id: VolumeId,
+        dev: &LoopDevice,
+        cap: &Capability,
+        context: &BTreeMap<String, String>,
+    ) -> Result<(String, bool)> {
+        let wanted = cap
+            .fs_type()
+            .map(String::from)
+            .or_else(|| context.get("fsType").cloned())
+            .unwrap_or_else(|| self.cfg.default_fstype.clone());
+        let found = self
+            .sys
+            .fs
+            .probe(&dev.device)
+            .context(|| format!("probing {}", dev.device.display()))?;
+        match found {
+            None => {
+                let size = self
+                    .sys
+                    .fs
+                    .device_size(&dev.device)
+                    .context(|| format!("sizing {}", dev.device.display()))?;
+                let least = minimum_size(Some(&wanted));
+                if size < least {
+                    return Err(Error::invalid(format!(
+                        "volume {id} has {size} bytes; {wanted} needs at least {least}"
+                    )));
+                }
+                self.heavy(|| self.sys.fs.mkfs(&dev.device, &wanted))?
+                    .context(|| format!("making {wanted} on {}", dev.device.display()))?;
+                Ok((wanted, true))
+            }
+            Some(have) => {
+                if cap.fs_type().is_some_and(|w| w != have) {
+                    return Err(Error::invalid(format!(
+                        "volume {id} holds {have}, not the requested {wanted}; it is never \
+                         reformatted"
+                    )));
+                }
+                Ok((have, false))
+            }
+        }
+    }
+
+    /// The loop device serving an image read-write (among `devices`, those serving
+    /// it now), attached if there is none, with the settings recorded on the image.
+    /// A setting that cannot be read or applied fails the stage: a volume is never
+    /// served without what was asked for it.
+    fn attach(&self, image: &Path, devices: &[LoopDevice]) -> Result<LoopDevice> {
+        let settings = recorded_settings(image)?;
+        let dev = match devices.iter().find(|d| !d.read_only).cloned() {
+            Some(d) => d,
+            None => self
+                .sys
+                .loops
+                .attach(
+                    image,
+                    LoopOptions {
+                        read_only: false,
+                        direct_io: settings.direct_io == Some(true),
+                    },
+                )
+                .context(|| format!("attaching {}", image.display()))?,
+        };
+        // Also on a device found attached: a stage cut short may have left it
+        // without them.
+        self.apply_settings(&dev.device, settings)?;
+        Ok(dev)
+    }
+
+    pub(super) fn fs_smaller_than_device(&self, dev: &Path, fs_type: &str) -> Result<bool> {
+        let device = self
+            .sys
+            .fs
+            .device_size(dev)
+            .context(|| format!("sizing {}", dev.display()))?;
+        let fs = self
+            .sys
+            .fs
+            .fs_size(dev, fs_type)
+            .context(|| format!("sizing the {fs_type} filesystem on {}", dev.display()))?;
+        // Filesystems end on a block boundary: ignore less than a MiB.
+        Ok(fs + MIB <= device)
+    }
+
+    /// Whether the stage should grow the filesystem (now or, for ext4, before it is
+    /// mounted). A size that cannot be read is no reason to refuse the stage.
+    fn grows_at_stage(&self, dev: &Path, fs_type: &str) -> bool {
+        let smaller = self.fs_smaller_than_device(dev, fs_type).unwrap_or(false);
+        if smaller && fs_type == "btrfs" {
+            match self.sys.fs.device_size(dev) {
+                Ok(size) if size >= BTRFS_LEAST_RESIZE => {}
+                _ => {
+                    tracing::warn!(device = %dev.display(),
+                        "btrfs below 256 MiB cannot be resized; staged at its present size");
+                    return false;
+                }
+            }
+        }
+        smaller
+    }
+
+    fn finish_stage(&self, rec: NodeRecord, staging: &Path, group: &str) -> Result<()> {
+        // A read-only filesystem cannot change its owner; pods only read it.
+        if !group.is_empty() && !rec.block && !rec.mode.is_read_only() {
+            apply_mount_group(staging, group)?;
+        }
+        self.node_records.put(&rec)?;
+        failpoint::hit("stage.after-commit");
+        Ok(())
+    }
+}
