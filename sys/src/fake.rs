@@ -17,7 +17,11 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use sys_mount::MountFlags;
+
 use crate::error::{Result, SysError};
+use crate::linux::loops::loop_number;
+use crate::linux::options::LAZYTIME;
 use crate::{
     Filesystems, FsStats, LoopDevice, LoopOptions, Loops, MountEntry, MountOptions, Mounter, System,
 };
@@ -223,37 +227,28 @@ impl Inner {
     }
 }
 
-fn options_list(read_only: bool, flags: &nix::mount::MsFlags) -> Vec<String> {
-    use nix::mount::MsFlags;
+/// The per-mount options as /proc/self/mountinfo lists them.
+fn options_list(read_only: bool, flags: &MountFlags) -> Vec<String> {
     let mut out = vec![if read_only { "ro" } else { "rw" }.to_string()];
     for (flag, name) in [
-        (MsFlags::MS_NOSUID, "nosuid"),
-        (MsFlags::MS_NODEV, "nodev"),
-        (MsFlags::MS_NOEXEC, "noexec"),
-        (MsFlags::MS_SYNCHRONOUS, "sync"),
-        (MsFlags::MS_DIRSYNC, "dirsync"),
-        (MsFlags::MS_NOATIME, "noatime"),
-        (MsFlags::MS_NODIRATIME, "nodiratime"),
-        (MsFlags::MS_STRICTATIME, "strictatime"),
-        (MsFlags::MS_LAZYTIME, "lazytime"),
+        (MountFlags::NOSUID, "nosuid"),
+        (MountFlags::NODEV, "nodev"),
+        (MountFlags::NOEXEC, "noexec"),
+        (MountFlags::SYNCHRONOUS, "sync"),
+        (MountFlags::DIRSYNC, "dirsync"),
+        (MountFlags::NOATIME, "noatime"),
+        (MountFlags::NODIRATIME, "nodiratime"),
+        (MountFlags::STRICTATIME, "strictatime"),
+        (LAZYTIME, "lazytime"),
     ] {
         if flags.contains(flag) {
             out.push(name.to_string());
         }
     }
-    if !flags.intersects(MsFlags::MS_NOATIME | MsFlags::MS_STRICTATIME) {
+    if !flags.intersects(MountFlags::NOATIME | MountFlags::STRICTATIME) {
         out.push("relatime".to_string());
     }
     out
-}
-
-fn loop_number(device: &Path) -> Option<u32> {
-    device
-        .file_name()?
-        .to_str()?
-        .strip_prefix("loop")?
-        .parse()
-        .ok()
 }
 
 /// The fake [`Mounter`].
@@ -296,7 +291,7 @@ impl Mounter for FakeMounter {
             // Linux answers EINVAL ("wrong fs type, bad superblock").
             _ => return Err(SysError::syscall(what, target, libc::EINVAL)),
         }
-        let read_only = split.flags.contains(nix::mount::MsFlags::MS_RDONLY)
+        let read_only = split.flags.contains(MountFlags::RDONLY)
             || inner.loop_at(source).is_some_and(|d| d.read_only);
         let entry = MountEntry {
             mount_id: 0,
@@ -329,7 +324,7 @@ impl Mounter for FakeMounter {
         inner.take_failure("bind")?;
         let split = crate::linux::split_options(opts)?;
         inner.check_target(target)?;
-        let read_only = split.flags.contains(nix::mount::MsFlags::MS_RDONLY);
+        let read_only = split.flags.contains(MountFlags::RDONLY);
         // The visible mount holding `source` decides what the bind shows, as in
         // /proc/self/mountinfo: its filesystem and source, and the bound subtree
         // as root.
