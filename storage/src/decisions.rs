@@ -11,7 +11,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use csi_sys::fake::FakeState;
+use csi_sys::fake::{FakeOp, FakeState};
 use csi_sys::{LoopOptions, MountOptions, SysError, System};
 
 use crate::ids::{SnapshotId, VolumeId};
@@ -530,7 +530,7 @@ fn single_node_writer_allows_two_writers() {
 fn a_failed_first_stage_is_undone_and_a_retry_completes() {
     let w = World::new();
     let id = w.create("pvc-a", ext4());
-    w.fake.fail_next("mount", eio("mount"));
+    w.fake.fail_next(FakeOp::Mount, eio("mount"));
     assert_eq!(kind(w.stage(&id, &ext4())), Kind::System);
     // A failed (not crashed) first stage leaves nothing: no record, no device.
     assert!(
@@ -558,7 +558,7 @@ fn a_failed_bind_at_publish_is_retried_to_one_mount() {
     let id = w.create("pvc-a", ext4());
     w.stage(&id, &ext4()).unwrap();
     let t = w.target("t1");
-    w.fake.fail_next("bind", eio("bind"));
+    w.fake.fail_next(FakeOp::Bind, eio("bind"));
     assert_eq!(kind(w.publish(&id, &t, &ext4(), false)), Kind::System);
     assert!(w.node_record(&id).unwrap().targets.contains_key(&t));
     w.publish(&id, &t, &ext4(), false).unwrap();
@@ -570,7 +570,7 @@ fn a_failed_detach_at_unstage_keeps_the_record_for_the_retry() {
     let w = World::new();
     let id = w.create("pvc-a", ext4());
     w.stage(&id, &ext4()).unwrap();
-    w.fake.fail_next("detach", eio("detach"));
+    w.fake.fail_next(FakeOp::Detach, eio("detach"));
     let staging = w.staging().display().to_string();
     assert_eq!(kind(w.n().node_unstage(&id, &staging)), Kind::System);
     assert!(w.node_record(&id).is_some());
@@ -645,7 +645,7 @@ fn modify_volume_that_cannot_be_applied_changes_nothing() {
     };
 
     // The kernel refuses direct I/O for good (EINVAL): the parameter cannot be had.
-    w.fake.fail_next("set_direct_io", || {
+    w.fake.fail_next(FakeOp::SetDirectIo, || {
         SysError::syscall("turn direct I/O on".into(), "/dev/loop0", libc::EINVAL)
     });
     assert_eq!(
@@ -656,13 +656,13 @@ fn modify_volume_that_cannot_be_applied_changes_nothing() {
 
     // Direct I/O is set, then the read-ahead fails: the direct I/O is undone.
     w.fake
-        .fail_next("set_read_ahead_kib", eio("write read_ahead_kb"));
+        .fail_next(FakeOp::SetReadAheadKib, eio("write read_ahead_kb"));
     assert_eq!(kind(w.c().modify_volume(&id, &asked)), Kind::System);
     unchanged("read-ahead failed");
 
     // The settings of the device cannot even be read: nothing is tried.
     w.fake
-        .fail_next("read_ahead_kib", eio("read read_ahead_kb"));
+        .fail_next(FakeOp::ReadAheadKib, eio("read read_ahead_kb"));
     assert_eq!(kind(w.c().modify_volume(&id, &asked)), Kind::System);
     unchanged("settings unreadable");
 
@@ -678,7 +678,7 @@ fn modify_volume_that_cannot_be_applied_changes_nothing() {
 
     // A change that fails on a volume with values already set puts those back.
     w.fake
-        .fail_next("set_read_ahead_kib", eio("write read_ahead_kb"));
+        .fail_next(FakeOp::SetReadAheadKib, eio("write read_ahead_kb"));
     let r = w.c().modify_volume(
         &id,
         &params(&[("directIO", "false"), ("readAheadKiB", "64")]),
@@ -719,7 +719,7 @@ fn stage_that_cannot_apply_the_recorded_settings_fails_and_leaves_nothing() {
     };
 
     w.fake
-        .fail_next("set_read_ahead_kib", eio("write read_ahead_kb"));
+        .fail_next(FakeOp::SetReadAheadKib, eio("write read_ahead_kb"));
     assert_eq!(kind(w.stage(&id, &ext4())), Kind::System);
     nothing_left("read-ahead failed");
 
@@ -892,7 +892,7 @@ fn a_failed_freeze_copies_nothing_and_leaves_nothing_frozen() {
     let w = World::new();
     let id = w.create("pvc-a", ext4());
     w.stage(&id, &ext4()).unwrap();
-    w.fake.fail_next("freeze", eio("freeze"));
+    w.fake.fail_next(FakeOp::Freeze, eio("freeze"));
     let err = w.c().create_snapshot("snap-1", &id, &BTreeMap::new());
     assert_eq!(kind(err), Kind::System);
     assert!(!w.fake.is_frozen(&w.staging()));
@@ -907,7 +907,7 @@ fn a_failed_thaw_keeps_the_marker_and_the_next_start_thaws() {
     w.stage(&id, &ext4()).unwrap();
     // Every try fails (the thaw is tried four times).
     for _ in 0..4 {
-        w.fake.fail_next("thaw", eio("thaw"));
+        w.fake.fail_next(FakeOp::Thaw, eio("thaw"));
     }
     // The snapshot itself is made; the thaw failure is logged.
     w.c()
@@ -949,7 +949,7 @@ fn a_thaw_that_fails_once_is_tried_again() {
     let w = World::new();
     let id = w.create("pvc-a", ext4());
     w.stage(&id, &ext4()).unwrap();
-    w.fake.fail_next("thaw", eio("thaw"));
+    w.fake.fail_next(FakeOp::Thaw, eio("thaw"));
     w.c()
         .create_snapshot("snap-1", &id, &BTreeMap::new())
         .unwrap();

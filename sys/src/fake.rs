@@ -52,6 +52,32 @@ pub struct FakeCounters {
     pub thaw: u32,
 }
 
+/// An operation of the fake, named for [`FakeState::fail_next`]: one per method
+/// of the system traits that the fake implements itself.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FakeOp {
+    Mounts,
+    Mount,
+    Bind,
+    Unmount,
+    List,
+    Attach,
+    Detach,
+    RefreshCapacity,
+    SetDirectIo,
+    SetReadAheadKib,
+    ReadAheadKib,
+    Probe,
+    Mkfs,
+    Check,
+    FsSize,
+    Grow,
+    Freeze,
+    Thaw,
+    Stats,
+    DeviceSize,
+}
+
 type Failure = Box<dyn FnOnce() -> SysError + Send>;
 
 #[derive(Default)]
@@ -65,7 +91,7 @@ struct Inner {
     device_sizes: BTreeMap<PathBuf, u64>,
     read_ahead_kib: BTreeMap<PathBuf, u32>,
     counters: FakeCounters,
-    failures: Vec<(String, Failure)>,
+    failures: Vec<(FakeOp, Failure)>,
     require_targets: bool,
 }
 
@@ -148,14 +174,9 @@ impl FakeState {
         self.lock().counters.clone()
     }
 
-    /// Make the next call of `op` fail with the error `make` returns. `op` is the
-    /// trait method's name: "mount", "bind", "unmount", "mounts", "list", "attach",
-    /// "detach", "refresh_capacity", "set_direct_io",
-    /// "set_read_ahead_kib", "read_ahead_kib", "probe",
-    /// "mkfs", "check", "fs_size", "grow", "freeze", "thaw", "stats",
-    /// "device_size".
-    pub fn fail_next(&self, op: &str, make: impl FnOnce() -> SysError + Send + 'static) {
-        self.lock().failures.push((op.to_string(), Box::new(make)));
+    /// Make the next call of `op` fail with the error `make` returns.
+    pub fn fail_next(&self, op: FakeOp, make: impl FnOnce() -> SysError + Send + 'static) {
+        self.lock().failures.push((op, Box::new(make)));
     }
 
     /// When on, mount and bind fail like Linux when the target does not exist on
@@ -166,8 +187,8 @@ impl FakeState {
 }
 
 impl Inner {
-    fn take_failure(&mut self, op: &str) -> Result<()> {
-        match self.failures.iter().position(|(o, _)| o == op) {
+    fn take_failure(&mut self, op: FakeOp) -> Result<()> {
+        match self.failures.iter().position(|(o, _)| *o == op) {
             Some(i) => {
                 let (_, make) = self.failures.remove(i);
                 Err(make())
@@ -261,14 +282,14 @@ pub struct FakeFilesystems(pub Arc<FakeState>);
 impl Mounter for FakeMounter {
     fn mounts(&self) -> Result<Vec<MountEntry>> {
         let mut inner = self.0.lock();
-        inner.take_failure("mounts")?;
+        inner.take_failure(FakeOp::Mounts)?;
         Ok(inner.mounts.clone())
     }
 
     fn mount(&self, source: &Path, target: &Path, fstype: &str, opts: &MountOptions) -> Result<()> {
         let mut inner = self.0.lock();
         inner.counters.mount += 1;
-        inner.take_failure("mount")?;
+        inner.take_failure(FakeOp::Mount)?;
         let split = crate::linux::split_options(opts)?;
         inner.check_target(target)?;
         let what = format!(
@@ -321,7 +342,7 @@ impl Mounter for FakeMounter {
     fn bind(&self, source: &Path, target: &Path, opts: &MountOptions) -> Result<()> {
         let mut inner = self.0.lock();
         inner.counters.bind += 1;
-        inner.take_failure("bind")?;
+        inner.take_failure(FakeOp::Bind)?;
         let split = crate::linux::split_options(opts)?;
         inner.check_target(target)?;
         let read_only = split.flags.contains(MountFlags::RDONLY);
@@ -387,7 +408,7 @@ impl Mounter for FakeMounter {
     fn unmount(&self, target: &Path) -> Result<()> {
         let mut inner = self.0.lock();
         inner.counters.unmount += 1;
-        inner.take_failure("unmount")?;
+        inner.take_failure(FakeOp::Unmount)?;
         let Some(i) = inner.mounts.iter().rposition(|m| m.mount_point == target) else {
             return Err(SysError::NotMounted {
                 path: target.to_path_buf(),
@@ -408,14 +429,14 @@ impl Mounter for FakeMounter {
 impl Loops for FakeLoops {
     fn list(&self) -> Result<Vec<LoopDevice>> {
         let mut inner = self.0.lock();
-        inner.take_failure("list")?;
+        inner.take_failure(FakeOp::List)?;
         Ok(inner.loops.values().cloned().collect())
     }
 
     fn attach(&self, backing: &Path, opts: LoopOptions) -> Result<LoopDevice> {
         let mut inner = self.0.lock();
         inner.counters.attach += 1;
-        inner.take_failure("attach")?;
+        inner.take_failure(FakeOp::Attach)?;
         let real =
             std::fs::canonicalize(backing).map_err(|e| SysError::io("resolve", backing, e))?;
         let size = crate::file::file_len(&real)?;
@@ -434,7 +455,7 @@ impl Loops for FakeLoops {
     fn detach(&self, device: &Path) -> Result<()> {
         let mut inner = self.0.lock();
         inner.counters.detach += 1;
-        inner.take_failure("detach")?;
+        inner.take_failure(FakeOp::Detach)?;
         let Some(n) = inner.loop_at(device).and_then(|d| loop_number(&d.device)) else {
             return Ok(());
         };
@@ -455,7 +476,7 @@ impl Loops for FakeLoops {
     fn refresh_capacity(&self, device: &Path) -> Result<()> {
         let mut inner = self.0.lock();
         inner.counters.refresh_capacity += 1;
-        inner.take_failure("refresh_capacity")?;
+        inner.take_failure(FakeOp::RefreshCapacity)?;
         let n = attached(&inner, device)?;
         let size = inner
             .loops
@@ -471,7 +492,7 @@ impl Loops for FakeLoops {
     fn set_direct_io(&self, device: &Path, on: bool) -> Result<()> {
         let mut inner = self.0.lock();
         inner.counters.set_direct_io += 1;
-        inner.take_failure("set_direct_io")?;
+        inner.take_failure(FakeOp::SetDirectIo)?;
         let n = attached(&inner, device)?;
         if let Some(d) = inner.loops.get_mut(&n) {
             d.direct_io = on;
@@ -481,7 +502,7 @@ impl Loops for FakeLoops {
 
     fn set_read_ahead_kib(&self, device: &Path, kib: u32) -> Result<()> {
         let mut inner = self.0.lock();
-        inner.take_failure("set_read_ahead_kib")?;
+        inner.take_failure(FakeOp::SetReadAheadKib)?;
         attached(&inner, device)?;
         inner.read_ahead_kib.insert(device.to_path_buf(), kib);
         Ok(())
@@ -489,7 +510,7 @@ impl Loops for FakeLoops {
 
     fn read_ahead_kib(&self, device: &Path) -> Result<u32> {
         let mut inner = self.0.lock();
-        inner.take_failure("read_ahead_kib")?;
+        inner.take_failure(FakeOp::ReadAheadKib)?;
         attached(&inner, device)?;
         Ok(inner
             .read_ahead_kib
@@ -542,7 +563,7 @@ impl Filesystems for FakeFilesystems {
     fn probe(&self, device: &Path) -> Result<Option<String>> {
         let mut inner = self.0.lock();
         inner.counters.probe += 1;
-        inner.take_failure("probe")?;
+        inner.take_failure(FakeOp::Probe)?;
         let key = inner.fs_key(device);
         Ok(inner.filesystems.get(&key).map(|f| f.fstype.clone()))
     }
@@ -550,7 +571,7 @@ impl Filesystems for FakeFilesystems {
     fn mkfs(&self, device: &Path, fstype: &str) -> Result<()> {
         let mut inner = self.0.lock();
         inner.counters.mkfs += 1;
-        inner.take_failure("mkfs")?;
+        inner.take_failure(FakeOp::Mkfs)?;
         check_fstype(fstype)?;
         if inner.is_source_mounted(device) {
             return Err(SysError::Busy {
@@ -572,14 +593,14 @@ impl Filesystems for FakeFilesystems {
     fn check(&self, device: &Path, fstype: &str) -> Result<()> {
         let mut inner = self.0.lock();
         inner.counters.check += 1;
-        inner.take_failure("check")?;
+        inner.take_failure(FakeOp::Check)?;
         check_fstype(fstype)?;
         Self::existing(&inner, device, fstype).map(|_| ())
     }
 
     fn fs_size(&self, device: &Path, fstype: &str) -> Result<u64> {
         let mut inner = self.0.lock();
-        inner.take_failure("fs_size")?;
+        inner.take_failure(FakeOp::FsSize)?;
         check_fstype(fstype)?;
         let key = Self::existing(&inner, device, fstype)?;
         Ok(inner.filesystems.get(&key).map(|f| f.size).unwrap_or(0))
@@ -588,7 +609,7 @@ impl Filesystems for FakeFilesystems {
     fn grow(&self, device: &Path, mountpoint: Option<&Path>, fstype: &str) -> Result<()> {
         let mut inner = self.0.lock();
         inner.counters.grow += 1;
-        inner.take_failure("grow")?;
+        inner.take_failure(FakeOp::Grow)?;
         check_fstype(fstype)?;
         if mountpoint.is_none() && fstype != "ext4" {
             return Err(SysError::Unsupported {
@@ -606,7 +627,7 @@ impl Filesystems for FakeFilesystems {
     fn freeze(&self, mountpoint: &Path) -> Result<()> {
         let mut inner = self.0.lock();
         inner.counters.freeze += 1;
-        inner.take_failure("freeze")?;
+        inner.take_failure(FakeOp::Freeze)?;
         if !inner.mounts.iter().any(|m| m.mount_point == mountpoint) {
             return Err(SysError::NotMounted {
                 path: mountpoint.to_path_buf(),
@@ -621,7 +642,7 @@ impl Filesystems for FakeFilesystems {
     fn thaw(&self, mountpoint: &Path) -> Result<()> {
         let mut inner = self.0.lock();
         inner.counters.thaw += 1;
-        inner.take_failure("thaw")?;
+        inner.take_failure(FakeOp::Thaw)?;
         if !inner.mounts.iter().any(|m| m.mount_point == mountpoint) {
             return Err(SysError::NotMounted {
                 path: mountpoint.to_path_buf(),
@@ -633,7 +654,7 @@ impl Filesystems for FakeFilesystems {
 
     fn stats(&self, path: &Path) -> Result<FsStats> {
         let mut inner = self.0.lock();
-        inner.take_failure("stats")?;
+        inner.take_failure(FakeOp::Stats)?;
         let holder = inner
             .mounts
             .iter()
@@ -659,7 +680,7 @@ impl Filesystems for FakeFilesystems {
 
     fn device_size(&self, device: &Path) -> Result<u64> {
         let mut inner = self.0.lock();
-        inner.take_failure("device_size")?;
+        inner.take_failure(FakeOp::DeviceSize)?;
         inner.device_size(device)
     }
 }
@@ -744,7 +765,7 @@ mod tests {
         sys.mounter.unmount(t).unwrap();
         assert!(state.is_mounted(t));
 
-        state.fail_next("unmount", || SysError::Busy {
+        state.fail_next(FakeOp::Unmount, || SysError::Busy {
             what: "test".into(),
         });
         assert!(sys.mounter.unmount(t).unwrap_err().is_busy());
