@@ -3,12 +3,15 @@
 //! unmounted path? is a staged volume never formatted twice?).
 //!
 //! It keeps a mount table, loop devices and filesystems in memory and behaves like
-//! Linux where the domain could tell the difference: mounts stack, unmounting what
-//! is not mounted is NotMounted, a mounted device cannot be detached, a device
-//! without a filesystem cannot be mounted, and a filesystem belongs to the backing
-//! file (it is found again after a detach and re-attach to another device). It never
-//! touches the machine, except that `attach` reads the backing file's length and
-//! `stats` of a path outside every fake mount uses the real statvfs.
+//! Linux where the domain could tell the difference: mounts stack (but the same
+//! filesystem is not mounted again on top of itself), unmounting what is not
+//! mounted is NotMounted, a mounted device cannot be detached nor formatted, a
+//! device without a filesystem cannot be mounted, a read-only device only
+//! read-only, and a filesystem belongs to the backing file (it is found again after
+//! a detach and re-attach to another device). It never touches the machine, except
+//! that `attach` reads the backing file's length and `stats` of a path outside
+//! every fake mount uses the real statvfs. The contract tests (sys/tests/contract.rs)
+//! run the same sequences against the fake and against Linux to keep it so.
 //!
 //! Tests inspect the state through the [`FakeState`] returned by [`system`], and
 //! can make the next call of an operation fail with [`FakeState::fail_next`].
@@ -233,6 +236,49 @@ impl Inner {
         Ok(())
     }
 
+    /// The checks mount(2) makes before mounting `source` at `target`, answered as
+    /// Linux answers them; the device numbers of the new mount.
+    fn admit_mount(
+        &self,
+        source: &Path,
+        target: &Path,
+        fstype: &str,
+        flags: &MountFlags,
+    ) -> Result<(u32, u32)> {
+        self.check_target(target)?;
+        let what = format!(
+            "mount {} ({fstype}) at {}",
+            source.display(),
+            target.display()
+        );
+        let (major, minor) = match loop_number(source) {
+            Some(n) if source.starts_with("/dev") => {
+                if self.loop_at(source).is_none() {
+                    return Err(SysError::syscall(what, target, libc::ENXIO));
+                }
+                (7, n)
+            }
+            _ => (0, 0),
+        };
+        let key = self.fs_key(source);
+        match self.filesystems.get(&key) {
+            Some(fs) if fs.fstype == fstype => {}
+            // Linux answers EINVAL ("wrong fs type, bad superblock").
+            _ => return Err(SysError::syscall(what, target, libc::EINVAL)),
+        }
+        // A writable mount needs a writable device.
+        if !flags.contains(MountFlags::RDONLY) && self.loop_at(source).is_some_and(|d| d.read_only)
+        {
+            return Err(SysError::syscall(what, target, libc::EACCES));
+        }
+        // The same filesystem again on top of itself at the same place is refused.
+        let top = self.mounts.iter().rev().find(|m| m.mount_point == target);
+        if top.is_some_and(|m| self.fs_key(Path::new(&m.source)) == key) {
+            return Err(SysError::syscall(what, target, libc::EBUSY));
+        }
+        Ok((major, minor))
+    }
+
     fn push_mount(&mut self, mut entry: MountEntry) {
         self.next_mount_id += 1;
         entry.mount_id = 100 + self.next_mount_id;
@@ -291,29 +337,9 @@ impl Mounter for FakeMounter {
         inner.counters.mount += 1;
         inner.take_failure(FakeOp::Mount)?;
         let split = crate::linux::split_options(opts)?;
-        inner.check_target(target)?;
-        let what = format!(
-            "mount {} ({fstype}) at {}",
-            source.display(),
-            target.display()
-        );
-        let (major, minor) = match loop_number(source) {
-            Some(n) if source.starts_with("/dev") => {
-                if inner.loop_at(source).is_none() {
-                    return Err(SysError::syscall(what, target, libc::ENXIO));
-                }
-                (7, n)
-            }
-            _ => (0, 0),
-        };
-        let key = inner.fs_key(source);
-        match inner.filesystems.get(&key) {
-            Some(fs) if fs.fstype == fstype => {}
-            // Linux answers EINVAL ("wrong fs type, bad superblock").
-            _ => return Err(SysError::syscall(what, target, libc::EINVAL)),
-        }
-        let read_only = split.flags.contains(MountFlags::RDONLY)
-            || inner.loop_at(source).is_some_and(|d| d.read_only);
+        crate::linux::mount::valid_fstype(fstype, source)?;
+        let (major, minor) = inner.admit_mount(source, target, fstype, &split.flags)?;
+        let read_only = split.flags.contains(MountFlags::RDONLY);
         let entry = MountEntry {
             mount_id: 0,
             parent_id: 0,
@@ -456,6 +482,11 @@ impl Loops for FakeLoops {
         let mut inner = self.0.lock();
         inner.counters.detach += 1;
         inner.take_failure(FakeOp::Detach)?;
+        if loop_number(device).is_none() {
+            return Err(SysError::InvalidArgument {
+                what: format!("{} is not a loop device", device.display()),
+            });
+        }
         let Some(n) = inner.loop_at(device).and_then(|d| loop_number(&d.device)) else {
             return Ok(());
         };
@@ -536,15 +567,6 @@ fn attached(inner: &Inner, device: &Path) -> Result<u32> {
         })
 }
 
-fn check_fstype(fstype: &str) -> Result<()> {
-    match fstype {
-        "ext4" | "xfs" | "btrfs" => Ok(()),
-        other => Err(SysError::Unsupported {
-            what: format!("filesystem type {other:?} (supported: ext4, xfs, btrfs)"),
-        }),
-    }
-}
-
 impl FakeFilesystems {
     fn existing(inner: &Inner, device: &Path, fstype: &str) -> Result<PathBuf> {
         let key = inner.fs_key(device);
@@ -572,10 +594,16 @@ impl Filesystems for FakeFilesystems {
         let mut inner = self.0.lock();
         inner.counters.mkfs += 1;
         inner.take_failure(FakeOp::Mkfs)?;
-        check_fstype(fstype)?;
+        crate::linux::fs::supported(fstype)?;
         if inner.is_source_mounted(device) {
-            return Err(SysError::Busy {
-                what: format!("mkfs on {}: it is mounted", device.display()),
+            // As mkfs.* answer: they refuse a mounted device.
+            return Err(SysError::Command {
+                command: format!("fake mkfs.{fstype} {}", device.display()),
+                status: Some(1),
+                stderr: format!(
+                    "{} is mounted; will not make a filesystem here",
+                    device.display()
+                ),
             });
         }
         let size = inner.device_size(device)?;
@@ -594,14 +622,14 @@ impl Filesystems for FakeFilesystems {
         let mut inner = self.0.lock();
         inner.counters.check += 1;
         inner.take_failure(FakeOp::Check)?;
-        check_fstype(fstype)?;
+        crate::linux::fs::supported(fstype)?;
         Self::existing(&inner, device, fstype).map(|_| ())
     }
 
     fn fs_size(&self, device: &Path, fstype: &str) -> Result<u64> {
         let mut inner = self.0.lock();
         inner.take_failure(FakeOp::FsSize)?;
-        check_fstype(fstype)?;
+        crate::linux::fs::supported(fstype)?;
         let key = Self::existing(&inner, device, fstype)?;
         Ok(inner.filesystems.get(&key).map(|f| f.size).unwrap_or(0))
     }
@@ -610,7 +638,7 @@ impl Filesystems for FakeFilesystems {
         let mut inner = self.0.lock();
         inner.counters.grow += 1;
         inner.take_failure(FakeOp::Grow)?;
-        check_fstype(fstype)?;
+        crate::linux::fs::supported(fstype)?;
         if mountpoint.is_none() && fstype != "ext4" {
             return Err(SysError::Unsupported {
                 what: format!("offline grow of {fstype} on {}", device.display()),
@@ -754,12 +782,19 @@ mod tests {
     fn mounts_stack_and_failures_inject() {
         let (sys, state) = system();
         state.set_filesystem(Path::new("/dev/vdb"), "xfs", 1 << 30);
+        state.set_filesystem(Path::new("/dev/vdc"), "xfs", 1 << 30);
         let t = Path::new("/mnt/t");
         sys.mounter
             .mount(Path::new("/dev/vdb"), t, "xfs", &MountOptions::default())
             .unwrap();
-        sys.mounter
+        // The same filesystem on top of itself is refused; another one stacks.
+        assert!(sys
+            .mounter
             .mount(Path::new("/dev/vdb"), t, "xfs", &MountOptions::default())
+            .unwrap_err()
+            .is_busy());
+        sys.mounter
+            .mount(Path::new("/dev/vdc"), t, "xfs", &MountOptions::default())
             .unwrap();
         assert_eq!(state.mounts().len(), 2);
         sys.mounter.unmount(t).unwrap();

@@ -37,7 +37,8 @@ fn mount_error(what: String, target: &Path, e: io::Error) -> SysError {
     }
 }
 
-fn check_fstype(fstype: &str, source: &Path) -> Result<()> {
+/// A filesystem type mount(2) can be given: not empty, no NUL byte.
+pub(crate) fn valid_fstype(fstype: &str, source: &Path) -> Result<()> {
     if fstype.is_empty() || fstype.contains('\0') {
         return Err(SysError::InvalidArgument {
             what: format!(
@@ -100,7 +101,7 @@ impl Mounter for LinuxMounter {
 
     fn mount(&self, source: &Path, target: &Path, fstype: &str, opts: &MountOptions) -> Result<()> {
         let split = split_options(opts)?;
-        check_fstype(fstype, source)?;
+        valid_fstype(fstype, source)?;
         check_path(source)?;
         check_path(target)?;
         let data = (!split.data.is_empty()).then_some(split.data.as_str());
