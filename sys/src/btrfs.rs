@@ -15,21 +15,26 @@ use std::os::unix::fs::MetadataExt;
 use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 
+use nix::errno::Errno;
+
 use crate::cmd::{self, DEFAULT_TIMEOUT, SHORT_TIMEOUT};
 use crate::error::{Result, SysError};
 
 /// The inode number of the root directory of every btrfs subvolume.
 const SUBVOL_ROOT_INO: u64 = 256;
 
-/// BTRFS_IOC_INO_LOOKUP = _IOWR(0x94, 18, struct btrfs_ioctl_ino_lookup_args).
-const BTRFS_IOC_INO_LOOKUP: u64 = 0xD000_9412;
+/// The ioctl type of btrfs's requests.
+const BTRFS_IOCTL_MAGIC: u8 = 0x94;
 
+/// struct btrfs_ioctl_ino_lookup_args of <linux/btrfs.h>.
 #[repr(C)]
 struct InoLookupArgs {
     treeid: u64,
     objectid: u64,
     name: [u8; 4080],
 }
+
+nix::ioctl_readwrite!(btrfs_ioc_ino_lookup, BTRFS_IOCTL_MAGIC, 18, InoLookupArgs);
 
 /// True when `path` is the root of a btrfs subvolume (a directory with inode 256
 /// on btrfs). Any error answers false.
@@ -50,21 +55,17 @@ pub fn subvolume_id(path: &Path) -> Result<u64> {
         objectid: SUBVOL_ROOT_INO,
         name: [0; 4080],
     };
-    // SAFETY: args is a properly sized and aligned btrfs_ioctl_ino_lookup_args that
+    // SAFETY: args is a btrfs_ioctl_ino_lookup_args, laid out as the kernel's, that
     // lives across the call.
-    let r = unsafe { libc::ioctl(f.as_raw_fd(), BTRFS_IOC_INO_LOOKUP as _, &mut args) };
-    if r != 0 {
-        let e = io::Error::last_os_error();
-        return Err(match e.raw_os_error() {
-            Some(libc::ENOTTY) | Some(libc::EINVAL) | Some(libc::EOPNOTSUPP) => {
-                SysError::Unsupported {
-                    what: format!("{} is not on btrfs: {e}", path.display()),
-                }
-            }
-            _ => SysError::io("look up subvolume of", path, e),
-        });
+    match unsafe { btrfs_ioc_ino_lookup(f.as_raw_fd(), &mut args) } {
+        Ok(_) => Ok(args.treeid),
+        Err(e @ (Errno::ENOTTY | Errno::EINVAL | Errno::EOPNOTSUPP)) => {
+            Err(SysError::Unsupported {
+                what: format!("{} is not on btrfs: {}", path.display(), io::Error::from(e)),
+            })
+        }
+        Err(e) => Err(SysError::io("look up subvolume of", path, e.into())),
     }
-    Ok(args.treeid)
 }
 
 fn btrfs(args: &[&std::ffi::OsStr], timeout: std::time::Duration) -> Result<std::process::Output> {
@@ -251,14 +252,7 @@ pub struct QgroupInfo {
 pub fn qgroup_info(subvol_path: &Path) -> Result<QgroupInfo> {
     let id = subvolume_id(subvol_path)?;
     let dir = std::fs::File::open(subvol_path).map_err(|e| SysError::io("open", subvol_path, e))?;
-    // SAFETY: plain syscall on an open fd.
-    if unsafe { libc::syncfs(dir.as_raw_fd()) } != 0 {
-        return Err(SysError::io(
-            "syncfs",
-            subvol_path,
-            io::Error::last_os_error(),
-        ));
-    }
+    nix::unistd::syncfs(&dir).map_err(|e| SysError::io("syncfs", subvol_path, e.into()))?;
     let args: [&std::ffi::OsStr; 6] = [
         "qgroup".as_ref(),
         "show".as_ref(),

@@ -13,6 +13,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus, Output, Stdio};
 use std::time::{Duration, Instant};
 
+use nix::sys::signal::{killpg, Signal};
+use nix::unistd::Pid;
+
 use crate::error::{Result, SysError};
 
 /// Deadline for commands that may take a while (mkfs, fsck, resize).
@@ -205,11 +208,7 @@ fn kill_group(child: &mut std::process::Child) {
     // group id. Kill the group first, then the child itself in case the group kill
     // raced with its exit.
     if let Ok(pid) = i32::try_from(child.id()) {
-        // SAFETY: kill(2) with a negative pid signals a process group; no memory
-        // is touched.
-        unsafe {
-            libc::kill(-pid, libc::SIGKILL);
-        }
+        let _ = killpg(Pid::from_raw(pid), Signal::SIGKILL);
     }
     let _ = child.kill();
 }

@@ -8,6 +8,9 @@ use std::os::unix::fs::FileExt;
 use std::os::unix::io::AsRawFd;
 use std::path::Path;
 
+use nix::errno::Errno;
+use nix::unistd::{lseek, Whence};
+
 use crate::error::{Result, SysError};
 
 /// A byte range of a file or volume.
@@ -140,13 +143,13 @@ pub fn data_ranges(f: &File, path: &Path, start: u64, end: u64) -> Result<Vec<By
     let mut out = Vec::new();
     let mut pos = start;
     while pos < end {
-        let Some(data) = seek(f, pos, libc::SEEK_DATA, path)? else {
+        let Some(data) = seek(f, pos, Whence::SeekData, path)? else {
             break;
         };
         if data >= end {
             break;
         }
-        let hole = seek(f, data, libc::SEEK_HOLE, path)?
+        let hole = seek(f, data, Whence::SeekHole, path)?
             .unwrap_or(end)
             .min(end);
         if hole <= data {
@@ -160,25 +163,20 @@ pub fn data_ranges(f: &File, path: &Path, start: u64, end: u64) -> Result<Vec<By
     Ok(out)
 }
 
-/// lseek with SEEK_DATA/SEEK_HOLE; None for "no more data" (ENXIO).
-fn seek(f: &File, pos: u64, whence: i32, path: &Path) -> Result<Option<u64>> {
+/// lseek with SEEK_DATA/SEEK_HOLE; None for "no more data" (ENXIO). A
+/// filesystem without support (EINVAL) is treated as all data from `pos`.
+fn seek(f: &File, pos: u64, whence: Whence, path: &Path) -> Result<Option<u64>> {
     let off = i64::try_from(pos).map_err(|_| SysError::InvalidArgument {
         what: format!("offset {pos} of {}", path.display()),
     })?;
-    // SAFETY: a plain syscall on an open descriptor.
-    let r = unsafe { libc::lseek(f.as_raw_fd(), off, whence) };
-    if r >= 0 {
-        return Ok(Some(r as u64));
-    }
-    let e = io::Error::last_os_error();
-    match e.raw_os_error() {
-        Some(libc::ENXIO) => Ok(None),
-        Some(libc::EINVAL) | Some(libc::EOPNOTSUPP) => Ok(if whence == libc::SEEK_DATA {
-            Some(pos)
-        } else {
-            None
+    match lseek(f, off, whence) {
+        Ok(r) => Ok(Some(r as u64)),
+        Err(Errno::ENXIO) => Ok(None),
+        Err(Errno::EINVAL) | Err(Errno::EOPNOTSUPP) => Ok(match whence {
+            Whence::SeekData => Some(pos),
+            _ => None,
         }),
-        _ => Err(SysError::io("seek in", path, e)),
+        Err(e) => Err(SysError::io("seek in", path, e.into())),
     }
 }
 
@@ -209,14 +207,14 @@ pub fn fiemap(f: &File, path: &Path, start: u64, end: u64) -> Result<Vec<Extent>
                 (&mut *buf as *mut FiemapBuf).cast::<FiemapHeader>(),
             )
         };
-        if let Err(errno) = r {
-            let e = errno as i32;
-            if e == libc::EOPNOTSUPP || e == libc::ENOTTY {
+        match r {
+            Ok(_) => {}
+            Err(Errno::EOPNOTSUPP) | Err(Errno::ENOTTY) => {
                 return Err(SysError::Unsupported {
                     what: format!("FIEMAP on {}", path.display()),
-                });
+                })
             }
-            return Err(SysError::errno("FIEMAP", path, e));
+            Err(e) => return Err(SysError::errno("FIEMAP", path, e as i32)),
         }
         let n = (buf.header.fm_mapped_extents as usize).min(EXTENTS_PER_CALL);
         if n == 0 {

@@ -3,12 +3,15 @@
 //! unmounted path? is a staged volume never formatted twice?).
 //!
 //! It keeps a mount table, loop devices and filesystems in memory and behaves like
-//! Linux where the domain could tell the difference: mounts stack, unmounting what
-//! is not mounted is NotMounted, a mounted device cannot be detached, a device
-//! without a filesystem cannot be mounted, and a filesystem belongs to the backing
-//! file (it is found again after a detach and re-attach to another device). It never
-//! touches the machine, except that `attach` reads the backing file's length and
-//! `stats` of a path outside every fake mount uses the real statvfs.
+//! Linux where the domain could tell the difference: mounts stack (but the same
+//! filesystem is not mounted again on top of itself), unmounting what is not
+//! mounted is NotMounted, a mounted device cannot be detached nor formatted, a
+//! device without a filesystem cannot be mounted, a read-only device only
+//! read-only, and a filesystem belongs to the backing file (it is found again after
+//! a detach and re-attach to another device). It never touches the machine, except
+//! that `attach` reads the backing file's length and `stats` of a path outside
+//! every fake mount uses the real statvfs. The contract tests (sys/tests/contract.rs)
+//! run the same sequences against the fake and against Linux to keep it so.
 //!
 //! Tests inspect the state through the [`FakeState`] returned by [`system`], and
 //! can make the next call of an operation fail with [`FakeState::fail_next`].
@@ -17,7 +20,11 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex, MutexGuard};
 
+use sys_mount::MountFlags;
+
 use crate::error::{Result, SysError};
+use crate::linux::loops::loop_number;
+use crate::linux::options::LAZYTIME;
 use crate::{
     Filesystems, FsStats, LoopDevice, LoopOptions, Loops, MountEntry, MountOptions, Mounter, System,
 };
@@ -48,6 +55,32 @@ pub struct FakeCounters {
     pub thaw: u32,
 }
 
+/// An operation of the fake, named for [`FakeState::fail_next`]: one per method
+/// of the system traits that the fake implements itself.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FakeOp {
+    Mounts,
+    Mount,
+    Bind,
+    Unmount,
+    List,
+    Attach,
+    Detach,
+    RefreshCapacity,
+    SetDirectIo,
+    SetReadAheadKib,
+    ReadAheadKib,
+    Probe,
+    Mkfs,
+    Check,
+    FsSize,
+    Grow,
+    Freeze,
+    Thaw,
+    Stats,
+    DeviceSize,
+}
+
 type Failure = Box<dyn FnOnce() -> SysError + Send>;
 
 #[derive(Default)]
@@ -61,7 +94,7 @@ struct Inner {
     device_sizes: BTreeMap<PathBuf, u64>,
     read_ahead_kib: BTreeMap<PathBuf, u32>,
     counters: FakeCounters,
-    failures: Vec<(String, Failure)>,
+    failures: Vec<(FakeOp, Failure)>,
     require_targets: bool,
 }
 
@@ -144,14 +177,9 @@ impl FakeState {
         self.lock().counters.clone()
     }
 
-    /// Make the next call of `op` fail with the error `make` returns. `op` is the
-    /// trait method's name: "mount", "bind", "unmount", "mounts", "list", "attach",
-    /// "detach", "refresh_capacity", "set_direct_io",
-    /// "set_read_ahead_kib", "read_ahead_kib", "probe",
-    /// "mkfs", "check", "fs_size", "grow", "freeze", "thaw", "stats",
-    /// "device_size".
-    pub fn fail_next(&self, op: &str, make: impl FnOnce() -> SysError + Send + 'static) {
-        self.lock().failures.push((op.to_string(), Box::new(make)));
+    /// Make the next call of `op` fail with the error `make` returns.
+    pub fn fail_next(&self, op: FakeOp, make: impl FnOnce() -> SysError + Send + 'static) {
+        self.lock().failures.push((op, Box::new(make)));
     }
 
     /// When on, mount and bind fail like Linux when the target does not exist on
@@ -162,8 +190,8 @@ impl FakeState {
 }
 
 impl Inner {
-    fn take_failure(&mut self, op: &str) -> Result<()> {
-        match self.failures.iter().position(|(o, _)| o == op) {
+    fn take_failure(&mut self, op: FakeOp) -> Result<()> {
+        match self.failures.iter().position(|(o, _)| *o == op) {
             Some(i) => {
                 let (_, make) = self.failures.remove(i);
                 Err(make())
@@ -208,6 +236,49 @@ impl Inner {
         Ok(())
     }
 
+    /// The checks mount(2) makes before mounting `source` at `target`, answered as
+    /// Linux answers them; the device numbers of the new mount.
+    fn admit_mount(
+        &self,
+        source: &Path,
+        target: &Path,
+        fstype: &str,
+        flags: &MountFlags,
+    ) -> Result<(u32, u32)> {
+        self.check_target(target)?;
+        let what = format!(
+            "mount {} ({fstype}) at {}",
+            source.display(),
+            target.display()
+        );
+        let (major, minor) = match loop_number(source) {
+            Some(n) if source.starts_with("/dev") => {
+                if self.loop_at(source).is_none() {
+                    return Err(SysError::syscall(what, target, libc::ENXIO));
+                }
+                (7, n)
+            }
+            _ => (0, 0),
+        };
+        let key = self.fs_key(source);
+        match self.filesystems.get(&key) {
+            Some(fs) if fs.fstype == fstype => {}
+            // Linux answers EINVAL ("wrong fs type, bad superblock").
+            _ => return Err(SysError::syscall(what, target, libc::EINVAL)),
+        }
+        // A writable mount needs a writable device.
+        if !flags.contains(MountFlags::RDONLY) && self.loop_at(source).is_some_and(|d| d.read_only)
+        {
+            return Err(SysError::syscall(what, target, libc::EACCES));
+        }
+        // The same filesystem again on top of itself at the same place is refused.
+        let top = self.mounts.iter().rev().find(|m| m.mount_point == target);
+        if top.is_some_and(|m| self.fs_key(Path::new(&m.source)) == key) {
+            return Err(SysError::syscall(what, target, libc::EBUSY));
+        }
+        Ok((major, minor))
+    }
+
     fn push_mount(&mut self, mut entry: MountEntry) {
         self.next_mount_id += 1;
         entry.mount_id = 100 + self.next_mount_id;
@@ -223,37 +294,28 @@ impl Inner {
     }
 }
 
-fn options_list(read_only: bool, flags: &nix::mount::MsFlags) -> Vec<String> {
-    use nix::mount::MsFlags;
+/// The per-mount options as /proc/self/mountinfo lists them.
+fn options_list(read_only: bool, flags: &MountFlags) -> Vec<String> {
     let mut out = vec![if read_only { "ro" } else { "rw" }.to_string()];
     for (flag, name) in [
-        (MsFlags::MS_NOSUID, "nosuid"),
-        (MsFlags::MS_NODEV, "nodev"),
-        (MsFlags::MS_NOEXEC, "noexec"),
-        (MsFlags::MS_SYNCHRONOUS, "sync"),
-        (MsFlags::MS_DIRSYNC, "dirsync"),
-        (MsFlags::MS_NOATIME, "noatime"),
-        (MsFlags::MS_NODIRATIME, "nodiratime"),
-        (MsFlags::MS_STRICTATIME, "strictatime"),
-        (MsFlags::MS_LAZYTIME, "lazytime"),
+        (MountFlags::NOSUID, "nosuid"),
+        (MountFlags::NODEV, "nodev"),
+        (MountFlags::NOEXEC, "noexec"),
+        (MountFlags::SYNCHRONOUS, "sync"),
+        (MountFlags::DIRSYNC, "dirsync"),
+        (MountFlags::NOATIME, "noatime"),
+        (MountFlags::NODIRATIME, "nodiratime"),
+        (MountFlags::STRICTATIME, "strictatime"),
+        (LAZYTIME, "lazytime"),
     ] {
         if flags.contains(flag) {
             out.push(name.to_string());
         }
     }
-    if !flags.intersects(MsFlags::MS_NOATIME | MsFlags::MS_STRICTATIME) {
+    if !flags.intersects(MountFlags::NOATIME | MountFlags::STRICTATIME) {
         out.push("relatime".to_string());
     }
     out
-}
-
-fn loop_number(device: &Path) -> Option<u32> {
-    device
-        .file_name()?
-        .to_str()?
-        .strip_prefix("loop")?
-        .parse()
-        .ok()
 }
 
 /// The fake [`Mounter`].
@@ -266,38 +328,18 @@ pub struct FakeFilesystems(pub Arc<FakeState>);
 impl Mounter for FakeMounter {
     fn mounts(&self) -> Result<Vec<MountEntry>> {
         let mut inner = self.0.lock();
-        inner.take_failure("mounts")?;
+        inner.take_failure(FakeOp::Mounts)?;
         Ok(inner.mounts.clone())
     }
 
     fn mount(&self, source: &Path, target: &Path, fstype: &str, opts: &MountOptions) -> Result<()> {
         let mut inner = self.0.lock();
         inner.counters.mount += 1;
-        inner.take_failure("mount")?;
+        inner.take_failure(FakeOp::Mount)?;
         let split = crate::linux::split_options(opts)?;
-        inner.check_target(target)?;
-        let what = format!(
-            "mount {} ({fstype}) at {}",
-            source.display(),
-            target.display()
-        );
-        let (major, minor) = match loop_number(source) {
-            Some(n) if source.starts_with("/dev") => {
-                if inner.loop_at(source).is_none() {
-                    return Err(SysError::syscall(what, target, libc::ENXIO));
-                }
-                (7, n)
-            }
-            _ => (0, 0),
-        };
-        let key = inner.fs_key(source);
-        match inner.filesystems.get(&key) {
-            Some(fs) if fs.fstype == fstype => {}
-            // Linux answers EINVAL ("wrong fs type, bad superblock").
-            _ => return Err(SysError::syscall(what, target, libc::EINVAL)),
-        }
-        let read_only = split.flags.contains(nix::mount::MsFlags::MS_RDONLY)
-            || inner.loop_at(source).is_some_and(|d| d.read_only);
+        crate::linux::mount::valid_fstype(fstype, source)?;
+        let (major, minor) = inner.admit_mount(source, target, fstype, &split.flags)?;
+        let read_only = split.flags.contains(MountFlags::RDONLY);
         let entry = MountEntry {
             mount_id: 0,
             parent_id: 0,
@@ -326,10 +368,10 @@ impl Mounter for FakeMounter {
     fn bind(&self, source: &Path, target: &Path, opts: &MountOptions) -> Result<()> {
         let mut inner = self.0.lock();
         inner.counters.bind += 1;
-        inner.take_failure("bind")?;
+        inner.take_failure(FakeOp::Bind)?;
         let split = crate::linux::split_options(opts)?;
         inner.check_target(target)?;
-        let read_only = split.flags.contains(nix::mount::MsFlags::MS_RDONLY);
+        let read_only = split.flags.contains(MountFlags::RDONLY);
         // The visible mount holding `source` decides what the bind shows, as in
         // /proc/self/mountinfo: its filesystem and source, and the bound subtree
         // as root.
@@ -392,7 +434,7 @@ impl Mounter for FakeMounter {
     fn unmount(&self, target: &Path) -> Result<()> {
         let mut inner = self.0.lock();
         inner.counters.unmount += 1;
-        inner.take_failure("unmount")?;
+        inner.take_failure(FakeOp::Unmount)?;
         let Some(i) = inner.mounts.iter().rposition(|m| m.mount_point == target) else {
             return Err(SysError::NotMounted {
                 path: target.to_path_buf(),
@@ -413,14 +455,14 @@ impl Mounter for FakeMounter {
 impl Loops for FakeLoops {
     fn list(&self) -> Result<Vec<LoopDevice>> {
         let mut inner = self.0.lock();
-        inner.take_failure("list")?;
+        inner.take_failure(FakeOp::List)?;
         Ok(inner.loops.values().cloned().collect())
     }
 
     fn attach(&self, backing: &Path, opts: LoopOptions) -> Result<LoopDevice> {
         let mut inner = self.0.lock();
         inner.counters.attach += 1;
-        inner.take_failure("attach")?;
+        inner.take_failure(FakeOp::Attach)?;
         let real =
             std::fs::canonicalize(backing).map_err(|e| SysError::io("resolve", backing, e))?;
         let size = crate::file::file_len(&real)?;
@@ -439,7 +481,12 @@ impl Loops for FakeLoops {
     fn detach(&self, device: &Path) -> Result<()> {
         let mut inner = self.0.lock();
         inner.counters.detach += 1;
-        inner.take_failure("detach")?;
+        inner.take_failure(FakeOp::Detach)?;
+        if loop_number(device).is_none() {
+            return Err(SysError::InvalidArgument {
+                what: format!("{} is not a loop device", device.display()),
+            });
+        }
         let Some(n) = inner.loop_at(device).and_then(|d| loop_number(&d.device)) else {
             return Ok(());
         };
@@ -460,7 +507,7 @@ impl Loops for FakeLoops {
     fn refresh_capacity(&self, device: &Path) -> Result<()> {
         let mut inner = self.0.lock();
         inner.counters.refresh_capacity += 1;
-        inner.take_failure("refresh_capacity")?;
+        inner.take_failure(FakeOp::RefreshCapacity)?;
         let n = attached(&inner, device)?;
         let size = inner
             .loops
@@ -476,7 +523,7 @@ impl Loops for FakeLoops {
     fn set_direct_io(&self, device: &Path, on: bool) -> Result<()> {
         let mut inner = self.0.lock();
         inner.counters.set_direct_io += 1;
-        inner.take_failure("set_direct_io")?;
+        inner.take_failure(FakeOp::SetDirectIo)?;
         let n = attached(&inner, device)?;
         if let Some(d) = inner.loops.get_mut(&n) {
             d.direct_io = on;
@@ -486,7 +533,7 @@ impl Loops for FakeLoops {
 
     fn set_read_ahead_kib(&self, device: &Path, kib: u32) -> Result<()> {
         let mut inner = self.0.lock();
-        inner.take_failure("set_read_ahead_kib")?;
+        inner.take_failure(FakeOp::SetReadAheadKib)?;
         attached(&inner, device)?;
         inner.read_ahead_kib.insert(device.to_path_buf(), kib);
         Ok(())
@@ -494,7 +541,7 @@ impl Loops for FakeLoops {
 
     fn read_ahead_kib(&self, device: &Path) -> Result<u32> {
         let mut inner = self.0.lock();
-        inner.take_failure("read_ahead_kib")?;
+        inner.take_failure(FakeOp::ReadAheadKib)?;
         attached(&inner, device)?;
         Ok(inner
             .read_ahead_kib
@@ -520,15 +567,6 @@ fn attached(inner: &Inner, device: &Path) -> Result<u32> {
         })
 }
 
-fn check_fstype(fstype: &str) -> Result<()> {
-    match fstype {
-        "ext4" | "xfs" | "btrfs" => Ok(()),
-        other => Err(SysError::Unsupported {
-            what: format!("filesystem type {other:?} (supported: ext4, xfs, btrfs)"),
-        }),
-    }
-}
-
 impl FakeFilesystems {
     fn existing(inner: &Inner, device: &Path, fstype: &str) -> Result<PathBuf> {
         let key = inner.fs_key(device);
@@ -547,7 +585,7 @@ impl Filesystems for FakeFilesystems {
     fn probe(&self, device: &Path) -> Result<Option<String>> {
         let mut inner = self.0.lock();
         inner.counters.probe += 1;
-        inner.take_failure("probe")?;
+        inner.take_failure(FakeOp::Probe)?;
         let key = inner.fs_key(device);
         Ok(inner.filesystems.get(&key).map(|f| f.fstype.clone()))
     }
@@ -555,11 +593,17 @@ impl Filesystems for FakeFilesystems {
     fn mkfs(&self, device: &Path, fstype: &str) -> Result<()> {
         let mut inner = self.0.lock();
         inner.counters.mkfs += 1;
-        inner.take_failure("mkfs")?;
-        check_fstype(fstype)?;
+        inner.take_failure(FakeOp::Mkfs)?;
+        crate::linux::fs::supported(fstype)?;
         if inner.is_source_mounted(device) {
-            return Err(SysError::Busy {
-                what: format!("mkfs on {}: it is mounted", device.display()),
+            // As mkfs.* answer: they refuse a mounted device.
+            return Err(SysError::Command {
+                command: format!("fake mkfs.{fstype} {}", device.display()),
+                status: Some(1),
+                stderr: format!(
+                    "{} is mounted; will not make a filesystem here",
+                    device.display()
+                ),
             });
         }
         let size = inner.device_size(device)?;
@@ -577,15 +621,15 @@ impl Filesystems for FakeFilesystems {
     fn check(&self, device: &Path, fstype: &str) -> Result<()> {
         let mut inner = self.0.lock();
         inner.counters.check += 1;
-        inner.take_failure("check")?;
-        check_fstype(fstype)?;
+        inner.take_failure(FakeOp::Check)?;
+        crate::linux::fs::supported(fstype)?;
         Self::existing(&inner, device, fstype).map(|_| ())
     }
 
     fn fs_size(&self, device: &Path, fstype: &str) -> Result<u64> {
         let mut inner = self.0.lock();
-        inner.take_failure("fs_size")?;
-        check_fstype(fstype)?;
+        inner.take_failure(FakeOp::FsSize)?;
+        crate::linux::fs::supported(fstype)?;
         let key = Self::existing(&inner, device, fstype)?;
         Ok(inner.filesystems.get(&key).map(|f| f.size).unwrap_or(0))
     }
@@ -593,8 +637,8 @@ impl Filesystems for FakeFilesystems {
     fn grow(&self, device: &Path, mountpoint: Option<&Path>, fstype: &str) -> Result<()> {
         let mut inner = self.0.lock();
         inner.counters.grow += 1;
-        inner.take_failure("grow")?;
-        check_fstype(fstype)?;
+        inner.take_failure(FakeOp::Grow)?;
+        crate::linux::fs::supported(fstype)?;
         if mountpoint.is_none() && fstype != "ext4" {
             return Err(SysError::Unsupported {
                 what: format!("offline grow of {fstype} on {}", device.display()),
@@ -611,7 +655,7 @@ impl Filesystems for FakeFilesystems {
     fn freeze(&self, mountpoint: &Path) -> Result<()> {
         let mut inner = self.0.lock();
         inner.counters.freeze += 1;
-        inner.take_failure("freeze")?;
+        inner.take_failure(FakeOp::Freeze)?;
         if !inner.mounts.iter().any(|m| m.mount_point == mountpoint) {
             return Err(SysError::NotMounted {
                 path: mountpoint.to_path_buf(),
@@ -626,7 +670,7 @@ impl Filesystems for FakeFilesystems {
     fn thaw(&self, mountpoint: &Path) -> Result<()> {
         let mut inner = self.0.lock();
         inner.counters.thaw += 1;
-        inner.take_failure("thaw")?;
+        inner.take_failure(FakeOp::Thaw)?;
         if !inner.mounts.iter().any(|m| m.mount_point == mountpoint) {
             return Err(SysError::NotMounted {
                 path: mountpoint.to_path_buf(),
@@ -638,7 +682,7 @@ impl Filesystems for FakeFilesystems {
 
     fn stats(&self, path: &Path) -> Result<FsStats> {
         let mut inner = self.0.lock();
-        inner.take_failure("stats")?;
+        inner.take_failure(FakeOp::Stats)?;
         let holder = inner
             .mounts
             .iter()
@@ -664,7 +708,7 @@ impl Filesystems for FakeFilesystems {
 
     fn device_size(&self, device: &Path) -> Result<u64> {
         let mut inner = self.0.lock();
-        inner.take_failure("device_size")?;
+        inner.take_failure(FakeOp::DeviceSize)?;
         inner.device_size(device)
     }
 }
@@ -738,18 +782,25 @@ mod tests {
     fn mounts_stack_and_failures_inject() {
         let (sys, state) = system();
         state.set_filesystem(Path::new("/dev/vdb"), "xfs", 1 << 30);
+        state.set_filesystem(Path::new("/dev/vdc"), "xfs", 1 << 30);
         let t = Path::new("/mnt/t");
         sys.mounter
             .mount(Path::new("/dev/vdb"), t, "xfs", &MountOptions::default())
             .unwrap();
-        sys.mounter
+        // The same filesystem on top of itself is refused; another one stacks.
+        assert!(sys
+            .mounter
             .mount(Path::new("/dev/vdb"), t, "xfs", &MountOptions::default())
+            .unwrap_err()
+            .is_busy());
+        sys.mounter
+            .mount(Path::new("/dev/vdc"), t, "xfs", &MountOptions::default())
             .unwrap();
         assert_eq!(state.mounts().len(), 2);
         sys.mounter.unmount(t).unwrap();
         assert!(state.is_mounted(t));
 
-        state.fail_next("unmount", || SysError::Busy {
+        state.fail_next(FakeOp::Unmount, || SysError::Busy {
             what: "test".into(),
         });
         assert!(sys.mounter.unmount(t).unwrap_err().is_busy());

@@ -7,7 +7,6 @@
 //! outcome right after and a crash must not leave a record pointing at nothing.
 //! Files are created with O_EXCL so that a retry never silently overwrites data.
 
-use std::ffi::CString;
 use std::fs::{self, File, OpenOptions};
 use std::io::{self, Write};
 use std::os::unix::ffi::OsStrExt;
@@ -18,12 +17,16 @@ use std::os::unix::io::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use nix::sys::stat::{Mode, SFlag};
+use nix::sys::statvfs::FsFlags;
+use nix::sys::time::TimeSpec;
+
 use crate::error::{Result, SysError};
 use crate::fsrecord::{note, FsOp};
 use crate::FsStats;
 
-/// FICLONE = _IOW(0x94, 9, int): share all extents of the source file.
-const FICLONE: u64 = 0x4004_9409;
+// FICLONE: share all extents of the source file, given by its descriptor.
+nix::ioctl_write_int_bad!(ficlone, libc::FICLONE);
 
 /// Errnos with which FICLONE / copy_file_range say "not here" (another filesystem,
 /// no reflink support, not a regular file) rather than "went wrong".
@@ -39,10 +42,15 @@ fn is_unsupported_errno(errno: Option<i32>) -> bool {
     )
 }
 
-pub(crate) fn cpath(path: &Path) -> Result<CString> {
-    CString::new(path.as_os_str().as_bytes()).map_err(|_| SysError::InvalidArgument {
-        what: format!("path {} contains a NUL byte", path.display()),
-    })
+/// A path with a NUL byte cannot reach the kernel; say so clearly instead of
+/// letting the call fail with EINVAL.
+pub(crate) fn check_path(path: &Path) -> Result<()> {
+    if path.as_os_str().as_bytes().contains(&0) {
+        return Err(SysError::InvalidArgument {
+            what: format!("path {} contains a NUL byte", path.display()),
+        });
+    }
+    Ok(())
 }
 
 fn parent_dir(path: &Path) -> &Path {
@@ -139,17 +147,17 @@ pub fn grow(path: &Path, size: u64) -> Result<()> {
 pub fn reflink(src: &Path, dst: &Path) -> Result<()> {
     let s = open_read(src)?;
     create_with(dst, 0o600, |d| {
-        // SAFETY: both fds are open for the duration of the call; FICLONE takes
-        // the source fd as its integer argument.
-        let r = unsafe { libc::ioctl(d.as_raw_fd(), FICLONE as _, s.as_raw_fd()) };
-        if r == 0 {
+        // SAFETY: FICLONE takes the source's descriptor by value; both stay open
+        // for the duration of the call.
+        let r = unsafe { ficlone(d.as_raw_fd(), s.as_raw_fd()) };
+        let Err(errno) = r else {
             note(|| FsOp::CopyData {
                 src: src.into(),
                 dst: dst.into(),
             });
             return Ok(());
-        }
-        let e = io::Error::last_os_error();
+        };
+        let e = io::Error::from(errno);
         if is_unsupported_errno(e.raw_os_error()) {
             Err(SysError::Unsupported {
                 what: format!(
@@ -184,24 +192,8 @@ pub fn sparse_copy(src: &Path, dst: &Path) -> Result<()> {
             use_copy_file_range: true,
             buf: Vec::new(),
         };
-        let mut pos = 0;
-        while pos < len {
-            let Some(data) = seek(&s, pos, libc::SEEK_DATA, src)? else {
-                break;
-            };
-            if data >= len {
-                break;
-            }
-            let hole = seek(&s, data, libc::SEEK_HOLE, src)?
-                .unwrap_or(len)
-                .min(len);
-            if hole <= data {
-                // A filesystem that reports nonsense; copy the rest to stay correct.
-                copier.copy(data, len)?;
-                break;
-            }
-            copier.copy(data, hole)?;
-            pos = hole;
+        for range in crate::extents::data_ranges(&s, src, 0, len)? {
+            copier.copy(range.offset, range.end())?;
         }
         note(|| FsOp::CopyData {
             src: src.into(),
@@ -209,29 +201,6 @@ pub fn sparse_copy(src: &Path, dst: &Path) -> Result<()> {
         });
         Ok(())
     })
-}
-
-/// lseek with SEEK_DATA/SEEK_HOLE. None for "no more data" (ENXIO). A filesystem
-/// without support (EINVAL) is treated as all data from `pos`.
-fn seek(f: &File, pos: u64, whence: i32, path: &Path) -> Result<Option<u64>> {
-    let off = i64::try_from(pos).map_err(|_| SysError::InvalidArgument {
-        what: format!("offset {pos} of {}", path.display()),
-    })?;
-    // SAFETY: plain syscall on an open fd.
-    let r = unsafe { libc::lseek(f.as_raw_fd(), off, whence) };
-    if r >= 0 {
-        return Ok(Some(r as u64));
-    }
-    let e = io::Error::last_os_error();
-    match e.raw_os_error() {
-        Some(libc::ENXIO) => Ok(None),
-        Some(libc::EINVAL) | Some(libc::EOPNOTSUPP) => Ok(if whence == libc::SEEK_DATA {
-            Some(pos)
-        } else {
-            None
-        }),
-        _ => Err(SysError::io("seek in", path, e)),
-    }
 }
 
 struct RangeCopier<'a> {
@@ -249,35 +218,27 @@ impl RangeCopier<'_> {
         const CHUNK: u64 = 1 << 20;
         while start < end {
             if self.use_copy_file_range {
-                let mut off_in = start as libc::loff_t;
-                let mut off_out = start as libc::loff_t;
+                let mut off_in = start as i64;
+                let mut off_out = start as i64;
                 let want = (end - start).min(1 << 30) as usize;
-                // SAFETY: both fds are open; the offsets are valid pointers to
-                // locals that the kernel updates.
-                let n = unsafe {
-                    libc::copy_file_range(
-                        self.src.as_raw_fd(),
-                        &mut off_in,
-                        self.dst.as_raw_fd(),
-                        &mut off_out,
-                        want,
-                        0,
-                    )
-                };
-                if n > 0 {
-                    start += n as u64;
-                    continue;
-                }
-                if n == 0 {
+                match nix::fcntl::copy_file_range(
+                    self.src,
+                    Some(&mut off_in),
+                    self.dst,
+                    Some(&mut off_out),
+                    want,
+                ) {
                     // The source shrank under us: nothing more to read.
-                    return Ok(());
+                    Ok(0) => return Ok(()),
+                    Ok(n) => start += n as u64,
+                    Err(e) if is_unsupported_errno(Some(e as i32)) => {
+                        self.use_copy_file_range = false
+                    }
+                    Err(e) => {
+                        return Err(SysError::io("copy_file_range to", self.dst_path, e.into()))
+                    }
                 }
-                let e = io::Error::last_os_error();
-                if is_unsupported_errno(e.raw_os_error()) {
-                    self.use_copy_file_range = false;
-                    continue;
-                }
-                return Err(SysError::io("copy_file_range to", self.dst_path, e));
+                continue;
             }
             let want = (end - start).min(CHUNK) as usize;
             self.buf.resize(want, 0);
@@ -369,18 +330,10 @@ pub fn copy_tree(src_dir: &Path, dst_dir: &Path) -> Result<()> {
                 });
                 apply_metadata(&dp, &m)?;
             } else if ft.is_fifo() || ft.is_char_device() || ft.is_block_device() {
-                let c = cpath(&dp)?;
-                // SAFETY: c is a valid NUL-terminated path.
-                let r = unsafe {
-                    libc::mknod(
-                        c.as_ptr(),
-                        m.mode() as libc::mode_t,
-                        m.rdev() as libc::dev_t,
-                    )
-                };
-                if r != 0 {
-                    return Err(SysError::io("mknod", &dp, io::Error::last_os_error()));
-                }
+                let kind = SFlag::from_bits_truncate(m.mode() & SFlag::S_IFMT.bits());
+                let perm = Mode::from_bits_truncate(m.mode() & !SFlag::S_IFMT.bits());
+                nix::sys::stat::mknod(&dp, kind, perm, m.rdev())
+                    .map_err(|e| SysError::io("mknod", &dp, e.into()))?;
                 note(|| FsOp::Other {
                     what: "a device node",
                     path: dp.clone(),
@@ -397,10 +350,7 @@ pub fn copy_tree(src_dir: &Path, dst_dir: &Path) -> Result<()> {
     }
     // One syncfs makes the whole copy durable, cheaper than an fsync per file.
     let dir = open_read(dst_dir)?;
-    // SAFETY: plain syscall on an open fd.
-    if unsafe { libc::syncfs(dir.as_raw_fd()) } != 0 {
-        return Err(SysError::io("syncfs", dst_dir, io::Error::last_os_error()));
-    }
+    nix::unistd::syncfs(&dir).map_err(|e| SysError::io("syncfs", dst_dir, e.into()))?;
     note(|| FsOp::SyncFs {
         path: dst_dir.into(),
     });
@@ -457,34 +407,15 @@ fn apply_metadata(path: &Path, m: &fs::Metadata) -> Result<()> {
         fs::set_permissions(path, fs::Permissions::from_mode(m.mode() & 0o7777))
             .map_err(|e| SysError::io("chmod", path, e))?;
     }
-    let times = [
-        libc::timespec {
-            tv_sec: m.atime() as libc::time_t,
-            tv_nsec: m.atime_nsec() as _,
-        },
-        libc::timespec {
-            tv_sec: m.mtime() as libc::time_t,
-            tv_nsec: m.mtime_nsec() as _,
-        },
-    ];
-    let c = cpath(path)?;
-    // SAFETY: c is a valid path and times points at two timespecs.
-    let r = unsafe {
-        libc::utimensat(
-            libc::AT_FDCWD,
-            c.as_ptr(),
-            times.as_ptr(),
-            libc::AT_SYMLINK_NOFOLLOW,
-        )
-    };
-    if r != 0 {
-        return Err(SysError::io(
-            "set times of",
-            path,
-            io::Error::last_os_error(),
-        ));
-    }
-    Ok(())
+    check_path(path)?;
+    nix::sys::stat::utimensat(
+        nix::fcntl::AT_FDCWD,
+        path,
+        &TimeSpec::new(m.atime(), m.atime_nsec()),
+        &TimeSpec::new(m.mtime(), m.mtime_nsec()),
+        nix::sys::stat::UtimensatFlags::NoFollowSymlink,
+    )
+    .map_err(|e| SysError::io("set times of", path, e.into()))
 }
 
 /// The temporary file [`write_atomic`] uses for `path`: `.<name>.tmp` next to it. A
@@ -644,21 +575,17 @@ pub fn probe_reflink(dir: &Path) -> bool {
 
 /// statvfs figures of the filesystem holding `path`, in bytes and inodes.
 pub fn statvfs(path: &Path) -> Result<FsStats> {
-    let c = cpath(path)?;
-    // SAFETY: an all-zero statvfs is a valid value to be overwritten.
-    let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
-    // SAFETY: c is a valid path and st a valid out pointer.
-    if unsafe { libc::statvfs(c.as_ptr(), &mut st) } != 0 {
-        return Err(SysError::io("statvfs", path, io::Error::last_os_error()));
-    }
-    let frsize = st.f_frsize as u64;
+    check_path(path)?;
+    let st =
+        nix::sys::statvfs::statvfs(path).map_err(|e| SysError::io("statvfs", path, e.into()))?;
+    let frsize = st.fragment_size();
     Ok(FsStats {
-        total_bytes: (st.f_blocks as u64).saturating_mul(frsize),
-        free_bytes: (st.f_bfree as u64).saturating_mul(frsize),
-        available_bytes: (st.f_bavail as u64).saturating_mul(frsize),
-        total_inodes: st.f_files as u64,
-        free_inodes: st.f_ffree as u64,
-        read_only: st.f_flag & libc::ST_RDONLY != 0,
+        total_bytes: st.blocks().saturating_mul(frsize),
+        free_bytes: st.blocks_free().saturating_mul(frsize),
+        available_bytes: st.blocks_available().saturating_mul(frsize),
+        total_inodes: st.files(),
+        free_inodes: st.files_free(),
+        read_only: st.flags().contains(FsFlags::ST_RDONLY),
     })
 }
 
@@ -666,15 +593,10 @@ pub fn statvfs(path: &Path) -> Result<FsStats> {
 /// for ext2/ext3, which share the magic), "xfs", "btrfs", "tmpfs", "overlay", ...;
 /// an unknown magic as hex ("0x1234abcd").
 pub fn fs_type_name(path: &Path) -> Result<String> {
-    let c = cpath(path)?;
-    // SAFETY: an all-zero statfs is a valid value to be overwritten.
-    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
-    // SAFETY: c is a valid path and st a valid out pointer.
-    if unsafe { libc::statfs(c.as_ptr(), &mut st) } != 0 {
-        return Err(SysError::io("statfs", path, io::Error::last_os_error()));
-    }
+    check_path(path)?;
+    let st = nix::sys::statfs::statfs(path).map_err(|e| SysError::io("statfs", path, e.into()))?;
     // f_type is signed on some targets; the magics are 32-bit values.
-    let magic = st.f_type as u64 & 0xffff_ffff;
+    let magic = st.filesystem_type().0 as u64 & 0xffff_ffff;
     Ok(magic_name(magic))
 }
 

@@ -625,20 +625,10 @@ mod recording {
 
     /// The `user.` extended attributes of a file, without the prefix.
     fn user_xattrs(path: &Path) -> BTreeMap<String, Vec<u8>> {
-        let c = crate::file::cpath(path).unwrap();
-        let mut names = vec![0u8; 4096];
-        // SAFETY: c is a valid path and names is writable for its length.
-        let n = unsafe { libc::llistxattr(c.as_ptr(), names.as_mut_ptr().cast(), names.len()) };
         let mut out = BTreeMap::new();
-        if n <= 0 {
-            return out;
-        }
-        for name in names[..n as usize].split(|b| *b == 0) {
-            let name = String::from_utf8_lossy(name);
-            if let Some(short) = name.strip_prefix("user.") {
-                if let Ok(Some(v)) = crate::xattr::get(path, short) {
-                    out.insert(short.to_string(), v);
-                }
+        for short in crate::xattr::list_user(path).unwrap_or_default() {
+            if let Ok(Some(v)) = crate::xattr::get(path, &short) {
+                out.insert(short, v);
             }
         }
         out

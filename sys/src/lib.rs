@@ -7,6 +7,14 @@
 //! ([`fake`]) for unit tests of decisions. File operations on the pools (reflink,
 //! sparse copy, atomic writes) and btrfs subvolumes are plain functions in [`file`]
 //! and [`btrfs`]: they are tested against real filesystems.
+//!
+//! Syscalls go through nix (and mount/umount2 through `sys-mount`, extended
+//! attributes through `xattr`). What stays `unsafe` is the call of an ioctl that
+//! nix's macros declare (the kernel reads or writes the argument through a pointer
+//! the compiler cannot check; each call says why it is sound) and the one fcntl
+//! nix has no wrapper for (F_SETLEASE). What stays of `libc` is C types and
+//! constants: errno values, open flags, and FICLONE and MS_LAZYTIME, which nix
+//! and `sys-mount` do not name.
 
 pub mod btrfs;
 pub mod cmd;

@@ -2,46 +2,39 @@
 //! read-ahead) are kept on its image file, so the node finds the current values at
 //! stage time whichever process changed them.
 
-use std::ffi::CString;
-use std::os::unix::ffi::OsStrExt;
+use std::io;
 use std::path::Path;
 
 use crate::error::{Result, SysError};
 use crate::fsrecord::{note, FsOp};
 
-fn cpath(path: &Path) -> Result<CString> {
-    CString::new(path.as_os_str().as_bytes()).map_err(|_| SysError::Io {
-        op: "xattr",
-        path: path.to_path_buf(),
-        source: std::io::Error::new(std::io::ErrorKind::InvalidInput, "path contains NUL"),
-    })
+/// The full name `user.<name>`; a NUL byte in `name` (or in `path`) cannot reach
+/// the kernel and is refused with a clear error.
+fn full_name(path: &Path, name: &str) -> Result<String> {
+    if name.contains('\0') {
+        return Err(SysError::InvalidArgument {
+            what: format!(
+                "extended attribute name {name:?} of {} contains a NUL byte",
+                path.display()
+            ),
+        });
+    }
+    crate::file::check_path(path)?;
+    Ok(format!("user.{name}"))
 }
 
-fn io_err(op: &'static str, path: &Path) -> SysError {
+fn io_err(op: &'static str, path: &Path, source: io::Error) -> SysError {
     SysError::Io {
         op,
         path: path.to_path_buf(),
-        source: std::io::Error::last_os_error(),
+        source,
     }
 }
 
 /// Sets `user.<name>` on `path` (not following symlinks).
 pub fn set(path: &Path, name: &str, value: &[u8]) -> Result<()> {
-    let p = cpath(path)?;
-    let n = CString::new(format!("user.{name}")).map_err(|_| io_err("setxattr", path))?;
-    // SAFETY: p and n are valid NUL-terminated strings; value is a valid slice.
-    let rc = unsafe {
-        libc::lsetxattr(
-            p.as_ptr(),
-            n.as_ptr(),
-            value.as_ptr().cast(),
-            value.len(),
-            0,
-        )
-    };
-    if rc != 0 {
-        return Err(io_err("setxattr", path));
-    }
+    let full = full_name(path, name)?;
+    xattr::set(path, &full, value).map_err(|e| io_err("setxattr", path, e))?;
     note(|| FsOp::SetXattr {
         path: path.into(),
         name: name.into(),
@@ -50,50 +43,34 @@ pub fn set(path: &Path, name: &str, value: &[u8]) -> Result<()> {
     Ok(())
 }
 
-/// Reads `user.<name>` of `path`; None when it is not set.
+/// Reads `user.<name>` of `path` (not following symlinks); None when it is not set.
 pub fn get(path: &Path, name: &str) -> Result<Option<Vec<u8>>> {
-    let p = cpath(path)?;
-    let n = CString::new(format!("user.{name}")).map_err(|_| io_err("getxattr", path))?;
-    let mut buf = vec![0u8; 4096];
-    // SAFETY: buf is writable for buf.len() bytes; p and n are NUL-terminated.
-    let rc = unsafe { libc::lgetxattr(p.as_ptr(), n.as_ptr(), buf.as_mut_ptr().cast(), buf.len()) };
-    if rc < 0 {
-        let err = std::io::Error::last_os_error();
-        if err.raw_os_error() == Some(libc::ENODATA) {
-            return Ok(None);
-        }
-        return Err(SysError::Io {
-            op: "getxattr",
-            path: path.to_path_buf(),
-            source: err,
-        });
-    }
-    buf.truncate(rc as usize);
-    Ok(Some(buf))
+    let full = full_name(path, name)?;
+    xattr::get(path, &full).map_err(|e| io_err("getxattr", path, e))
 }
 
-/// Removes `user.<name>`; absent is fine.
+/// Removes `user.<name>` (not following symlinks); absent is fine.
 pub fn remove(path: &Path, name: &str) -> Result<()> {
-    let p = cpath(path)?;
-    let n = CString::new(format!("user.{name}")).map_err(|_| io_err("removexattr", path))?;
-    // SAFETY: p and n are valid NUL-terminated strings.
-    let rc = unsafe { libc::lremovexattr(p.as_ptr(), n.as_ptr()) };
-    if rc != 0 {
-        let err = std::io::Error::last_os_error();
-        if err.raw_os_error() == Some(libc::ENODATA) {
-            return Ok(());
-        }
-        return Err(SysError::Io {
-            op: "removexattr",
-            path: path.to_path_buf(),
-            source: err,
-        });
+    let full = full_name(path, name)?;
+    match xattr::remove(path, &full) {
+        Ok(()) => {}
+        Err(e) if e.raw_os_error() == Some(libc::ENODATA) => return Ok(()),
+        Err(e) => return Err(io_err("removexattr", path, e)),
     }
     note(|| FsOp::RemoveXattr {
         path: path.into(),
         name: name.into(),
     });
     Ok(())
+}
+
+/// The names of the `user.` attributes of `path`, without the prefix.
+pub fn list_user(path: &Path) -> Result<Vec<String>> {
+    crate::file::check_path(path)?;
+    let names = xattr::list(path).map_err(|e| io_err("listxattr", path, e))?;
+    Ok(names
+        .filter_map(|n| n.to_str()?.strip_prefix("user.").map(str::to_string))
+        .collect())
 }
 
 #[cfg(test)]
@@ -109,7 +86,24 @@ mod tests {
             super::get(&f, "example-csi.t").unwrap().as_deref(),
             Some(&b"true"[..])
         );
+        assert_eq!(super::list_user(&f).unwrap(), vec!["example-csi.t"]);
         super::remove(&f, "example-csi.t").unwrap();
         assert_eq!(super::get(&f, "example-csi.t").unwrap(), None);
+        super::remove(&f, "example-csi.t").unwrap();
+    }
+
+    #[test]
+    fn a_nul_byte_in_a_name_is_a_clear_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("img");
+        std::fs::write(&f, b"").unwrap();
+        for err in [
+            super::set(&f, "a\0b", b"1").unwrap_err(),
+            super::get(&f, "a\0b").unwrap_err(),
+            super::remove(&f, "a\0b").unwrap_err(),
+        ] {
+            assert!(err.is_invalid_argument(), "{err}");
+            assert!(err.to_string().contains("NUL byte"), "{err}");
+        }
     }
 }

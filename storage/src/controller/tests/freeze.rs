@@ -1,6 +1,7 @@
 //! Freezing around snapshots: a staged image is frozen for its copy and always
 //! thawed, by this process or by its next start.
 
+use csi_sys::fake::FakeOp;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
@@ -76,7 +77,7 @@ fn a_failed_freeze_copies_nothing_and_leaves_nothing_frozen() {
     let w = World::new();
     let id = w.create("pvc-a", ext4());
     w.stage(&id, &ext4()).unwrap();
-    w.fake.fail_next("freeze", eio("freeze"));
+    w.fake.fail_next(FakeOp::Freeze, eio("freeze"));
     let err = w.c().create_snapshot("snap-1", &id, &BTreeMap::new());
     assert_eq!(kind(err), Kind::System);
     assert!(!w.fake.is_frozen(&w.staging()));
@@ -91,7 +92,7 @@ fn a_failed_thaw_keeps_the_marker_and_the_next_start_thaws() {
     w.stage(&id, &ext4()).unwrap();
     // Every try fails (the thaw is tried four times).
     for _ in 0..4 {
-        w.fake.fail_next("thaw", eio("thaw"));
+        w.fake.fail_next(FakeOp::Thaw, eio("thaw"));
     }
     // The snapshot itself is made; the thaw failure is logged.
     w.c()
@@ -133,7 +134,7 @@ fn a_thaw_that_fails_once_is_tried_again() {
     let w = World::new();
     let id = w.create("pvc-a", ext4());
     w.stage(&id, &ext4()).unwrap();
-    w.fake.fail_next("thaw", eio("thaw"));
+    w.fake.fail_next(FakeOp::Thaw, eio("thaw"));
     w.c()
         .create_snapshot("snap-1", &id, &BTreeMap::new())
         .unwrap();

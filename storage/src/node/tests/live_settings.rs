@@ -1,6 +1,7 @@
 //! Mutable attributes on live loop devices: a change applies to the devices
 //! serving a staged image at once, or to nothing when it cannot.
 
+use csi_sys::fake::FakeOp;
 use std::path::Path;
 
 use csi_sys::SysError;
@@ -37,7 +38,7 @@ fn modify_volume_that_cannot_be_applied_changes_nothing() {
     };
 
     // The kernel refuses direct I/O for good (EINVAL): the parameter cannot be had.
-    w.fake.fail_next("set_direct_io", || {
+    w.fake.fail_next(FakeOp::SetDirectIo, || {
         SysError::syscall("turn direct I/O on".into(), "/dev/loop0", libc::EINVAL)
     });
     assert_eq!(
@@ -48,13 +49,13 @@ fn modify_volume_that_cannot_be_applied_changes_nothing() {
 
     // Direct I/O is set, then the read-ahead fails: the direct I/O is undone.
     w.fake
-        .fail_next("set_read_ahead_kib", eio("write read_ahead_kb"));
+        .fail_next(FakeOp::SetReadAheadKib, eio("write read_ahead_kb"));
     assert_eq!(kind(w.c().modify_volume(&id, &asked)), Kind::System);
     unchanged("read-ahead failed");
 
     // The settings of the device cannot even be read: nothing is tried.
     w.fake
-        .fail_next("read_ahead_kib", eio("read read_ahead_kb"));
+        .fail_next(FakeOp::ReadAheadKib, eio("read read_ahead_kb"));
     assert_eq!(kind(w.c().modify_volume(&id, &asked)), Kind::System);
     unchanged("settings unreadable");
 
@@ -70,7 +71,7 @@ fn modify_volume_that_cannot_be_applied_changes_nothing() {
 
     // A change that fails on a volume with values already set puts those back.
     w.fake
-        .fail_next("set_read_ahead_kib", eio("write read_ahead_kb"));
+        .fail_next(FakeOp::SetReadAheadKib, eio("write read_ahead_kb"));
     let r = w.c().modify_volume(
         &id,
         &params(&[("directIO", "false"), ("readAheadKiB", "64")]),
@@ -111,7 +112,7 @@ fn stage_that_cannot_apply_the_recorded_settings_fails_and_leaves_nothing() {
     };
 
     w.fake
-        .fail_next("set_read_ahead_kib", eio("write read_ahead_kb"));
+        .fail_next(FakeOp::SetReadAheadKib, eio("write read_ahead_kb"));
     assert_eq!(kind(w.stage(&id, &ext4())), Kind::System);
     nothing_left("read-ahead failed");
 

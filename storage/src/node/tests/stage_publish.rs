@@ -2,6 +2,7 @@
 //! asked, undone when it fails part way, and never touching what is not the
 //! volume's.
 
+use csi_sys::fake::FakeOp;
 use std::path::{Path, PathBuf};
 
 use csi_sys::{LoopOptions, MountOptions};
@@ -280,7 +281,7 @@ fn single_node_writer_allows_two_writers() {
 fn a_failed_first_stage_is_undone_and_a_retry_completes() {
     let w = World::new();
     let id = w.create("pvc-a", ext4());
-    w.fake.fail_next("mount", eio("mount"));
+    w.fake.fail_next(FakeOp::Mount, eio("mount"));
     assert_eq!(kind(w.stage(&id, &ext4())), Kind::System);
     // A failed (not crashed) first stage leaves nothing: no record, no device.
     assert!(
@@ -308,7 +309,7 @@ fn a_failed_bind_at_publish_is_retried_to_one_mount() {
     let id = w.create("pvc-a", ext4());
     w.stage(&id, &ext4()).unwrap();
     let t = w.target("t1");
-    w.fake.fail_next("bind", eio("bind"));
+    w.fake.fail_next(FakeOp::Bind, eio("bind"));
     assert_eq!(kind(w.publish(&id, &t, &ext4(), false)), Kind::System);
     assert!(w.node_record(&id).unwrap().targets.contains_key(&t));
     w.publish(&id, &t, &ext4(), false).unwrap();
@@ -320,7 +321,7 @@ fn a_failed_detach_at_unstage_keeps_the_record_for_the_retry() {
     let w = World::new();
     let id = w.create("pvc-a", ext4());
     w.stage(&id, &ext4()).unwrap();
-    w.fake.fail_next("detach", eio("detach"));
+    w.fake.fail_next(FakeOp::Detach, eio("detach"));
     let staging = w.staging().display().to_string();
     assert_eq!(kind(w.n().node_unstage(&id, &staging)), Kind::System);
     assert!(w.node_record(&id).is_some());
