@@ -8,7 +8,10 @@ use std::os::unix::fs::OpenOptionsExt;
 use std::path::Path;
 use std::time::Duration;
 
-use common::{image, mountpoint, require_root, Attached, LoopMountedPool, Mounted, MIB};
+use common::{
+    image, mountpoint, mounts_of_this_test, no_other_mounts, require_root, Attached,
+    LoopMountedPool, Mounted, MIB,
+};
 use csi_sys::linux::{LinuxFilesystems, LinuxLoops, LinuxMounter};
 use csi_sys::{file, mountinfo, Filesystems, LoopOptions, Loops, MountOptions, Mounter};
 
@@ -24,6 +27,7 @@ fn sysfs(dev: &Path, attr: &str) -> String {
 #[ignore = "needs root: loop devices and mounts"]
 fn root_loop_attach_find_resize_flags_detach() {
     require_root();
+    let _mounts = mounts_of_this_test();
     let tmp = tempfile::tempdir().unwrap();
     let img = image(tmp.path(), "vol.img", 64 * MIB);
     let loops = LinuxLoops::default();
@@ -72,6 +76,7 @@ fn root_loop_attach_find_resize_flags_detach() {
 #[ignore = "needs root: loop devices and mounts"]
 fn root_loop_attach_read_only_and_direct_io() {
     require_root();
+    let _mounts = mounts_of_this_test();
     let tmp = tempfile::tempdir().unwrap();
     let img = image(tmp.path(), "ro.img", 16 * MIB);
     let a = Attached::new(
@@ -107,6 +112,7 @@ fn root_loop_attach_read_only_and_direct_io() {
 #[ignore = "needs root: loop devices and mounts"]
 fn root_loop_concurrent_attaches_get_distinct_devices() {
     require_root();
+    let _mounts = mounts_of_this_test();
     let tmp = tempfile::tempdir().unwrap();
     let images: Vec<_> = (0..4)
         .map(|i| image(tmp.path(), &format!("c{i}.img"), 8 * MIB))
@@ -134,6 +140,7 @@ fn root_loop_concurrent_attaches_get_distinct_devices() {
 #[ignore = "needs root: loop devices and mounts"]
 fn root_loop_detach_of_mounted_device_is_busy() {
     require_root();
+    let _mounts = mounts_of_this_test();
     let tmp = tempfile::tempdir().unwrap();
     let img = image(tmp.path(), "busy.img", 32 * MIB);
     let a = Attached::new(&img, LoopOptions::default());
@@ -157,6 +164,7 @@ fn root_loop_detach_of_mounted_device_is_busy() {
 /// mkfs, probe, size, check, mount, bind read-only, unmount, for one fstype.
 fn mkfs_mount_bind_cycle(fstype: &str, size: u64, data_flag: &str) {
     require_root();
+    let _mounts = mounts_of_this_test();
     let tmp = tempfile::tempdir().unwrap();
     let img = image(tmp.path(), "vol.img", size);
     let a = Attached::new(&img, LoopOptions::default());
@@ -253,6 +261,7 @@ fn root_btrfs_mkfs_probe_mount_bind() {
 #[ignore = "needs root: loop devices and mounts"]
 fn root_mount_errors_are_clear() {
     require_root();
+    let _mounts = mounts_of_this_test();
     let tmp = tempfile::tempdir().unwrap();
     let img = image(tmp.path(), "empty.img", 16 * MIB);
     let a = Attached::new(&img, LoopOptions::default());
@@ -290,6 +299,7 @@ fn root_mount_errors_are_clear() {
 #[ignore = "needs root: loop devices and mounts"]
 fn root_grow_xfs_online() {
     require_root();
+    let _mounts = mounts_of_this_test();
     let tmp = tempfile::tempdir().unwrap();
     let img = image(tmp.path(), "x.img", 320 * MIB);
     let a = Attached::new(&img, LoopOptions::default());
@@ -318,6 +328,7 @@ fn root_grow_xfs_online() {
 #[ignore = "needs root: loop devices and mounts"]
 fn root_grow_btrfs_online() {
     require_root();
+    let _mounts = mounts_of_this_test();
     let tmp = tempfile::tempdir().unwrap();
     let img = image(tmp.path(), "b.img", 256 * MIB);
     let a = Attached::new(&img, LoopOptions::default());
@@ -341,6 +352,7 @@ fn root_grow_btrfs_online() {
 #[ignore = "needs root: loop devices and mounts"]
 fn root_grow_ext4_offline() {
     require_root();
+    let _mounts = mounts_of_this_test();
     let tmp = tempfile::tempdir().unwrap();
     let img = image(tmp.path(), "e.img", 64 * MIB);
     let a = Attached::new(&img, LoopOptions::default());
@@ -375,6 +387,7 @@ fn root_grow_ext4_offline() {
 #[ignore = "needs root: loop devices and mounts"]
 fn root_grow_ext4_online_succeeds_or_reports_permission_denied() {
     require_root();
+    let _mounts = mounts_of_this_test();
     let tmp = tempfile::tempdir().unwrap();
     let img = image(tmp.path(), "e.img", 64 * MIB);
     let a = Attached::new(&img, LoopOptions::default());
@@ -401,6 +414,7 @@ fn root_grow_ext4_online_succeeds_or_reports_permission_denied() {
 #[ignore = "needs root: loop devices and mounts"]
 fn root_freeze_blocks_writes_until_thaw() {
     require_root();
+    let _mounts = mounts_of_this_test();
     let tmp = tempfile::tempdir().unwrap();
     let img = image(tmp.path(), "f.img", 64 * MIB);
     let a = Attached::new(&img, LoopOptions::default());
@@ -447,6 +461,7 @@ fn root_freeze_blocks_writes_until_thaw() {
 #[ignore = "needs root: loop devices and mounts"]
 fn root_reflink_clone_of_xfs_image_mounts_beside_its_source() {
     require_root();
+    let _mounts = mounts_of_this_test();
     let pool = LoopMountedPool::new("xfs", 2048 * MIB);
     assert!(file::probe_reflink(pool.path()));
     assert_eq!(file::fs_type_name(pool.path()).unwrap(), "xfs");
@@ -507,6 +522,7 @@ fn fs_uuid(device: &Path) -> String {
 #[ignore = "needs root: loop devices and mounts"]
 fn root_fs_type_names() {
     require_root();
+    let _mounts = mounts_of_this_test();
     let pool = LoopMountedPool::new("btrfs", 256 * MIB);
     assert_eq!(file::fs_type_name(pool.path()).unwrap(), "btrfs");
     assert!(file::probe_reflink(pool.path()));
@@ -520,6 +536,7 @@ fn root_fs_type_names() {
 #[ignore = "needs root: loop devices and mounts"]
 fn root_loop_found_after_the_attaching_mount_is_gone() {
     require_root();
+    let _mounts = mounts_of_this_test();
     let tmp = tempfile::tempdir().unwrap();
     let pool = tmp.path().join("pool");
     let other = tmp.path().join("other");
@@ -560,6 +577,7 @@ fn root_loop_found_after_the_attaching_mount_is_gone() {
 #[ignore = "needs root: loop devices and mounts"]
 fn root_loop_detach_when_mounted_only_in_another_namespace() {
     require_root();
+    let _alone = no_other_mounts();
     let tmp = tempfile::tempdir().unwrap();
     let img = image(tmp.path(), "held.img", 64 * MIB);
     let a = Attached::new(&img, LoopOptions::default());
@@ -624,6 +642,7 @@ fn root_loop_detach_when_mounted_only_in_another_namespace() {
 #[ignore = "needs root: loop devices and mounts"]
 fn root_loop_read_ahead_through_the_device() {
     require_root();
+    let _mounts = mounts_of_this_test();
     let tmp = tempfile::tempdir().unwrap();
     let img = image(tmp.path(), "ra.img", 16 * MIB);
     let a = Attached::new(&img, LoopOptions::default());

@@ -16,6 +16,21 @@ pub const MIB: u64 = 1 << 20;
 /// `#[ignore = "needs root: ..."]` and so runs only when asked for
 /// (`cargo test -- --include-ignored`, as scripts/test-all.sh does); asked for
 /// without root, it fails rather than pass without having checked anything.
+/// Tests that mount take this shared; a test that makes a mount namespace takes
+/// it alone: the new namespace copies every mount there is at that moment, and
+/// would hold another test's device busy until it ends.
+static NAMESPACE_COPIES: std::sync::RwLock<()> = std::sync::RwLock::new(());
+
+/// Held by a test that mounts, while it may.
+pub fn mounts_of_this_test() -> std::sync::RwLockReadGuard<'static, ()> {
+    NAMESPACE_COPIES.read().unwrap_or_else(|p| p.into_inner())
+}
+
+/// Held by a test that makes a mount namespace, while it exists.
+pub fn no_other_mounts() -> std::sync::RwLockWriteGuard<'static, ()> {
+    NAMESPACE_COPIES.write().unwrap_or_else(|p| p.into_inner())
+}
+
 pub fn require_root() {
     assert!(
         nix::unistd::geteuid().is_root(),
