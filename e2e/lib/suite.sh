@@ -12,7 +12,9 @@
 
 SUITE_PROCS=${SUITE_PROCS:-4}
 SUITE_TIMEOUT=${SUITE_TIMEOUT:-3h}
-SUITE_FOCUS='External.Storage \[Driver: example\.csi\.k8s\.io\]'
+# A narrower focus (a regex of test names) may be given; it should keep the
+# driver's name, or other drivers' tests would be asked for.
+SUITE_FOCUS=${SUITE_FOCUS:-'External.Storage \[Driver: example\.csi\.k8s\.io\]'}
 
 # The skip patterns: the first column of e2e/skips.md's tables, `PATTERN`
 # (a `\|` there is a table's escaped bar); the rows whose reason begins
@@ -75,8 +77,11 @@ run_suite() {
     ) >"$W/logs/suite.log" 2>&1
     local rc=$?
     local took=$((SECONDS - start))
+    # Kept with the logs: the work dir goes at teardown.
+    cp "$out/report.json" "$out/junit.xml" "$W/logs/" 2>/dev/null
     if python3 "$E2E_ROOT/e2e/lib/suite_summary.py" "$out/report.json" "$took" >"$out/summary.txt"; then
         sed 's/^/  /' "$out/summary.txt"
+        cp "$out/summary.txt" "$W/logs/suite-summary.txt"
         local failed passed
         passed=$(sed -n 's/^passed: //p' "$out/summary.txt")
         failed=$(sed -n 's/^failed: //p' "$out/summary.txt")
