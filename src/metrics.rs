@@ -31,7 +31,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::metrics::info::Info;
-use prometheus_client::registry::Registry;
+use prometheus_client::registry::{Metric, Registry};
 
 use csi_storage::health::{PoolSeverity, Severity};
 use csi_storage::{Driver, System};
@@ -154,111 +154,86 @@ pub struct Metrics {
     loops: Family<Labels, Gauge>,
     ready: Gauge,
     scrape_errors: Counter<u64, AtomicU64>,
-    volumes_unhealthy: Family<Labels, Gauge>,
-    node_volumes_unhealthy: Family<Labels, Gauge>,
-    pool_problems: Family<Labels, Gauge>,
-    pool_healthy: Family<Labels, Gauge>,
-    health_age: Gauge<f64, AtomicU64>,
-    health_took: Gauge<f64, AtomicU64>,
+    shown: HealthGauges,
     health: Arc<HealthCache>,
     /// One scrape at a time sets and encodes: the health families are cleared
     /// and refilled, and a concurrent encode must not see them half done.
     rendering: Mutex<()>,
 }
 
+/// What the last health check found, as the metrics show it.
+struct HealthGauges {
+    volumes_unhealthy: Family<Labels, Gauge>,
+    node_volumes_unhealthy: Family<Labels, Gauge>,
+    pool_problems: Family<Labels, Gauge>,
+    pool_healthy: Family<Labels, Gauge>,
+    age: Gauge<f64, AtomicU64>,
+    took: Gauge<f64, AtomicU64>,
+}
+
+/// Registers `metric` under `name` and gives it back (a handle of the same
+/// metric) for the driver to set.
+fn register<M: Metric + Clone>(r: &mut Registry, name: &str, help: &str, metric: M) -> M {
+    r.register(name, help, metric.clone());
+    metric
+}
+
+fn family() -> Family<Labels, Gauge> {
+    Family::default()
+}
+
+impl HealthGauges {
+    fn new(r: &mut Registry) -> HealthGauges {
+        HealthGauges {
+            volumes_unhealthy: register(
+                r,
+                "volumes_unhealthy",
+                "Volumes with this problem at the last health check (what \
+                 ControllerListVolumeHealth reports), by CSI error type and reason",
+                family(),
+            ),
+            node_volumes_unhealthy: register(
+                r,
+                "node_volumes_unhealthy",
+                "Volumes this node serves (staged, published or ephemeral here) with this \
+                 problem at the last health check (what NodeGetVolumeHealth reports at \
+                 their recorded paths), by CSI error type and reason",
+                family(),
+            ),
+            pool_problems: register(
+                r,
+                "pool_health_problems",
+                "1 for each problem of a pool at the last health check (what \
+                 NodeGetStorageHealth reports), by pool, CSI error type and reason",
+                family(),
+            ),
+            pool_healthy: register(
+                r,
+                "pool_healthy",
+                "1 when the pool had no problem at the last health check, else 0",
+                family(),
+            ),
+            age: register(
+                r,
+                "health_check_age_seconds",
+                "Age of the health figures shown (since the driver started, before the \
+                 first check finished)",
+                Gauge::default(),
+            ),
+            took: register(
+                r,
+                "health_check_duration_seconds",
+                "How long the health check whose figures are shown took",
+                Gauge::default(),
+            ),
+        }
+    }
+}
+
 impl Metrics {
     pub fn new(driver_name: &str, mode: &str, health_max_age: Duration) -> Metrics {
-        let mut registry = Registry::with_prefix("example_csi");
-        let rpcs = Family::<Labels, Counter>::default();
-        registry.register(
-            "rpc_requests",
-            "gRPC calls finished, by service, method and gRPC code",
-            rpcs.clone(),
-        );
-        let latency: HistogramFamily = Family::new_with_constructor(new_histogram);
-        registry.register(
-            "rpc_duration_seconds",
-            "Time from a gRPC call's arrival to its status, by service and method",
-            latency.clone(),
-        );
-        let gauge = |registry: &mut Registry, name: &str, help: &str| {
-            let f = Family::<Labels, Gauge>::default();
-            registry.register(name, help, f.clone());
-            f
-        };
-        let volumes = gauge(&mut registry, "volumes", "Volumes recorded, by pool");
-        let snapshots = gauge(&mut registry, "snapshots", "Snapshots recorded, by pool");
-        let capacity = gauge(
-            &mut registry,
-            "pool_capacity_bytes",
-            "Size of the pool's filesystem, by pool",
-        );
-        let free = gauge(
-            &mut registry,
-            "pool_free_bytes",
-            "Bytes available to new volumes in the pool's filesystem, by pool",
-        );
-        let reflink = gauge(
-            &mut registry,
-            "pool_reflink",
-            "1 when the pool's filesystem clones by reflink (snapshots and clones \
-             share blocks), 0 when they are full copies",
-        );
-        let loops = gauge(
-            &mut registry,
-            "loop_devices",
-            "Loop devices attached to image files inside the pool, by pool",
-        );
-        let ready = Gauge::default();
-        registry.register(
-            "ready",
-            "1 when the driver answers Probe as ready (state loaded, every pool present)",
-            ready.clone(),
-        );
-        let scrape_errors = Counter::default();
-        registry.register(
-            "scrape_errors",
-            "Pool or loop device readings that failed while serving /metrics",
-            scrape_errors.clone(),
-        );
-        let volumes_unhealthy = gauge(
-            &mut registry,
-            "volumes_unhealthy",
-            "Volumes with this problem at the last health check (what \
-             ControllerListVolumeHealth reports), by CSI error type and reason",
-        );
-        let node_volumes_unhealthy = gauge(
-            &mut registry,
-            "node_volumes_unhealthy",
-            "Volumes this node serves (staged, published or ephemeral here) with this \
-             problem at the last health check (what NodeGetVolumeHealth reports at \
-             their recorded paths), by CSI error type and reason",
-        );
-        let pool_problems = gauge(
-            &mut registry,
-            "pool_health_problems",
-            "1 for each problem of a pool at the last health check (what \
-             NodeGetStorageHealth reports), by pool, CSI error type and reason",
-        );
-        let pool_healthy = gauge(
-            &mut registry,
-            "pool_healthy",
-            "1 when the pool had no problem at the last health check, else 0",
-        );
-        let health_age = Gauge::<f64, AtomicU64>::default();
-        registry.register(
-            "health_check_age_seconds",
-            "Age of the health figures shown (since the driver started, before the \
-             first check finished)",
-            health_age.clone(),
-        );
-        let health_took = Gauge::<f64, AtomicU64>::default();
-        registry.register(
-            "health_check_duration_seconds",
-            "How long the health check whose figures are shown took",
-            health_took.clone(),
-        );
-        registry.register(
+        let mut r = Registry::with_prefix("example_csi");
+        r.register(
             "build",
             "The driver's version, name and mode",
             Info::new(vec![
@@ -267,8 +242,61 @@ impl Metrics {
                 ("mode", mode.to_string()),
             ]),
         );
+        let r = &mut r;
+        let rpcs = register(
+            r,
+            "rpc_requests",
+            "gRPC calls finished, by service, method and gRPC code",
+            Family::default(),
+        );
+        let latency = register(
+            r,
+            "rpc_duration_seconds",
+            "Time from a gRPC call's arrival to its status, by service and method",
+            Family::new_with_constructor(new_histogram as fn() -> Histogram),
+        );
+        let volumes = register(r, "volumes", "Volumes recorded, by pool", family());
+        let snapshots = register(r, "snapshots", "Snapshots recorded, by pool", family());
+        let capacity = register(
+            r,
+            "pool_capacity_bytes",
+            "Size of the pool's filesystem, by pool",
+            family(),
+        );
+        let free = register(
+            r,
+            "pool_free_bytes",
+            "Bytes available to new volumes in the pool's filesystem, by pool",
+            family(),
+        );
+        let reflink = register(
+            r,
+            "pool_reflink",
+            "1 when the pool's filesystem clones by reflink (snapshots and clones \
+             share blocks), 0 when they are full copies",
+            family(),
+        );
+        let loops = register(
+            r,
+            "loop_devices",
+            "Loop devices attached to image files inside the pool, by pool",
+            family(),
+        );
+        let ready = register(
+            r,
+            "ready",
+            "1 when the driver answers Probe as ready (state loaded, every pool present)",
+            Gauge::default(),
+        );
+        let scrape_errors = register(
+            r,
+            "scrape_errors",
+            "Pool or loop device readings that failed while serving /metrics",
+            Counter::default(),
+        );
+        let shown = HealthGauges::new(r);
         Metrics {
-            registry,
+            registry: std::mem::take(r),
             rpcs,
             latency,
             volumes,
@@ -279,12 +307,7 @@ impl Metrics {
             loops,
             ready,
             scrape_errors,
-            volumes_unhealthy,
-            node_volumes_unhealthy,
-            pool_problems,
-            pool_healthy,
-            health_age,
-            health_took,
+            shown,
             health: Arc::new(HealthCache::new(health_max_age, HEALTH_WAIT)),
             rendering: Mutex::new(()),
         }
@@ -370,17 +393,17 @@ impl Metrics {
 
     fn show_health(&self, figures: Option<&HealthFigures>) {
         // Cleared first: a problem that is gone must leave no sample behind.
-        self.volumes_unhealthy.clear();
-        self.node_volumes_unhealthy.clear();
-        self.pool_problems.clear();
-        self.pool_healthy.clear();
+        self.shown.volumes_unhealthy.clear();
+        self.shown.node_volumes_unhealthy.clear();
+        self.shown.pool_problems.clear();
+        self.shown.pool_healthy.clear();
         let taken = figures.map_or(self.health.created, |f| f.taken);
-        self.health_age.set(taken.elapsed().as_secs_f64());
+        self.shown.age.set(taken.elapsed().as_secs_f64());
         let Some(f) = figures else { return };
-        self.health_took.set(f.took.as_secs_f64());
+        self.shown.took.set(f.took.as_secs_f64());
         for (family, counts) in [
-            (&self.volumes_unhealthy, &f.volumes),
-            (&self.node_volumes_unhealthy, &f.served),
+            (&self.shown.volumes_unhealthy, &f.volumes),
+            (&self.shown.node_volumes_unhealthy, &f.served),
         ] {
             for ((error_type, reason), n) in counts.iter().flatten() {
                 family
@@ -392,11 +415,13 @@ impl Metrics {
             }
         }
         for (pool, problems) in &f.pools {
-            self.pool_healthy
+            self.shown
+                .pool_healthy
                 .get_or_create(&vec![("pool", pool.clone())])
                 .set(problems.is_empty() as i64);
             for (error_type, reason) in problems {
-                self.pool_problems
+                self.shown
+                    .pool_problems
                     .get_or_create(&vec![
                         ("pool", pool.clone()),
                         ("error_type", error_type.to_string()),
