@@ -23,7 +23,7 @@ use crate::fsrecord::{note, FsOp};
 use crate::FsStats;
 
 /// FICLONE = _IOW(0x94, 9, int): share all extents of the source file.
-const FICLONE: u64 = 0x4004_9409;
+pub(crate) const FICLONE: u64 = 0x4004_9409;
 
 /// Errnos with which FICLONE / copy_file_range say "not here" (another filesystem,
 /// no reflink support, not a regular file) rather than "went wrong".
