@@ -675,11 +675,16 @@ impl Node {
             .map(String::from)
             .or_else(|| context.get("fsType").cloned())
             .unwrap_or_else(|| self.cfg.default_fstype.clone());
-        let found = self
-            .sys
-            .fs
-            .probe(&dev.device)
-            .context(|| format!("probing {}", dev.device.display()))?;
+        // An image made from a template names its fresh filesystem: no probe.
+        let fresh_fs = crate::fresh::fresh_filesystem(&loc.path);
+        let found = match &fresh_fs {
+            Some(fs) => Some(fs.clone()),
+            None => self
+                .sys
+                .fs
+                .probe(&dev.device)
+                .context(|| format!("probing {}", dev.device.display()))?,
+        };
         let (fs_type, fresh) = match found {
             None => {
                 let size = self
@@ -704,7 +709,7 @@ impl Node {
                          reformatted"
                     )));
                 }
-                (have, false)
+                (have, fresh_fs.is_some())
             }
         };
         failpoint::hit("stage.after-mkfs");
@@ -720,7 +725,9 @@ impl Node {
         }
         make_dir(staging)?;
         let mut mflags = flags;
-        if fs_type == "xfs" && !mflags.iter().any(|f| f == "nouuid") {
+        if fresh_fs.is_some() {
+            crate::fresh::clear(&loc.path)?;
+        } else if fs_type == "xfs" && !mflags.iter().any(|f| f == "nouuid") {
             // Snapshots and clones share their source's UUID; xfs refuses a second
             // mount of one UUID unless told not to check.
             mflags.push("nouuid".into());
