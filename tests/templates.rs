@@ -243,3 +243,34 @@ async fn root_a_template_cut_short_by_a_crash_is_never_used() {
     assert_eq!(fresh_mark(&fx.image(&made)).as_deref(), Some("xfs"));
     fx.stage_publish(&made, "xfs").await;
 }
+
+#[tokio::test]
+#[ignore = "needs root: loop devices, mkfs and mounts"]
+async fn root_a_template_volume_expanded_before_its_first_stage_is_grown() {
+    require_root();
+    let mut fx = fixture("xfs", &[]).await;
+    let id = fx.create_from_template("v", "xfs").await;
+    fx.c.controller
+        .controller_expand_volume(csi::ControllerExpandVolumeRequest {
+            volume_id: id.clone(),
+            capacity_range: Some(csi::CapacityRange {
+                required_bytes: 2 * GIB,
+                limit_bytes: 0,
+            }),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        fresh_mark(&fx.image(&id)),
+        None,
+        "a grown image is no longer fresh"
+    );
+    let (staging, _) = fx.stage_publish(&id, "xfs").await;
+    let s = nix::sys::statvfs::statvfs(&staging).unwrap();
+    let size = s.blocks() * s.fragment_size();
+    assert!(
+        size > GIB as u64 * 3 / 2,
+        "the filesystem fills the volume: {size}"
+    );
+}
