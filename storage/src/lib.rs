@@ -20,7 +20,7 @@ pub mod node;
 
 pub use crate::controller::{metadata, snapshots, volumes, Controller};
 pub use crate::core::{cancel, error, failpoint, health, ids, model, pool, size};
-pub(crate) use crate::core::{data, locks, settings, state, store};
+pub(crate) use crate::core::{data, fresh, locks, settings, state, store};
 pub use crate::core::{Config, Core, DEFAULT_FREEZE_TIMEOUT, MUTABLE_PARAMETERS};
 pub use crate::node::Node;
 pub use csi_sys::System;

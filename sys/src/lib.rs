@@ -23,6 +23,7 @@ pub mod extents;
 pub mod fake;
 pub mod file;
 pub mod flock;
+pub mod fresh;
 pub mod fsrecord;
 pub mod health;
 pub mod linux;

@@ -10,6 +10,7 @@
 pub mod freeze;
 pub mod metadata;
 pub mod snapshots;
+pub mod templates;
 #[cfg(test)]
 mod tests;
 pub mod volumes;
@@ -33,6 +34,7 @@ pub struct Controller {
     pub(crate) snapshots: Store<SnapshotRecord>,
     pub(crate) groups: Store<GroupSnapshotRecord>,
     pub(crate) locks: Locks,
+    pub(crate) templates: templates::Templates,
     /// The node domain of this process, if it runs one (`--mode all`): only it
     /// reaches loop devices.
     live: OnceLock<Arc<dyn LiveDevices>>,
@@ -58,6 +60,7 @@ impl Controller {
             snapshots: Store::open(&dir.join("snapshots"))?,
             groups: Store::open(&dir.join("groups"))?,
             locks: Locks::default(),
+            templates: Default::default(),
             live: OnceLock::new(),
             _owner: owner,
             core,
@@ -85,6 +88,9 @@ impl Controller {
                         "btrfs quotas could not be enabled: dir volume sizes are not enforced");
                 }
             }
+        }
+        for pool in self.pools.values() {
+            self.templates.recover(pool);
         }
         self.recover_volumes()?;
         self.recover_snapshots()?;

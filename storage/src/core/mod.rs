@@ -8,6 +8,7 @@ pub mod cancel;
 pub(crate) mod data;
 pub mod error;
 pub mod failpoint;
+pub(crate) mod fresh;
 pub mod health;
 pub mod ids;
 pub(crate) mod locks;

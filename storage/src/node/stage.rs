@@ -289,7 +289,10 @@ impl Node {
         context: &BTreeMap<String, String>,
         mut opts: MountOptions,
     ) -> Result<String> {
-        let (fs_type, fresh) = self.filesystem_of(id, dev, cap, context)?;
+        // An image made from a template names its fresh filesystem: nothing to
+        // probe, check or grow, and it has a UUID of its own.
+        let from_template = crate::fresh::fresh_filesystem(&dev.backing_file);
+        let (fs_type, fresh) = self.filesystem_of(id, dev, cap, context, from_template.clone())?;
         failpoint::hit("stage.after-mkfs");
         if !fresh {
             self.heavy(|| self.sys.fs.check(&dev.device, &fs_type))?
@@ -302,7 +305,9 @@ impl Node {
             }
         }
         make_dir(staging)?;
-        if fs_type == "xfs" && !opts.flags.iter().any(|f| f == "nouuid") {
+        if from_template.is_some() {
+            crate::fresh::clear(&dev.backing_file)?;
+        } else if fs_type == "xfs" && !opts.flags.iter().any(|f| f == "nouuid") {
             // Snapshots and clones share their source's UUID; xfs refuses a second
             // mount of one UUID unless told not to check.
             opts.flags.push("nouuid".into());
@@ -322,26 +327,31 @@ impl Node {
         Ok(fs_type)
     }
 
-    /// The filesystem on the device and whether it was made just now: a blank
-    /// device gets the one asked for; one that holds a filesystem is never
-    /// reformatted.
+    /// The filesystem on the device and whether it was made just now (by mkfs
+    /// here, or from a template: `known`): a blank device gets the one asked for;
+    /// one that holds a filesystem is never reformatted.
     fn filesystem_of(
         &self,
         id: VolumeId,
         dev: &LoopDevice,
         cap: &Capability,
         context: &BTreeMap<String, String>,
+        known: Option<String>,
     ) -> Result<(String, bool)> {
         let wanted = cap
             .fs_type()
             .map(String::from)
             .or_else(|| context.get("fsType").cloned())
             .unwrap_or_else(|| self.cfg.default_fstype.clone());
-        let found = self
-            .sys
-            .fs
-            .probe(&dev.device)
-            .context(|| format!("probing {}", dev.device.display()))?;
+        let from_template = known.is_some();
+        let found = match known {
+            Some(fs) => Some(fs),
+            None => self
+                .sys
+                .fs
+                .probe(&dev.device)
+                .context(|| format!("probing {}", dev.device.display()))?,
+        };
         match found {
             None => {
                 let size = self
@@ -366,7 +376,7 @@ impl Node {
                          reformatted"
                     )));
                 }
-                Ok((have, false))
+                Ok((have, from_template))
             }
         }
     }

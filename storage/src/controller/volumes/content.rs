@@ -68,7 +68,15 @@ impl Controller {
         let path = pool.volume_path(rec.id, rec.backing, rec.ephemeral);
         let at = || format!("making volume {} at {}", rec.id, path.display());
         match (rec.backing, source) {
-            (Backing::Image, None) => file::create_sparse(&path, rec.size).context(at)?,
+            (Backing::Image, None) => {
+                let from_template = rec
+                    .fs_type
+                    .as_deref()
+                    .is_some_and(|fs| self.templates.fill(pool, fs, rec.size, &path));
+                if !from_template {
+                    file::create_sparse(&path, rec.size).context(at)?;
+                }
+            }
             (Backing::Image, Some((src, _))) => {
                 // A live source is frozen while it is copied, so the copy is a
                 // consistent filesystem; a snapshot does not change.

@@ -192,7 +192,7 @@ impl Controller {
                 capacity.limit
             )));
         }
-        let (available, total) = pool.space()?;
+        let (available, total) = self.templates.space_for(pool, size)?;
         // No volume, not even an unenforced directory, can be larger than its pool.
         if size > total {
             return Err(Error::OutOfRange(format!(

@@ -78,7 +78,10 @@ impl Controller {
         let path = pool.volume_path(rec.id, rec.backing, rec.ephemeral);
         let at = || format!("growing volume {} to {size} bytes", rec.id);
         match rec.backing {
-            Backing::Image => file::grow(&path, size).context(at),
+            // Unmarked first: a fresh filesystem is not grown at its first stage.
+            Backing::Image => {
+                crate::fresh::clear(&path).and_then(|()| file::grow(&path, size).context(at))
+            }
             Backing::Subvolume => btrfs::qgroup_limit(&path, size).context(at),
             Backing::Directory => record_size(&path, size),
         }

@@ -1,0 +1,414 @@
+//! Filesystems made ahead of time: a template image formatted once per filesystem
+//! and size, and the step that gives a reflinked copy of it its own filesystem
+//! UUID before it is first mounted (xfs refuses a second mount of one UUID, and
+//! blkid should never see two filesystems with one).
+//!
+//! The UUID is written into the copy's superblocks here, not by tune2fs, xfs_admin
+//! or btrfstune: those start a process and, for xfs, rewrite the whole log
+//! (64 MiB for 1 GiB, unsharing it from the template), tens to hundreds of
+//! milliseconds on a busy node, where these are a few small writes. Only a
+//! filesystem of the exact shape [`format_template`] leaves is changed (checked
+//! first, checksums included); its metadata checksums do not depend on the UUID:
+//!
+//! - ext4, made with `metadata_csum_seed`: the primary superblock's UUID and its
+//!   checksum (the backups are only read by a repair, which rewrites them);
+//! - xfs v5: every allocation group's superblock, the old UUID moving to
+//!   `sb_meta_uuid` under the META_UUID feature (as `xfs_admin -U` does), and the
+//!   UUID in the header of the log's one record: the unmount record mkfs writes,
+//!   whose CRC mkfs leaves zero and the kernel does not check;
+//! - btrfs: every superblock copy inside the file, the old fsid moving to
+//!   `metadata_uuid` under the METADATA_UUID feature (as `btrfstune -m` does).
+
+use std::ffi::OsStr;
+use std::fs::{File, OpenOptions};
+use std::os::unix::fs::FileExt;
+use std::path::Path;
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use crate::cmd;
+use crate::error::{Result, SysError};
+
+/// Changes whenever the options of [`format_template`] change, so that a template
+/// made with other options is never taken for one made with these.
+pub const TEMPLATE_FORMAT: u32 = 1;
+
+/// Filesystems [`format_template`] and [`renew_uuid`] know.
+pub const FS_TYPES: [&str; 3] = ["ext4", "xfs", "btrfs"];
+
+/// Formats the file `image` (its size already set) as a template of `fstype`.
+/// The options are those of the node's mkfs, so a volume made from a template is
+/// the filesystem the node would have made; ext4 adds `metadata_csum_seed`, so
+/// that its checksums do not depend on its UUID.
+pub fn format_template(image: &Path, fstype: &str, timeout: Duration) -> Result<()> {
+    let dev = image.as_os_str();
+    let args: Vec<&OsStr> = match fstype {
+        "ext4" => vec![
+            "-F".as_ref(),
+            "-q".as_ref(),
+            "-m".as_ref(),
+            "0".as_ref(),
+            "-O".as_ref(),
+            "metadata_csum_seed".as_ref(),
+            "-E".as_ref(),
+            "lazy_itable_init=1,lazy_journal_init=1,nodiscard".as_ref(),
+            dev,
+        ],
+        "xfs" | "btrfs" => vec!["-f".as_ref(), "-q".as_ref(), "-K".as_ref(), dev],
+        other => return Err(unsupported(other)),
+    };
+    cmd::run(&format!("mkfs.{fstype}"), &args, timeout).map(|_| ())
+}
+
+/// Checks that `image` holds a fresh, intact filesystem of `fstype` of the shape
+/// [`renew_uuid`] can change: never mounted, superblock checksums right.
+pub fn check_template(image: &Path, fstype: &str) -> Result<()> {
+    let f = open(image, false)?;
+    let len = f
+        .metadata()
+        .map_err(|e| SysError::io("reading the size of", image, e))?
+        .len();
+    plan(&f, image, fstype, len).map(|_| ())
+}
+
+/// Gives the fresh copy of a template at `image` the filesystem UUID `uuid`.
+/// The caller makes the change durable (it fsyncs the new image anyway).
+pub fn renew_uuid(image: &Path, fstype: &str, uuid: [u8; 16]) -> Result<()> {
+    let f = open(image, true)?;
+    let len = f
+        .metadata()
+        .map_err(|e| SysError::io("reading the size of", image, e))?
+        .len();
+    for mut block in plan(&f, image, fstype, len)? {
+        (block.change)(&mut block.bytes, &uuid);
+        f.write_all_at(&block.bytes, block.offset)
+            .map_err(|e| SysError::io("writing the UUID into", image, e))?;
+    }
+    Ok(())
+}
+
+/// The filesystem UUID of the fresh filesystem at `image` (the one blkid shows).
+pub fn read_uuid(image: &Path, fstype: &str) -> Result<[u8; 16]> {
+    let f = open(image, false)?;
+    let (offset, at) = match fstype {
+        "ext4" => (EXT4_SB, EXT4_UUID),
+        "xfs" => (0, XFS_UUID),
+        "btrfs" => (BTRFS_SB[0], BTRFS_FSID),
+        other => return Err(unsupported(other)),
+    };
+    let b = read(&f, image, offset + at as u64, 16)?;
+    Ok(b.try_into().unwrap_or([0; 16]))
+}
+
+/// Makes `dst` a reflink of the template `template` with the filesystem UUID
+/// `uuid` and the xattrs `attrs` (`user.` names, as [`crate::xattr::set`]), then
+/// makes it durable (file and folder): one fsync for the lot. Nothing is left at
+/// `dst` when a step fails. The template's modification time is set to now, so
+/// the least recently used template is the oldest.
+pub fn clone_template(
+    template: &Path,
+    dst: &Path,
+    fstype: &str,
+    uuid: [u8; 16],
+    attrs: &[(&str, &[u8])],
+) -> Result<()> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::OpenOptionsExt;
+    let src = open(template, false)?;
+    let d = OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .open(dst)
+        .map_err(|e| SysError::io("creating", dst, e))?;
+    let made = (|| {
+        // SAFETY: both fds are open for the duration of the call; FICLONE takes
+        // the source fd as its integer argument.
+        if let Err(errno) = unsafe { crate::file::ficlone(d.as_raw_fd(), src.as_raw_fd()) } {
+            return Err(SysError::io("reflink to", dst, std::io::Error::from(errno)));
+        }
+        renew_uuid(dst, fstype, uuid)?;
+        for (name, value) in attrs {
+            crate::xattr::set(dst, name, value)?;
+        }
+        d.sync_all().map_err(|e| SysError::io("fsync", dst, e))?;
+        crate::file::fsync_dir(dst.parent().unwrap_or(Path::new("/")))
+    })();
+    if made.is_err() {
+        drop(d);
+        let _ = crate::file::remove_file_if_exists(dst);
+        return made;
+    }
+    // Only an order among templates: not worth an fsync.
+    let _ = src.set_modified(std::time::SystemTime::now());
+    Ok(())
+}
+
+/// One block to rewrite: where, what it holds now, and how the new UUID goes in.
+struct Block {
+    offset: u64,
+    bytes: Vec<u8>,
+    change: fn(&mut [u8], &[u8; 16]),
+}
+
+fn unsupported(fstype: &str) -> SysError {
+    SysError::Unsupported {
+        what: format!("a template of filesystem {fstype:?} (supported: ext4, xfs, btrfs)"),
+    }
+}
+
+fn not_fresh(image: &Path, fstype: &str, why: &str) -> SysError {
+    SysError::InvalidArgument {
+        what: format!(
+            "{} is not a fresh {fstype} template: {why}",
+            image.display()
+        ),
+    }
+}
+
+fn open(image: &Path, write: bool) -> Result<File> {
+    OpenOptions::new()
+        .read(true)
+        .write(write)
+        .open(image)
+        .map_err(|e| SysError::io("opening", image, e))
+}
+
+fn read(f: &File, image: &Path, offset: u64, len: usize) -> Result<Vec<u8>> {
+    let mut b = vec![0; len];
+    f.read_exact_at(&mut b, offset)
+        .map_err(|e| SysError::io("reading the superblock of", image, e))?;
+    Ok(b)
+}
+
+/// The blocks to rewrite, each checked; an error when the filesystem is not of
+/// the expected shape, so nothing is written to anything else.
+fn plan(f: &File, image: &Path, fstype: &str, len: u64) -> Result<Vec<Block>> {
+    let bad = |why: &str| not_fresh(image, fstype, why);
+    match fstype {
+        "ext4" => {
+            let sb = read(f, image, EXT4_SB, 1024)?;
+            if le16(&sb, 0x38) != 0xEF53 {
+                return Err(bad("no ext4 superblock"));
+            }
+            if le32(&sb, 0x60) & EXT4_INCOMPAT_CSUM_SEED == 0
+                || le32(&sb, 0x64) & EXT4_RO_METADATA_CSUM == 0
+            {
+                return Err(bad("not made with metadata_csum and metadata_csum_seed"));
+            }
+            if le32(&sb, EXT4_CSUM) != ext4_csum(&sb) {
+                return Err(bad("superblock checksum mismatch"));
+            }
+            if le16(&sb, 0x34) != 0 {
+                return Err(bad("it has been mounted"));
+            }
+            Ok(vec![Block {
+                offset: EXT4_SB,
+                bytes: sb,
+                change: |sb, uuid| {
+                    sb[EXT4_UUID..EXT4_UUID + 16].copy_from_slice(uuid);
+                    let c = ext4_csum(sb);
+                    sb[EXT4_CSUM..EXT4_CSUM + 4].copy_from_slice(&c.to_le_bytes());
+                },
+            }])
+        }
+        "xfs" => {
+            let sb = read(f, image, 0, 512)?;
+            if &sb[0..4] != b"XFSB" || be16(&sb, 100) & 0xf != 5 {
+                return Err(bad("no xfs v5 superblock"));
+            }
+            let sect = be16(&sb, 102) as usize;
+            let bsize = be32(&sb, 4) as u64;
+            let agblocks = be32(&sb, 84) as u64;
+            let agcount = be32(&sb, 88) as u64;
+            let agblklog = sb[124] as u32;
+            let logstart = be64(&sb, 48);
+            if !(512..=32768).contains(&sect)
+                || agcount == 0
+                || agcount * agblocks * bsize > len
+                || logstart == 0
+            {
+                return Err(bad("unexpected geometry or external log"));
+            }
+            let uuid: [u8; 16] = sb[XFS_UUID..XFS_UUID + 16].try_into().unwrap_or([0; 16]);
+            let mut blocks = Vec::new();
+            for ag in 0..agcount {
+                let s = read(f, image, ag * agblocks * bsize, sect)?;
+                if &s[0..4] != b"XFSB" || s[XFS_UUID..XFS_UUID + 16] != uuid {
+                    return Err(bad("allocation group superblocks disagree"));
+                }
+                if s[XFS_CRC..XFS_CRC + 4] != xfs_crc(&s).to_le_bytes() {
+                    return Err(bad("superblock checksum mismatch"));
+                }
+                if be32(&s, XFS_INCOMPAT) & XFS_INCOMPAT_META_UUID != 0 {
+                    return Err(bad("its UUID has been changed already"));
+                }
+                blocks.push(Block {
+                    offset: ag * agblocks * bsize,
+                    bytes: s,
+                    change: |s, uuid| {
+                        let old: [u8; 16] =
+                            s[XFS_UUID..XFS_UUID + 16].try_into().unwrap_or([0; 16]);
+                        s[XFS_META_UUID..XFS_META_UUID + 16].copy_from_slice(&old);
+                        let inc = be32(s, XFS_INCOMPAT) | XFS_INCOMPAT_META_UUID;
+                        s[XFS_INCOMPAT..XFS_INCOMPAT + 4].copy_from_slice(&inc.to_be_bytes());
+                        s[XFS_UUID..XFS_UUID + 16].copy_from_slice(uuid);
+                        let c = xfs_crc(s);
+                        s[XFS_CRC..XFS_CRC + 4].copy_from_slice(&c.to_le_bytes());
+                    },
+                });
+            }
+            let mask = (1u64 << agblklog) - 1;
+            let log = ((logstart >> agblklog) * agblocks + (logstart & mask)) * bsize;
+            let head = read(f, image, log, 512)?;
+            // The unmount record mkfs writes: cycle 1, no CRC, this filesystem's UUID.
+            let fresh_log = be32(&head, 0) == XLOG_MAGIC
+                && be32(&head, 4) == 1
+                && be32(&head, 32) == 0
+                && head[XLOG_UUID..XLOG_UUID + 16] == uuid;
+            if !fresh_log {
+                return Err(bad("its log is not the one mkfs writes"));
+            }
+            blocks.push(Block {
+                offset: log,
+                bytes: head,
+                change: |h, uuid| h[XLOG_UUID..XLOG_UUID + 16].copy_from_slice(uuid),
+            });
+            Ok(blocks)
+        }
+        "btrfs" => {
+            let mut blocks = Vec::new();
+            for &offset in BTRFS_SB.iter().filter(|&&o| o + 4096 <= len) {
+                let s = read(f, image, offset, 4096)?;
+                if &s[0x40..0x48] != b"_BHRfS_M" || le16(&s, 0xC4) != 0 {
+                    return Err(bad("no btrfs superblock with crc32c checksums"));
+                }
+                if le32(&s, 0) != crc32c(&s[0x20..]) {
+                    return Err(bad("superblock checksum mismatch"));
+                }
+                if le64(&s, BTRFS_INCOMPAT) & BTRFS_INCOMPAT_METADATA_UUID != 0 {
+                    return Err(bad("its fsid has been changed already"));
+                }
+                blocks.push(Block {
+                    offset,
+                    bytes: s,
+                    change: |s, uuid| {
+                        let old: [u8; 16] =
+                            s[BTRFS_FSID..BTRFS_FSID + 16].try_into().unwrap_or([0; 16]);
+                        s[BTRFS_META_UUID..BTRFS_META_UUID + 16].copy_from_slice(&old);
+                        let inc = le64(s, BTRFS_INCOMPAT) | BTRFS_INCOMPAT_METADATA_UUID;
+                        s[BTRFS_INCOMPAT..BTRFS_INCOMPAT + 8].copy_from_slice(&inc.to_le_bytes());
+                        s[BTRFS_FSID..BTRFS_FSID + 16].copy_from_slice(uuid);
+                        let c = crc32c(&s[0x20..]);
+                        s[0..4].copy_from_slice(&c.to_le_bytes());
+                    },
+                });
+            }
+            if blocks.is_empty() {
+                return Err(bad("too small for a btrfs superblock"));
+            }
+            Ok(blocks)
+        }
+        other => Err(unsupported(other)),
+    }
+}
+
+const EXT4_SB: u64 = 1024;
+const EXT4_UUID: usize = 0x68;
+const EXT4_CSUM: usize = 0x3FC;
+const EXT4_INCOMPAT_CSUM_SEED: u32 = 0x2000;
+const EXT4_RO_METADATA_CSUM: u32 = 0x400;
+
+const XFS_UUID: usize = 32;
+const XFS_INCOMPAT: usize = 216;
+const XFS_CRC: usize = 224;
+const XFS_META_UUID: usize = 248;
+const XFS_INCOMPAT_META_UUID: u32 = 1 << 2;
+const XLOG_MAGIC: u32 = 0xFEED_BABE;
+const XLOG_UUID: usize = 304;
+
+const BTRFS_SB: [u64; 3] = [64 << 10, 64 << 20, 256 << 30];
+const BTRFS_FSID: usize = 0x20;
+const BTRFS_INCOMPAT: usize = 0xBC;
+const BTRFS_META_UUID: usize = 0x23B;
+const BTRFS_INCOMPAT_METADATA_UUID: u64 = 1 << 10;
+
+fn le16(b: &[u8], at: usize) -> u16 {
+    u16::from_le_bytes([b[at], b[at + 1]])
+}
+fn le32(b: &[u8], at: usize) -> u32 {
+    u32::from_le_bytes(b[at..at + 4].try_into().unwrap_or([0; 4]))
+}
+fn le64(b: &[u8], at: usize) -> u64 {
+    u64::from_le_bytes(b[at..at + 8].try_into().unwrap_or([0; 8]))
+}
+fn be16(b: &[u8], at: usize) -> u16 {
+    u16::from_be_bytes([b[at], b[at + 1]])
+}
+fn be32(b: &[u8], at: usize) -> u32 {
+    u32::from_be_bytes(b[at..at + 4].try_into().unwrap_or([0; 4]))
+}
+fn be64(b: &[u8], at: usize) -> u64 {
+    u64::from_be_bytes(b[at..at + 8].try_into().unwrap_or([0; 8]))
+}
+
+/// ext4 stores the CRC32C state without the final inversion.
+fn ext4_csum(sb: &[u8]) -> u32 {
+    !crc32c(&sb[..EXT4_CSUM])
+}
+
+/// xfs checksums the sector with its CRC field taken as zero.
+fn xfs_crc(s: &[u8]) -> u32 {
+    let mut zeroed = s.to_vec();
+    zeroed[XFS_CRC..XFS_CRC + 4].fill(0);
+    crc32c(&zeroed)
+}
+
+/// CRC32C (Castagnoli), as the filesystems use it for metadata.
+fn crc32c(data: &[u8]) -> u32 {
+    static TABLE: OnceLock<[u32; 256]> = OnceLock::new();
+    let table = TABLE.get_or_init(|| {
+        let mut t = [0u32; 256];
+        for (i, e) in t.iter_mut().enumerate() {
+            let mut c = i as u32;
+            for _ in 0..8 {
+                c = if c & 1 != 0 {
+                    (c >> 1) ^ 0x82F6_3B78
+                } else {
+                    c >> 1
+                };
+            }
+            *e = c;
+        }
+        t
+    });
+    !data.iter().fold(!0u32, |c, &b| {
+        table[((c ^ b as u32) & 0xff) as usize] ^ (c >> 8)
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn crc32c_matches_the_standard_check_value() {
+        assert_eq!(crc32c(b"123456789"), 0xE306_9283);
+    }
+
+    #[test]
+    fn anything_else_is_refused_untouched() {
+        let dir = tempfile::tempdir().unwrap();
+        let img = dir.path().join("blank.img");
+        std::fs::write(&img, vec![0u8; 1 << 20]).unwrap();
+        for fs in FS_TYPES {
+            assert!(check_template(&img, fs).is_err(), "{fs}");
+            assert!(renew_uuid(&img, fs, [7; 16]).is_err(), "{fs}");
+        }
+        assert!(std::fs::read(&img).unwrap().iter().all(|&b| b == 0));
+        assert!(matches!(
+            check_template(&img, "vfat"),
+            Err(SysError::Unsupported { .. })
+        ));
+    }
+}

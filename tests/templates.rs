@@ -1,0 +1,276 @@
+//! Filesystem templates through the real binary: a volume made from one mounts
+//! with its own UUID (xfs without nouuid) and keeps data; ext4, xfs and btrfs; a
+//! filesystem type it does not hold is refused; a pool that cannot reflink
+//! formats at stage as before; templates are not orphans, and a template cut
+//! short by a crash or damaged is never used.
+
+mod common;
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use common::*;
+use csi_proto::csi;
+use tonic::Code;
+
+const GIB: i64 = 1 << 30;
+
+/// Dropped in field order: the driver stops before the pool's Drop unmounts and
+/// detaches what a failed test left below it.
+struct Fx {
+    c: Clients,
+    driver: Driver,
+    pool: Pool,
+}
+
+async fn fixture(pool_fs: &str, envs: &[(&str, &str)]) -> Fx {
+    let pool = Pool::new(pool_fs);
+    let driver = Driver::start_with_env(&pool, &[], envs);
+    let c = driver.clients().await;
+    Fx { pool, driver, c }
+}
+
+fn cap(fs: &str) -> csi::VolumeCapability {
+    mount_cap(fs, writer())
+}
+
+impl Fx {
+    fn templates(&self) -> PathBuf {
+        self.pool.path.join(".templates")
+    }
+
+    fn template(&self, fs: &str) -> PathBuf {
+        self.templates().join(format!("{fs}-{GIB}-f1.img"))
+    }
+
+    fn image(&self, id: &str) -> PathBuf {
+        self.pool.path.join("volumes").join(format!("{id}.img"))
+    }
+
+    /// Waits for the background worker to finish the template of `fs`.
+    fn wait_template(&self, fs: &str) {
+        let deadline = Instant::now() + Duration::from_secs(120);
+        while !self.template(fs).is_file() {
+            assert!(Instant::now() < deadline, "no {fs} template was made");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Creates a volume once the template of `fs` exists: it is made from it.
+    async fn create_from_template(&mut self, name: &str, fs: &str) -> String {
+        self.c
+            .create(&format!("{name}-first"), GIB, cap(fs), &[])
+            .await;
+        self.wait_template(fs);
+        let id = self.c.create(name, GIB, cap(fs), &[]).await;
+        assert_eq!(fresh_mark(&self.image(&id)).as_deref(), Some(fs));
+        id
+    }
+
+    async fn stage_publish(&mut self, id: &str, fs: &str) -> (PathBuf, PathBuf) {
+        let staging = self.pool.scratch(&format!("staging-{id}"));
+        let target = self.pool.scratch(&format!("target-{id}"));
+        self.c
+            .stage_and_publish(id, &staging, &target, &cap(fs))
+            .await;
+        (staging, target)
+    }
+}
+
+fn fresh_mark(image: &Path) -> Option<String> {
+    csi_sys::xattr::get(image, "example-csi.freshFilesystem")
+        .unwrap()
+        .map(|v| String::from_utf8(v).unwrap())
+}
+
+/// A tag of `blkid -p`; empty when it finds no filesystem (its exit status 2).
+fn blkid(path: &Path, tag: &str) -> String {
+    let out = std::process::Command::new("blkid")
+        .args(["-p", "-s", tag, "-o", "value"])
+        .arg(path)
+        .output()
+        .unwrap();
+    assert!(matches!(out.status.code(), Some(0 | 2)), "{out:?}");
+    String::from_utf8(out.stdout).unwrap().trim().to_string()
+}
+
+fn mount_options(path: &Path) -> String {
+    sh(
+        "findmnt",
+        &[
+            "-n",
+            "-o",
+            "OPTIONS",
+            "--mountpoint",
+            path.to_str().unwrap(),
+        ],
+    )
+}
+
+#[tokio::test]
+#[ignore = "needs root: loop devices, mkfs and mounts"]
+async fn root_volumes_from_templates_mount_with_their_own_uuid_and_keep_data() {
+    require_root();
+    let mut fx = fixture("xfs", &[]).await;
+    for fs in ["ext4", "xfs", "btrfs"] {
+        let a = fx.create_from_template(&format!("a-{fs}"), fs).await;
+        let b = fx.c.create(&format!("b-{fs}"), GIB, cap(fs), &[]).await;
+        let template_uuid = blkid(&fx.template(fs), "UUID");
+        let (ua, ub) = (blkid(&fx.image(&a), "UUID"), blkid(&fx.image(&b), "UUID"));
+        assert!(!template_uuid.is_empty());
+        assert!(
+            ua != template_uuid && ub != template_uuid && ua != ub,
+            "{fs}: {ua} {ub}"
+        );
+
+        let (sa, ta) = fx.stage_publish(&a, fs).await;
+        let (sb, tb) = fx.stage_publish(&b, fs).await;
+        assert_eq!(
+            fresh_mark(&fx.image(&a)),
+            None,
+            "cleared at the first stage"
+        );
+        if fs == "xfs" {
+            // Two volumes of one template, mounted together, neither with nouuid.
+            for s in [&sa, &sb] {
+                let opts = mount_options(s);
+                assert!(!opts.contains("nouuid"), "{opts}");
+            }
+        }
+        std::fs::write(ta.join("data"), b"kept").unwrap();
+        fx.c.unpublish_and_unstage(&a, &ta, &sa).await;
+        fx.c.unpublish_and_unstage(&b, &tb, &sb).await;
+        // The second stage treats it as any filesystem: probed and checked.
+        let (sa, ta) = fx.stage_publish(&a, fs).await;
+        assert_eq!(std::fs::read(ta.join("data")).unwrap(), b"kept");
+        assert_eq!(blkid(&fx.image(&a), "TYPE"), fs);
+        fx.c.unpublish_and_unstage(&a, &ta, &sa).await;
+    }
+}
+
+#[tokio::test]
+#[ignore = "needs root: loop devices, mkfs and mounts"]
+async fn root_a_template_volume_refuses_another_filesystem_type() {
+    require_root();
+    let mut fx = fixture("xfs", &[]).await;
+    let id = fx.create_from_template("v", "xfs").await;
+    let staging = fx.pool.scratch("staging");
+    let err =
+        fx.c.node
+            .node_stage_volume(stage_req(&id, &staging, cap("ext4")))
+            .await
+            .unwrap_err();
+    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+    assert!(err.message().contains("xfs"), "{err:?}");
+    assert!(mounts_below(&staging).is_empty());
+    // Still fresh and whole: the right type stages.
+    assert_eq!(fresh_mark(&fx.image(&id)).as_deref(), Some("xfs"));
+    fx.stage_publish(&id, "xfs").await;
+}
+
+#[tokio::test]
+#[ignore = "needs root: loop devices, mkfs and mounts"]
+async fn root_a_pool_without_reflink_formats_at_stage() {
+    require_root();
+    let mut fx = fixture("ext4", &[]).await;
+    let a = fx.c.create("a", GIB, cap("xfs"), &[]).await;
+    let b = fx.c.create("b", GIB, cap("xfs"), &[]).await;
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(!fx.templates().exists());
+    for id in [&a, &b] {
+        assert_eq!(fresh_mark(&fx.image(id)), None);
+        assert_eq!(blkid(&fx.image(id), "TYPE"), "", "blank until staged");
+        fx.stage_publish(id, "xfs").await;
+        assert_eq!(blkid(&fx.image(id), "TYPE"), "xfs");
+    }
+}
+
+#[tokio::test]
+#[ignore = "needs root: loop devices, mkfs and mounts"]
+async fn root_templates_are_not_orphans_and_damaged_ones_are_removed() {
+    require_root();
+    let mut fx = fixture("xfs", &[]).await;
+    let id = fx.create_from_template("v", "ext4").await;
+    let good = fx.template("ext4");
+    let damaged = fx.template("xfs");
+    std::fs::write(&damaged, vec![0u8; GIB as usize / 1024]).unwrap();
+    nix::unistd::truncate(&damaged, GIB).unwrap();
+    let half = fx.templates().join(format!(".btrfs-{GIB}-f1.img.tmp"));
+    std::fs::write(&half, b"cut short").unwrap();
+
+    fx.driver.restart();
+    fx.c = fx.driver.clients().await;
+    assert!(good.is_file(), "a whole template is kept");
+    assert!(!damaged.exists(), "a damaged template is removed");
+    assert!(!half.exists(), "a half-made template is removed");
+    assert!(fx.image(&id).is_file(), "the volume is untouched");
+    // The kept template still serves.
+    let next = fx.c.create("next", GIB, cap("ext4"), &[]).await;
+    assert_eq!(fresh_mark(&fx.image(&next)).as_deref(), Some("ext4"));
+}
+
+#[tokio::test]
+#[ignore = "needs root: loop devices, mkfs and mounts"]
+async fn root_a_template_cut_short_by_a_crash_is_never_used() {
+    require_root();
+    let mut fx = fixture(
+        "xfs",
+        &[("EXAMPLE_CSI_FAILPOINTS", "template.before-rename")],
+    )
+    .await;
+    fx.c.create("first", GIB, cap("xfs"), &[]).await;
+    // The worker reaches the point between mkfs and the rename: the process ends.
+    assert!(
+        fx.driver.wait_exit(120).is_some(),
+        "the failpoint ended the driver"
+    );
+    let half = fx.templates().join(format!(".xfs-{GIB}-f1.img.tmp"));
+    assert!(half.is_file(), "the crash left the template half-made");
+    assert!(!fx.template("xfs").exists());
+
+    fx.driver.envs.clear();
+    fx.driver.spawn();
+    fx.c = fx.driver.clients().await;
+    assert!(!half.exists(), "start-up removed it");
+    let blank = fx.c.create("second", GIB, cap("xfs"), &[]).await;
+    assert_eq!(
+        fresh_mark(&fx.image(&blank)),
+        None,
+        "no template: a blank image"
+    );
+    fx.wait_template("xfs");
+    let made = fx.c.create("third", GIB, cap("xfs"), &[]).await;
+    assert_eq!(fresh_mark(&fx.image(&made)).as_deref(), Some("xfs"));
+    fx.stage_publish(&made, "xfs").await;
+}
+
+#[tokio::test]
+#[ignore = "needs root: loop devices, mkfs and mounts"]
+async fn root_a_template_volume_expanded_before_its_first_stage_is_grown() {
+    require_root();
+    let mut fx = fixture("xfs", &[]).await;
+    let id = fx.create_from_template("v", "xfs").await;
+    fx.c.controller
+        .controller_expand_volume(csi::ControllerExpandVolumeRequest {
+            volume_id: id.clone(),
+            capacity_range: Some(csi::CapacityRange {
+                required_bytes: 2 * GIB,
+                limit_bytes: 0,
+            }),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(
+        fresh_mark(&fx.image(&id)),
+        None,
+        "a grown image is no longer fresh"
+    );
+    let (staging, _) = fx.stage_publish(&id, "xfs").await;
+    let s = nix::sys::statvfs::statvfs(&staging).unwrap();
+    let size = s.blocks() * s.fragment_size();
+    assert!(
+        size > GIB as u64 * 3 / 2,
+        "the filesystem fills the volume: {size}"
+    );
+}
