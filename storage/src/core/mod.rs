@@ -8,15 +8,17 @@ pub mod cancel;
 pub(crate) mod data;
 pub mod error;
 pub mod failpoint;
+pub(crate) mod fresh;
 pub mod health;
 pub mod ids;
+pub(crate) mod journal;
 pub(crate) mod locks;
 pub mod model;
 pub mod pool;
 pub(crate) mod settings;
 pub mod size;
 pub(crate) mod state;
-pub(crate) mod store;
+pub mod store;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
