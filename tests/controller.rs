@@ -298,7 +298,7 @@ const FAILPOINTS: &[&str] = &[
     "create-volume.after-copy",
     "create-volume.after-data",
     "create-volume.after-commit",
-    "delete-volume.after-intent",
+    "delete-volume.after-commit",
     "delete-volume.after-data",
     "expand-volume.after-intent",
     "expand-volume.after-grow",

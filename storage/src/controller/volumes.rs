@@ -12,6 +12,7 @@ use std::path::Path;
 
 use csi_sys::{btrfs, file, xattr};
 
+use crate::core::fresh;
 use crate::data::parse_token;
 use crate::error::{Context, Error, Result};
 use crate::failpoint;
@@ -456,6 +457,8 @@ impl Controller {
         let path = pool.volume_path(rec.id, rec.backing, rec.ephemeral);
         let at = || format!("making volume {} at {}", rec.id, path.display());
         match (rec.backing, source) {
+            // Its record alone makes it durable (see core::fresh).
+            (Backing::Image, None) if fresh::is_fresh_image(rec) => return fresh::make(&path, rec),
             (Backing::Image, None) => file::create_sparse(&path, rec.size).context(at)?,
             (Backing::Image, Some((src, _))) => {
                 // A live source is frozen while it is copied, so the copy is a
@@ -539,7 +542,7 @@ impl Controller {
         // volume is deleted, and the staged mark read here stays true.
         let volume = self.state.lock_volume(id)?;
         failpoint::hit("delete-volume.after-volume-lock");
-        let Some(mut rec) = self.volumes.get(id) else {
+        let Some(rec) = self.volumes.get(id) else {
             self.remove_volume_data(id, false)?;
             return volume.remove();
         };
@@ -578,12 +581,13 @@ impl Controller {
                 )));
             }
         }
-        rec.state = RecordState::Deleting;
-        self.volumes.put(&rec)?;
-        failpoint::hit("delete-volume.after-intent");
-        self.remove_volume_data(id, false)?;
-        failpoint::hit("delete-volume.after-data");
+        // The record goes first, in one journal write: a crash after it leaves data
+        // that no record accounts for, which start-up removes, so removing the data
+        // needs no sync of its own.
         self.volumes.remove(id)?;
+        failpoint::hit("delete-volume.after-commit");
+        self.drop_volume_data(id)?;
+        failpoint::hit("delete-volume.after-data");
         volume.remove()?;
         tracing::info!(volume.id = %id, name = %rec.name, "volume deleted");
         Ok(())
@@ -1072,6 +1076,8 @@ impl Controller {
     /// Start-up: roll back creations, finish deletions and expansions, then remove
     /// pool data that no record accounts for.
     pub(crate) fn recover_volumes(&self) -> Result<()> {
+        let made = self.volumes.created_in_journal().into_iter();
+        self.repair_fresh_images(made.filter_map(|id| self.volumes.get(id)));
         let unfinished = self
             .volumes
             .select(|r| r.state != RecordState::Ready || r.pending_size.is_some());
