@@ -704,7 +704,9 @@ async fn root_32_clients_on_100_names() {
     assert!(names_in(&pool).is_empty(), "the pool is empty");
     assert!(temp_files(&d.state).is_empty());
     assert!(
-        crate::names(&d.state.join("controller/volumes")).is_empty(),
+        csi_storage::core::store::read_raw(&d.state.join("controller/volumes"))
+            .unwrap()
+            .is_empty(),
         "no records left"
     );
 }
