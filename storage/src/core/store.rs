@@ -38,6 +38,8 @@ use crate::failpoint;
 pub trait Record: Serialize + DeserializeOwned + Clone + Send + Sync + 'static {
     type Id: Ord + Copy + Display + Send + Sync + 'static;
     fn id(&self) -> Self::Id;
+    /// The id its `Display` wrote.
+    fn parse_id(s: &str) -> Option<Self::Id>;
 }
 
 /// Called before a snapshot drops the journals it folds, with the ids of the
@@ -48,9 +50,11 @@ pub type Barrier = Box<dyn Fn(&[String]) -> Result<()> + Send + Sync>;
 /// When to compact, and where.
 #[derive(Debug, Clone, Copy)]
 pub struct Tuning {
-    /// The journal is folded into a snapshot once it holds this many bytes and a
-    /// quarter of the snapshot's size: rewriting the snapshot costs each change a
-    /// few entries' worth of writing, whatever the number of records.
+    /// The journal is folded into a snapshot once it holds this many bytes and
+    /// as many entries as a quarter of the live records: rewriting the snapshot
+    /// costs each change about four records' worth of writing, whatever their
+    /// number, and start-up parses at most about 1.25 entries per live record
+    /// (also after many removals, which shrink the snapshot's due size).
     pub compact_at: u64,
     /// Compacts on the path of the call that crosses the threshold rather than
     /// in the background (the power-loss test, for a replayable order).
@@ -99,14 +103,16 @@ struct Log<R: Record> {
     gen: u64,
     /// Durable length of `file`.
     len: u64,
+    /// Entries in `file`.
+    entries: u64,
     queue: Vec<Pending<R>>,
     writing: bool,
     next_batch: u64,
     /// The journal the next batch goes to, made ready by a compaction.
     next_file: Option<(u64, AppendFile)>,
     compacting: bool,
-    /// Generation and size of the newest snapshot (0 and 0 for none).
-    snapshot: (u64, u64),
+    /// Generation of the newest snapshot (0 for none).
+    snapshot: u64,
     /// A write failed and could not be undone: nothing more is written.
     broken: Option<String>,
     batches: u64,
@@ -303,7 +309,7 @@ impl<R: Record> Store<R> {
             replay
                 .unreadable
                 .into_iter()
-                .filter(|id| !records.contains_key(id)),
+                .filter(|id| R::parse_id(id).is_none_or(|k| !records.contains_key(&k))),
         );
         for id in &quarantined {
             tracing::error!(dir = %dir.display(), id, "record unreadable; its data is kept");
@@ -313,13 +319,7 @@ impl<R: Record> Store<R> {
                 "records of unknown ids were lost; no data of this store is taken for an orphan");
         }
 
-        let snapshot_len = base
-            .map(|g| {
-                bufs.iter()
-                    .find(|(n, _)| *n == snapshot_name(g))
-                    .map_or(0, |b| b.1.len())
-            })
-            .unwrap_or(0) as u64;
+        let logged = replay.entries.iter().filter(|(_, log)| *log).count() as u64;
         let (file, gen, len) = match logs.last() {
             Some(&g) => {
                 let path = dir.join(log_name(g));
@@ -344,15 +344,11 @@ impl<R: Record> Store<R> {
                 (f, from, 0)
             }
         };
-        let born = born
-            .iter()
-            .filter_map(|id| records.get(id).map(|r| r.id()))
-            .collect();
+        let born = born.into_iter().collect();
         let (blind, next_batch) = (replay.blind, replay.last_batch + 1);
         drop(replay.entries);
         drop(scans);
         drop(bufs);
-        let records: BTreeMap<R::Id, R> = records.into_values().map(|r| (r.id(), r)).collect();
         Ok(Store {
             inner: Arc::new(Inner {
                 dir: dir.to_path_buf(),
@@ -364,12 +360,13 @@ impl<R: Record> Store<R> {
                     file: Arc::new(file),
                     gen,
                     len,
+                    entries: logged,
                     queue: Vec::new(),
                     writing: false,
                     next_batch,
                     next_file: None,
                     compacting: false,
-                    snapshot: (from, snapshot_len),
+                    snapshot: from,
                     broken: None,
                     batches: 0,
                 }),
@@ -543,6 +540,7 @@ impl<R: Record> Inner<R> {
             st.file = Arc::new(file);
             st.gen = gen;
             st.len = 0;
+            st.entries = 0;
             self.changed.notify_all();
         }
         let batch = std::mem::take(&mut st.queue);
@@ -575,9 +573,11 @@ impl<R: Record> Inner<R> {
             .map_err(|e| e.to_string());
         let mut st = self.lock();
         let mut applied = Vec::with_capacity(batch.len());
+        let mut live = 0;
         match &res {
             Ok(()) => {
                 st.len += buf.len() as u64;
+                st.entries += batch.len() as u64;
                 st.batches += 1;
                 let mut map = self.write();
                 for p in batch {
@@ -591,6 +591,7 @@ impl<R: Record> Inner<R> {
                     }
                     applied.push(p.done);
                 }
+                live = map.len() as u64;
             }
             Err(e) => {
                 // What may have reached the file is cut off again, so that the next
@@ -607,7 +608,9 @@ impl<R: Record> Inner<R> {
         st.writing = false;
         let due = !st.compacting
             && st.broken.is_none()
-            && st.len >= self.tuning.compact_at.max(st.snapshot.1 / 4);
+            && res.is_ok()
+            && st.len >= self.tuning.compact_at
+            && st.entries >= live / 4;
         if due {
             st.compacting = true;
         }
@@ -667,6 +670,7 @@ impl<R: Record> Inner<R> {
                         st.file = Arc::new(f);
                         st.gen = g;
                         st.len = 0;
+                        st.entries = 0;
                     }
                     break;
                 }
@@ -674,7 +678,7 @@ impl<R: Record> Inner<R> {
             }
         }
         failpoint::hit("store.compact.after-rotate");
-        let base = self.lock().snapshot.0;
+        let base = self.lock().snapshot;
         let listing = Listing::read(&self.dir)?;
         let logs: Vec<u64> = listing.logs.range(base..gen).copied().collect();
         let base_file = listing.snapshots.contains(&base).then_some(base);
@@ -703,14 +707,12 @@ impl<R: Record> Inner<R> {
             barrier(&ids)?;
         }
         let snap = self.dir.join(snapshot_name(gen));
-        let mut written = 0u64;
         file::write_atomic_with(&snap, |w| {
             let mut buf = Vec::new();
             for (id, payload) in &merged {
                 buf.clear();
                 journal::encode(&mut buf, 0, false, Kind::Put, id, payload);
                 w.write_all(&buf)?;
-                written += buf.len() as u64;
             }
             buf.clear();
             journal::encode(&mut buf, 0, true, Kind::End, "", b"");
@@ -718,7 +720,7 @@ impl<R: Record> Inner<R> {
         })
         .context(|| format!("writing {}", snap.display()))?;
         failpoint::hit("store.compact.after-snapshot");
-        self.lock().snapshot = (gen, written);
+        self.lock().snapshot = gen;
         for name in base_file
             .map(snapshot_name)
             .into_iter()
@@ -731,29 +733,32 @@ impl<R: Record> Inner<R> {
     }
 }
 
-/// Replays the entries: the records by id, the ids the journals made, and the
-/// ids whose last entry is damaged.
+/// Replays the entries: the records, the ids the journals made, and the ids
+/// whose last entry is damaged.
 #[allow(clippy::type_complexity)]
 fn apply<R: Record>(
     entries: &[(Entry<'_>, bool)],
-) -> (BTreeMap<String, R>, BTreeSet<String>, BTreeSet<String>) {
+) -> (BTreeMap<R::Id, R>, BTreeSet<R::Id>, BTreeSet<String>) {
     let parsed = parse_all::<R>(entries);
     let mut records = BTreeMap::new();
     let mut born = BTreeSet::new();
-    let mut unreadable = BTreeSet::new();
+    let mut unreadable: BTreeSet<String> = BTreeSet::new();
     for ((e, from_log), parsed) in entries.iter().zip(parsed) {
-        let id = e.id.to_string();
+        let key = R::parse_id(e.id);
         match (e.kind, parsed) {
-            (Kind::Put, Some(Ok(r))) if r.id().to_string() == id => {
-                if records.insert(id.clone(), r).is_none() && *from_log {
-                    born.insert(id.clone());
+            (Kind::Put, Some(Ok(r))) if key == Some(r.id()) => {
+                let id = r.id();
+                if records.insert(id, r).is_none() && *from_log {
+                    born.insert(id);
                 }
-                unreadable.remove(&id);
+                unreadable.remove(e.id);
             }
             (Kind::Remove, _) => {
-                records.remove(&id);
-                born.remove(&id);
-                unreadable.remove(&id);
+                if let Some(k) = key {
+                    records.remove(&k);
+                    born.remove(&k);
+                }
+                unreadable.remove(e.id);
             }
             (Kind::End, _) => {}
             (_, other) => {
@@ -762,10 +767,12 @@ fn apply<R: Record>(
                     Some(Ok(_)) => "its id does not match".into(),
                     None => "its checksum does not match".into(),
                 };
-                tracing::error!(id, error = %why, "a record entry is unreadable");
-                records.remove(&id);
-                born.remove(&id);
-                unreadable.insert(id);
+                tracing::error!(id = e.id, error = %why, "a record entry is unreadable");
+                if let Some(k) = key {
+                    records.remove(&k);
+                    born.remove(&k);
+                }
+                unreadable.insert(e.id.to_string());
             }
         }
     }
@@ -965,6 +972,9 @@ macro_rules! record {
             fn id(&self) -> $id {
                 self.id
             }
+            fn parse_id(s: &str) -> Option<$id> {
+                <$id>::parse(s)
+            }
         }
     };
 }
@@ -1013,6 +1023,9 @@ mod tests {
         type Id = Tid;
         fn id(&self) -> Tid {
             self.id
+        }
+        fn parse_id(s: &str) -> Option<Tid> {
+            s.strip_prefix('r')?.parse().ok().map(Tid)
         }
     }
     fn rec(i: u32, v: &str) -> Rec {
