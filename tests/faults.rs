@@ -156,10 +156,22 @@ fn names(dir: &Path) -> BTreeSet<String> {
         .collect()
 }
 
-fn stems(dir: &Path, ext: &str) -> BTreeSet<String> {
-    names(dir)
-        .into_iter()
-        .map(|n| n.strip_suffix(ext).map(String::from).unwrap_or(n))
+/// The ids of the records a store of the state holds; the store holds nothing
+/// but its snapshot and journal (no temporary file, nothing set aside).
+fn records(dir: &Path) -> BTreeSet<String> {
+    for n in names(dir) {
+        assert!(
+            n.starts_with("log.") || n.starts_with("snapshot."),
+            "{} holds {n}",
+            dir.display()
+        );
+    }
+    if !dir.exists() {
+        return BTreeSet::new();
+    }
+    csi_storage::core::store::read_raw(dir)
+        .unwrap()
+        .into_keys()
         .collect()
 }
 
@@ -611,9 +623,11 @@ impl Ctx {
             snap_files,
             "[{fp}] <pool>/snapshots"
         );
+        // Filesystem templates are the driver's cache, made in the background
+        // (tests/templates.rs checks them).
         let top: BTreeSet<String> = names(root)
             .into_iter()
-            .filter(|n| n != "lost+found")
+            .filter(|n| n != "lost+found" && n != ".templates")
             .collect();
         assert_eq!(
             top,
@@ -634,28 +648,28 @@ impl Ctx {
                 .collect()
         };
         assert_eq!(
-            stems(&st.join("controller/volumes"), ".json"),
+            records(&st.join("controller/volumes")),
             ids(&|v| !v.ephemeral),
             "[{fp}] <state>/volumes"
         );
         assert_eq!(
-            stems(&st.join("node/ephemeral"), ".json"),
+            records(&st.join("node/ephemeral")),
             ids(&|v| v.ephemeral),
             "[{fp}] <state>/ephemeral"
         );
         assert_eq!(
-            stems(&st.join("node/staged"), ".json"),
+            records(&st.join("node/staged")),
             ids(&|v| v.staged || v.published),
             "[{fp}] <state>/node"
         );
         assert_eq!(
-            stems(&st.join("controller/snapshots"), ".json"),
+            records(&st.join("controller/snapshots")),
             want_snaps,
             "[{fp}] <state>/snapshots"
         );
         let groups: BTreeSet<String> = self.w.groups.values().map(|g| g.0.clone()).collect();
         assert_eq!(
-            stems(&st.join("controller/groups"), ".json"),
+            records(&st.join("controller/groups")),
             groups,
             "[{fp}] <state>/groups"
         );
@@ -892,7 +906,7 @@ fault_tests! {
     root_fault_create_volume_after_data: "create-volume.after-data", [], Create("v1");
     root_fault_create_volume_after_commit: "create-volume.after-commit", [], Create("v1");
     root_fault_create_volume_after_copy_clone: "create-volume.after-copy", LIVE, Clone("c1", "v1");
-    root_fault_delete_volume_after_intent: "delete-volume.after-intent", [Create("v1"), Create("v2")], Delete("v1");
+    root_fault_delete_volume_after_commit: "delete-volume.after-commit", [Create("v1"), Create("v2")], Delete("v1");
     root_fault_delete_volume_after_data: "delete-volume.after-data", [Create("v1"), Create("v2")], Delete("v1");
     root_fault_expand_volume_after_intent: "expand-volume.after-intent", LIVE, Expand("v1");
     root_fault_expand_volume_after_grow: "expand-volume.after-grow", LIVE, Expand("v1");
@@ -959,6 +973,12 @@ fn every_failpoint_is_tested() {
         }
     }
     assert!(found.len() >= 30, "failpoints found: {found:?}");
+    // The store's own steps are crashed by its unit tests, in a child process
+    // (core::store's a_crash_at_each_step_of_a_compaction_or_a_conversion_loses_nothing).
+    found.retain(|fp| !fp.starts_with("store."));
+    // A template's making is crashed by tests/templates.rs (a template cut short
+    // is never used).
+    found.remove("template.before-rename");
     let covered: BTreeSet<String> = COVERED.iter().map(|s| s.to_string()).collect();
     let missing: Vec<_> = found.difference(&covered).collect();
     assert!(

@@ -166,8 +166,10 @@ fn devices_of(image: &Path) -> Vec<String> {
         .collect()
 }
 
-fn record_path(p: &Place, id: &str) -> PathBuf {
-    p.path(&format!("state/node/staged/{id}.json"))
+/// The node's record of a volume, as the state dir holds it.
+fn node_record(p: &Place, id: &str) -> serde_json::Value {
+    let raw = csi_storage::core::store::read_raw(&p.path("state/node/staged")).unwrap();
+    serde_json::from_slice(&raw[id]).unwrap()
 }
 
 #[test]
@@ -187,8 +189,8 @@ fn a_stale_recorded_device_among_many_is_neither_trusted_nor_touched() {
     stage(&d, &p, &id);
     let serving = devices_of(&image);
     assert_eq!(serving.len(), 1, "one device serves the staged image");
-    let rec: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(record_path(&p, &id)).unwrap()).unwrap();
+    drop(d);
+    let rec = node_record(&p, &id);
     assert_eq!(
         rec["loop_devices"],
         serde_json::json!([serving[0]]),
@@ -197,11 +199,11 @@ fn a_stale_recorded_device_among_many_is_neither_trusted_nor_touched() {
 
     // The record names an unrelated device instead, as after a crash between a
     // detach and its record and the number's reuse; the process starts again.
-    drop(d);
     let (stale, stale_file) = others[17].clone();
     let mut rec = rec;
     rec["loop_devices"] = serde_json::json!([stale]);
-    std::fs::write(record_path(&p, &id), serde_json::to_vec(&rec).unwrap()).unwrap();
+    let bytes = serde_json::to_vec(&rec).unwrap();
+    csi_storage::core::store::write_raw(&p.path("state/node/staged"), &id, Some(&bytes)).unwrap();
     let d = p.driver();
 
     publish(&d, &p, &id);
@@ -211,8 +213,7 @@ fn a_stale_recorded_device_among_many_is_neither_trusted_nor_touched() {
         .node_stats(&id, &p.path("pods/t").display().to_string())
         .unwrap();
     assert!(stats.total_bytes > 0);
-    let healed: serde_json::Value =
-        serde_json::from_slice(&std::fs::read(record_path(&p, &id)).unwrap()).unwrap();
+    let healed = node_record(&p, &id);
     assert_eq!(
         healed["loop_devices"],
         serde_json::json!([serving[0]]),

@@ -52,8 +52,7 @@ async fn orphans_on(fs: &str, kind: &str) {
     // The crash, and the node's memory of the volume with it.
     drop(c);
     d.kill9();
-    let record = d.state.join("node/staged").join(format!("{id}.json"));
-    std::fs::remove_file(&record).unwrap();
+    csi_storage::core::store::write_raw(&d.state.join("node/staged"), &id, None).unwrap();
 
     // Without the flag: reported, and nothing is touched.
     let from = d.log_text().len();

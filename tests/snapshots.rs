@@ -1493,12 +1493,10 @@ fn snapshot_leftovers(pool: &Pool, driver: &Driver, sid: &str) -> Vec<String> {
     if img.exists() {
         out.push(format!("image {}", img.display()));
     }
-    let rec = driver
-        .state
-        .join("controller/snapshots")
-        .join(format!("{sid}.json"));
-    if rec.exists() {
-        out.push(format!("record {}", rec.display()));
+    let records = driver.state.join("controller/snapshots");
+    let raw = csi_storage::core::store::read_raw(&records).unwrap_or_default();
+    if raw.contains_key(sid) {
+        out.push(format!("record {sid} in {}", records.display()));
     }
     for m in dir_names(&driver.state.join("shared/frozen")) {
         out.push(format!("freeze marker {m}"));

@@ -637,6 +637,21 @@ fn names(dir: &Path) -> BTreeSet<String> {
         .collect()
 }
 
+/// The ids of a store of the state; any file in it but its snapshot and journal
+/// (a temporary, a damaged file set aside) counts as an id of its own, so that
+/// the diff shows it.
+fn records(dir: &Path) -> BTreeSet<String> {
+    let mut ids: BTreeSet<String> = csi_storage::core::store::read_raw(dir)
+        .map(|r| r.into_keys().collect())
+        .unwrap_or_default();
+    ids.extend(
+        names(dir)
+            .into_iter()
+            .filter(|n| !n.starts_with("log.") && !n.starts_with("snapshot.")),
+    );
+    ids
+}
+
 fn loop_backings_below(dir: &Path) -> Vec<PathBuf> {
     let mut out = Vec::new();
     for e in std::fs::read_dir("/sys/block")
@@ -721,7 +736,6 @@ async fn leaks(pool: &Pool, driver: &Driver, clients: &[Client]) -> Vec<String> 
 
     // The pool and the state dir.
     let img = |ids: &BTreeSet<String>| ids.iter().map(|i| format!("{i}.img")).collect();
-    let json = |ids: &BTreeSet<String>| ids.iter().map(|i| format!("{i}.json")).collect();
     diff(
         &mut out,
         "<pool>/volumes",
@@ -744,14 +758,14 @@ async fn leaks(pool: &Pool, driver: &Driver, clients: &[Client]) -> Vec<String> 
     diff(
         &mut out,
         "<state>/controller/volumes",
-        names(&st.join("controller/volumes")),
-        json(&vol_ids),
+        records(&st.join("controller/volumes")),
+        vol_ids.clone(),
     );
     diff(
         &mut out,
         "<state>/controller/snapshots",
-        names(&st.join("controller/snapshots")),
-        json(&snap_ids),
+        records(&st.join("controller/snapshots")),
+        snap_ids.clone(),
     );
     let staged: BTreeSet<String> = vols
         .iter()
@@ -761,8 +775,8 @@ async fn leaks(pool: &Pool, driver: &Driver, clients: &[Client]) -> Vec<String> 
     diff(
         &mut out,
         "<state>/node/staged",
-        names(&st.join("node/staged")),
-        json(&staged),
+        records(&st.join("node/staged")),
+        staged.clone(),
     );
     diff(
         &mut out,

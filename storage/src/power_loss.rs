@@ -283,6 +283,14 @@ fn workload() -> Vec<Step> {
     let snap = || SnapshotId::for_name("pl-snap").to_string();
     vec![
         create("pl-a", None),
+        step("stage", |d, dirs, _| {
+            d.node().unwrap().node_stage(Stage {
+                volume_id: vid("pl-a"),
+                staging_path: dirs.staging.display().to_string(),
+                capability: Some(cap()),
+                volume_context: BTreeMap::new(),
+            })
+        }),
         step("write data", |_, dirs, rec| {
             let image = dirs.image(&vid("pl-a"));
             match rec {
@@ -294,14 +302,6 @@ fn workload() -> Vec<Step> {
                     .map_err(|e| crate::Error::internal(format!("{}: {e}", image.display())))?,
             }
             Ok(())
-        }),
-        step("stage", |d, dirs, _| {
-            d.node().unwrap().node_stage(Stage {
-                volume_id: vid("pl-a"),
-                staging_path: dirs.staging.display().to_string(),
-                capability: Some(cap()),
-                volume_context: BTreeMap::new(),
-            })
         }),
         step("snapshot a staged volume", |d, _, _| {
             d.controller()
@@ -372,6 +372,14 @@ fn workload() -> Vec<Step> {
 
 #[test]
 fn a_power_loss_at_any_step_loses_nothing_acknowledged_and_leaves_nothing_half_made() {
+    // Journals small enough that the workload compacts them several times, on the
+    // path of its calls, so that the compactions' steps are crash points too.
+    crate::store::TEST_TUNING.with(|t| {
+        t.set(Some(crate::store::Tuning {
+            compact_at: 2048,
+            inline: true,
+        }))
+    });
     let dirs = Dirs::new();
     let steps = workload();
 

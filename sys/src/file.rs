@@ -434,9 +434,19 @@ pub fn temp_path_for(path: &Path) -> Result<PathBuf> {
 /// folder, fsync it, rename it over `path`, fsync the folder. A reader sees the old
 /// or the new content, never a mix. The file gets mode 0600.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    write_atomic_with(path, |w| w.write_all(bytes))
+}
+
+/// Like [`write_atomic`], for content too large to hold at once: `fill` writes
+/// it in pieces into the temporary file, which is then synced and renamed over
+/// `path`, and the folder synced.
+pub fn write_atomic_with<F>(path: &Path, fill: F) -> Result<()>
+where
+    F: FnOnce(&mut dyn Write) -> io::Result<()>,
+{
     let tmp = temp_path_for(path)?;
     let res = (|| {
-        let mut f = OpenOptions::new()
+        let f = OpenOptions::new()
             .write(true)
             .create(true)
             .truncate(true)
@@ -448,13 +458,18 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
             path: tmp.clone(),
             truncate: true,
         });
-        f.write_all(bytes)
+        let mut out = io::BufWriter::with_capacity(
+            1 << 20,
+            NotedWriter {
+                file: &f,
+                path: &tmp,
+                offset: 0,
+            },
+        );
+        fill(&mut out)
+            .and_then(|()| out.flush())
             .map_err(|e| SysError::io("write", &tmp, e))?;
-        note(|| FsOp::Write {
-            path: tmp.clone(),
-            offset: 0,
-            data: bytes.to_vec(),
-        });
+        drop(out);
         fsync(&f, &tmp)?;
         fs::rename(&tmp, path).map_err(|e| SysError::io("rename over", path, e))?;
         note(|| FsOp::Rename {
@@ -467,6 +482,113 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
         let _ = remove_file_if_exists(&tmp);
     }
     res
+}
+
+/// Writes at increasing offsets of a file, each write recorded.
+struct NotedWriter<'a> {
+    file: &'a File,
+    path: &'a Path,
+    offset: u64,
+}
+
+impl Write for NotedWriter<'_> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.file.write_all_at(buf, self.offset)?;
+        note(|| FsOp::Write {
+            path: self.path.into(),
+            offset: self.offset,
+            data: buf.to_vec(),
+        });
+        self.offset += buf.len() as u64;
+        Ok(buf.len())
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// A file that only grows at its end, made durable with `fdatasync` (a journal).
+/// The caller keeps the offset: appends of one writer at a time.
+#[derive(Debug)]
+pub struct AppendFile {
+    file: File,
+    path: PathBuf,
+}
+
+impl AppendFile {
+    /// Makes a new empty file (mode 0600) and makes its entry durable: appends to
+    /// it are then durable with one `fdatasync` each.
+    pub fn create(path: &Path) -> Result<AppendFile> {
+        let file = create_new(path, 0o600)?;
+        fsync(&file, path)?;
+        fsync_dir(parent_dir(path))?;
+        Ok(AppendFile {
+            file,
+            path: path.into(),
+        })
+    }
+
+    /// Opens an existing file to append to it.
+    pub fn open(path: &Path) -> Result<AppendFile> {
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(libc::O_CLOEXEC)
+            .open(path)
+            .map_err(|e| SysError::io("open", path, e))?;
+        Ok(AppendFile {
+            file,
+            path: path.into(),
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Writes `data` at `offset` (the current end), not yet durable.
+    pub fn write_at(&self, offset: u64, data: &[u8]) -> Result<()> {
+        self.file
+            .write_all_at(data, offset)
+            .map_err(|e| SysError::io("append to", &self.path, e))?;
+        note(|| FsOp::Write {
+            path: self.path.clone(),
+            offset,
+            data: data.to_vec(),
+        });
+        Ok(())
+    }
+
+    /// Makes what was written durable (`fdatasync`: the data and the length).
+    pub fn sync_data(&self) -> Result<()> {
+        self.file
+            .sync_data()
+            .map_err(|e| SysError::io("fdatasync", &self.path, e))?;
+        note(|| FsOp::SyncData {
+            path: self.path.clone(),
+        });
+        Ok(())
+    }
+
+    /// Cuts the file back to `len` bytes, durably (what lies beyond was never
+    /// acknowledged, or failed to reach the disk).
+    pub fn truncate(&self, len: u64) -> Result<()> {
+        set_len(&self.file, &self.path, len)?;
+        self.sync_data()
+    }
+}
+
+/// Creates a new sparse file of `size` bytes (mode 0600) without making it
+/// durable: for data that recovery can make again from its record when a power
+/// loss takes it. AlreadyExists when `path` exists.
+pub fn create_sparse_unsynced(path: &Path, size: u64) -> Result<()> {
+    let f = create_new(path, 0o600)?;
+    if let Err(e) = set_len(&f, path, size) {
+        drop(f);
+        let _ = remove_file_if_exists(path);
+        return Err(e);
+    }
+    Ok(())
 }
 
 /// fsync a file by its path, making its data and attributes (xattrs) durable.

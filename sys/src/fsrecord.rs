@@ -19,6 +19,10 @@
 //!    atomic).
 //! 3. A directory whose own entry did not reach the disk takes its contents with it.
 //! 4. syncfs makes everything durable.
+//! 5. `fdatasync` makes a file's data and length durable, not its extended
+//!    attributes.
+//! 6. Appends since a file's last sync may reach the disk in part: each one cut
+//!    short (one byte of it, or half of it) after the earlier ones whole.
 
 use std::path::PathBuf;
 
@@ -57,6 +61,10 @@ pub enum FsOp {
     Fsync {
         path: PathBuf,
     },
+    /// fdatasync of a file: its data and length, not its attributes.
+    SyncData {
+        path: PathBuf,
+    },
     Rename {
         from: PathBuf,
         to: PathBuf,
@@ -93,6 +101,7 @@ impl FsOp {
             | FsOp::SetXattr { path, .. }
             | FsOp::RemoveXattr { path, .. }
             | FsOp::Fsync { path }
+            | FsOp::SyncData { path }
             | FsOp::Unlink { path }
             | FsOp::Mkdir { path }
             | FsOp::RemoveTree { path }
@@ -240,10 +249,26 @@ mod recording {
         pending: Vec<Change>,
     }
 
+    /// The writes (offset, bytes) to a file since its last sync, when nothing
+    /// else changed it: what a crash may leave of them in part (rule 6).
+    type Writes = Option<Vec<(u64, Vec<u8>)>>;
+
     #[derive(Debug, Clone)]
     enum Inode {
-        File { cur: Data, synced: Data },
+        File {
+            cur: Data,
+            synced: Data,
+            writes: Writes,
+        },
         Dir(Dir),
+    }
+
+    fn new_file(cur: Data, synced: Data) -> Inode {
+        Inode::File {
+            cur,
+            synced,
+            writes: Some(Vec::new()),
+        }
     }
 
     /// The files below a root, as the operations left them and as the disk has them.
@@ -282,10 +307,7 @@ mod recording {
                     self.scan_dir(&path)
                 } else {
                     let data = read_data(&path);
-                    self.inodes.push(Inode::File {
-                        cur: data.clone(),
-                        synced: data,
-                    });
+                    self.inodes.push(new_file(data.clone(), data));
                     self.inodes.len() - 1
                 };
                 entries.insert(e.file_name(), child);
@@ -328,7 +350,14 @@ mod recording {
             }
         }
 
+        /// A file's current data, changed by something other than a write.
         fn file(&mut self, path: &Path) -> &mut Data {
+            let (cur, writes) = self.file_and_writes(path);
+            *writes = None;
+            cur
+        }
+
+        fn file_and_writes(&mut self, path: &Path) -> (&mut Data, &mut Writes) {
             let ino = self.lookup(path).unwrap_or_else(|| {
                 panic!(
                     "recording incomplete: {} does not exist in the model",
@@ -336,7 +365,7 @@ mod recording {
                 )
             });
             match &mut self.inodes[ino] {
-                Inode::File { cur, .. } => cur,
+                Inode::File { cur, writes, .. } => (cur, writes),
                 Inode::Dir(_) => panic!("{} is a directory in the model", path.display()),
             }
         }
@@ -352,7 +381,14 @@ mod recording {
 
         fn sync(&mut self, ino: Ino) {
             match &mut self.inodes[ino] {
-                Inode::File { cur, synced } => *synced = cur.clone(),
+                Inode::File {
+                    cur,
+                    synced,
+                    writes,
+                } => {
+                    *synced = cur.clone();
+                    *writes = Some(Vec::new());
+                }
                 Inode::Dir(d) => {
                     d.durable = d.entries.clone();
                     d.pending.clear();
@@ -373,22 +409,14 @@ mod recording {
                         d.len = 0;
                     }
                     Some(_) => {}
-                    None => self.add(
-                        path,
-                        Inode::File {
-                            cur: Data::default(),
-                            synced: Data::default(),
-                        },
-                    ),
+                    None => self.add(path, new_file(Data::default(), Data::default())),
                 },
                 FsOp::Write { path, offset, data } => {
-                    let d = self.file(path);
-                    let end = *offset as usize + data.len();
-                    if d.bytes.len() < end {
-                        d.bytes.resize(end, 0);
+                    let (d, writes) = self.file_and_writes(path);
+                    write_into(d, *offset, data);
+                    if let Some(w) = writes {
+                        w.push((*offset, data.clone()));
                     }
-                    d.bytes[*offset as usize..end].copy_from_slice(data);
-                    d.len = d.len.max(end as u64);
                 }
                 FsOp::SetLen { path, len } => {
                     let d = self.file(path);
@@ -410,6 +438,24 @@ mod recording {
                 FsOp::Fsync { path } => {
                     let ino = self.lookup(path).expect("fsync of a path the model knows");
                     self.sync(ino);
+                }
+                FsOp::SyncData { path } => {
+                    let ino = self
+                        .lookup(path)
+                        .expect("fdatasync of a path the model knows");
+                    if let Inode::File {
+                        cur,
+                        synced,
+                        writes,
+                    } = &mut self.inodes[ino]
+                    {
+                        let xattrs = std::mem::take(&mut synced.xattrs);
+                        *synced = Data {
+                            xattrs,
+                            ..cur.clone()
+                        };
+                        *writes = Some(Vec::new());
+                    }
                 }
                 FsOp::Rename { from, to } => {
                     let (fp, fname) = self.parent(from);
@@ -526,7 +572,11 @@ mod recording {
                     let path = at.join(name);
                     let options: Vec<Tree> = match &self.inodes[*child] {
                         _ if open.contains(child) => continue,
-                        Inode::File { cur, synced } => file_variants(cur, synced)
+                        Inode::File {
+                            cur,
+                            synced,
+                            writes,
+                        } => file_variants(cur, synced, writes.as_deref())
                             .into_iter()
                             .map(|d| Tree::from([(path.clone(), Some(d))]))
                             .collect(),
@@ -554,8 +604,17 @@ mod recording {
         }
     }
 
-    /// Rule 1: what a crash may leave of a file.
-    fn file_variants(cur: &Data, synced: &Data) -> Vec<Data> {
+    fn write_into(d: &mut Data, offset: u64, data: &[u8]) {
+        let end = offset as usize + data.len();
+        if d.bytes.len() < end {
+            d.bytes.resize(end, 0);
+        }
+        d.bytes[offset as usize..end].copy_from_slice(data);
+        d.len = d.len.max(end as u64);
+    }
+
+    /// Rules 1 and 6: what a crash may leave of a file.
+    fn file_variants(cur: &Data, synced: &Data, writes: Option<&[(u64, Vec<u8>)]>) -> Vec<Data> {
         if cur == synced {
             return vec![cur.clone()];
         }
@@ -567,8 +626,30 @@ mod recording {
             xattrs: synced.xattrs.clone(),
         };
         let mut v = vec![synced.clone(), cur.clone()];
-        if !v.contains(&lost_data) {
-            v.push(lost_data);
+        let push = |d: Data, v: &mut Vec<Data>| {
+            if !v.contains(&d) {
+                v.push(d);
+            }
+        };
+        push(lost_data, &mut v);
+        // The writes in order, the last of them cut short.
+        let mut whole = Data {
+            xattrs: synced.xattrs.clone(),
+            ..synced.clone()
+        };
+        for (offset, data) in writes.unwrap_or_default() {
+            // Only an append: a write inside the file (a pod's, into its image) is
+            // not the driver's to order.
+            let append = *offset >= whole.len;
+            for cut in [1, data.len() / 2] {
+                if append && cut > 0 && cut < data.len() {
+                    let mut torn = whole.clone();
+                    write_into(&mut torn, *offset, &data[..cut]);
+                    push(torn, &mut v);
+                }
+            }
+            write_into(&mut whole, *offset, data);
+            push(whole.clone(), &mut v);
         }
         v
     }

@@ -65,6 +65,9 @@ impl Controller {
             _owner: owner,
             core,
         };
+        let dirs = c.pools.values().map(|p| p.volumes_dir()).collect();
+        c.volumes
+            .set_compaction_barrier(crate::core::blank::barrier(dirs));
         c.recover()?;
         Ok(c)
     }

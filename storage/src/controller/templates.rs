@@ -71,7 +71,15 @@ impl Templates {
     /// matching template, with its own UUID and the fresh mark. False when there is
     /// none (then one is asked for, and the caller makes a blank image) or it could
     /// not be used (then it is removed, to be made again).
-    pub(crate) fn fill(&self, pool: &Pool, fs_type: &str, size: u64, dst: &Path) -> bool {
+    /// `attrs` are written on the copy within the same sync.
+    pub(crate) fn fill(
+        &self,
+        pool: &Pool,
+        fs_type: &str,
+        size: u64,
+        dst: &Path,
+        attrs: &[(String, Vec<u8>)],
+    ) -> bool {
         if !serves(pool, fs_type) {
             return false;
         }
@@ -86,7 +94,10 @@ impl Templates {
         }
         let (name, value) = fresh::mark(fs_type);
         let uuid = *uuid::Uuid::new_v4().as_bytes();
-        match sysfresh::clone_template(&template, dst, fs_type, uuid, &[(&name, &value)]) {
+        let all: Vec<(&str, &[u8])> = std::iter::once((name.as_str(), value.as_slice()))
+            .chain(attrs.iter().map(|(n, v)| (n.as_str(), v.as_slice())))
+            .collect();
+        match sysfresh::clone_template(&template, dst, fs_type, uuid, &all) {
             Ok(()) => true,
             Err(e) => {
                 tracing::warn!(template = %template.display(), error = %e,
@@ -98,10 +109,11 @@ impl Templates {
     }
 
     /// The pool's free and total bytes; when `size` does not fit in what is free,
-    /// the pool's templates are removed first, as a volume comes before them.
+    /// the pool's templates are removed first, as a volume comes before them
+    /// (not for a size the pool could never hold: that request is refused).
     pub(crate) fn space_for(&self, pool: &Pool, size: u64) -> Result<(u64, u64)> {
         let (available, total) = pool.space()?;
-        if size <= available || list(&templates_dir(pool)).is_empty() {
+        if size <= available || size > total || list(&templates_dir(pool)).is_empty() {
             return Ok((available, total));
         }
         for (path, _) in list(&templates_dir(pool)) {
@@ -283,7 +295,8 @@ mod tests {
             &pool(false),
             "xfs",
             1 << 30,
-            Path::new("/nonexistent/v.img")
+            Path::new("/nonexistent/v.img"),
+            &[]
         ));
         assert!(t.pending.lock().unwrap().is_empty());
     }

@@ -52,8 +52,13 @@ pub(crate) fn parse_token<T>(token: &str, parse: impl Fn(&str) -> Option<T>) -> 
     })
 }
 
-/// Removes a file, directory tree or btrfs subvolume; absent is fine.
+/// Removes a file, directory tree or btrfs subvolume, durably; absent is fine.
 pub(crate) fn remove_data(path: &Path) -> Result<()> {
+    remove_data_with(path, true)
+}
+
+/// The same, durable only when `sync`.
+fn remove_data_with(path: &Path, sync: bool) -> Result<()> {
     let meta = match std::fs::symlink_metadata(path) {
         Ok(m) => m,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
@@ -69,7 +74,7 @@ pub(crate) fn remove_data(path: &Path) -> Result<()> {
     } else {
         file::remove_file_if_exists(path).context(at)?;
     }
-    if let Some(parent) = path.parent() {
+    if let Some(parent) = path.parent().filter(|_| sync) {
         file::fsync_dir(parent).context(at)?;
     }
     Ok(())
@@ -78,11 +83,21 @@ pub(crate) fn remove_data(path: &Path) -> Result<()> {
 impl Core {
     /// Removes whatever data a volume id has in any pool.
     pub(crate) fn remove_volume_data(&self, id: VolumeId, ephemeral: bool) -> Result<()> {
+        self.remove_volume_data_with(id, ephemeral, true)
+    }
+
+    /// Removes the data of a volume whose record is gone, without a sync: what a
+    /// power loss brings back has no record, and start-up removes it.
+    pub(crate) fn drop_volume_data(&self, id: VolumeId) -> Result<()> {
+        self.remove_volume_data_with(id, false, false)
+    }
+
+    fn remove_volume_data_with(&self, id: VolumeId, ephemeral: bool, sync: bool) -> Result<()> {
         for pool in self.pools.values() {
             for backing in [Backing::Image, Backing::Directory] {
                 let path = pool.volume_path(id, backing, ephemeral);
-                remove_data(&path)?;
-                remove_data(&Pool::tmp_path(&path))?;
+                remove_data_with(&path, sync)?;
+                remove_data_with(&Pool::tmp_path(&path), sync)?;
             }
         }
         Ok(())

@@ -4,6 +4,7 @@
 //! The controller domain (`controller`) and the node domain (`node`) each open
 //! their own records on top of it; neither reaches into the other's.
 
+pub(crate) mod blank;
 pub mod cancel;
 pub(crate) mod data;
 pub mod error;
@@ -11,13 +12,14 @@ pub mod failpoint;
 pub(crate) mod fresh;
 pub mod health;
 pub mod ids;
+pub(crate) mod journal;
 pub(crate) mod locks;
 pub mod model;
 pub mod pool;
 pub(crate) mod settings;
 pub mod size;
 pub(crate) mod state;
-pub(crate) mod store;
+pub mod store;
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};

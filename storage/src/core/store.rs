@@ -1,115 +1,422 @@
-//! The state store: one JSON record per object, written crash-safely (temporary
-//! dot file, fsync, rename, fsync of the directory) and kept in memory in id order,
-//! so every operation is O(log n) whatever the number of objects and listings are
-//! stable. A record that cannot be read is set aside as `<name>.corrupt` and its id
-//! remembered, so that the data it describes is never taken for an orphan.
+//! The state store: the records of one kind, kept in memory in id order (every
+//! operation O(log n), listings stable) and on disk as a snapshot plus a journal
+//! (frames of [`crate::core::journal`]).
+//!
+//! ```text
+//! <dir>/snapshot.N    every record as of the start of log.N (absent: none)
+//! <dir>/log.N ...     the changes since, one batch per write + fdatasync
+//! ```
+//!
+//! A change is durable before it is visible and before its caller goes on: the
+//! caller's entry joins the next batch, and one caller (the leader) writes the
+//! whole batch and syncs it once for everyone in it (group commit). When the
+//! journal outgrows the snapshot a background thread moves writes to a new
+//! journal, then folds the old snapshot and journals, read back from disk, into a
+//! new snapshot (temporary file, fsync, rename, directory fsync), so no caller
+//! waits for it. Start-up reads one snapshot and one journal.
+//!
+//! A damaged entry is not a lost record: the file is kept as `<file>.corrupt`,
+//! the entry's id (or, when even that is lost, every id) is quarantined, so the
+//! data it describes is never taken for an orphan. A store of the older layout
+//! (one `<id>.json` per record) is converted when opened.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Display;
 use std::ops::Bound;
 use std::path::{Path, PathBuf};
-use std::sync::RwLock;
+use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, RwLock};
+use std::thread::JoinHandle;
 
 use serde::{de::DeserializeOwned, Serialize};
 
-use csi_sys::file;
+use csi_sys::file::{self, AppendFile};
 
+use crate::core::journal::{self, Entry, Kind};
 use crate::error::{Context, Error, Result};
+use crate::failpoint;
 
-pub trait Record: Serialize + DeserializeOwned + Clone + Send + Sync {
-    type Id: Ord + Copy + Display + Send + Sync;
+pub trait Record: Serialize + DeserializeOwned + Clone + Send + Sync + 'static {
+    type Id: Ord + Copy + Display + Send + Sync + 'static;
     fn id(&self) -> Self::Id;
+    /// The id its `Display` wrote.
+    fn parse_id(s: &str) -> Option<Self::Id>;
+}
+
+/// Called before a snapshot drops the journals it folds, with the ids of the
+/// records those journals made: whatever recovery would make again for them
+/// from the journal must be made durable first.
+pub type Barrier = Box<dyn Fn(&[String]) -> Result<()> + Send + Sync>;
+
+/// When to compact, and where.
+#[derive(Debug, Clone, Copy)]
+pub struct Tuning {
+    /// The journal is folded into a snapshot once it holds this many bytes and
+    /// as many entries as a quarter of the live records: rewriting the snapshot
+    /// costs each change about four records' worth of writing, whatever their
+    /// number, and start-up parses at most about 1.25 entries per live record
+    /// (also after many removals, which shrink the snapshot's due size).
+    pub compact_at: u64,
+    /// Compacts on the path of the call that crosses the threshold rather than
+    /// in the background (the power-loss test, for a replayable order).
+    pub inline: bool,
+}
+
+impl Default for Tuning {
+    fn default() -> Self {
+        Tuning {
+            compact_at: 1 << 20,
+            inline: false,
+        }
+    }
+}
+
+#[cfg(test)]
+thread_local! {
+    /// The tuning of the stores this thread opens, for tests.
+    pub(crate) static TEST_TUNING: std::cell::Cell<Option<Tuning>> =
+        const { std::cell::Cell::new(None) };
 }
 
 pub struct Store<R: Record> {
+    inner: Arc<Inner<R>>,
+}
+
+struct Inner<R: Record> {
     dir: PathBuf,
     records: RwLock<BTreeMap<R::Id, R>>,
     quarantined: BTreeSet<String>,
+    /// Records were lost whose ids are unknown: all data is kept.
+    blind: bool,
+    /// Records the journals made, as loaded at open.
+    born: Vec<R::Id>,
+    log: Mutex<Log<R>>,
+    changed: Condvar,
+    barrier: OnceLock<Barrier>,
+    compactor: Mutex<Option<JoinHandle<()>>>,
+    tuning: Tuning,
+    #[cfg(test)]
+    gate: (Mutex<bool>, Condvar),
 }
 
-impl<R: Record> Store<R> {
-    /// Opens (making it if needed) the directory and loads every record, parsed
-    /// on as many threads as the machine has cores: start-up time is mostly this.
-    pub fn open(dir: &Path) -> Result<Self> {
-        file::mkdir_p_mode(dir, 0o700).context(|| format!("making {}", dir.display()))?;
-        let mut names = Vec::new();
-        let mut quarantined = BTreeSet::new();
+struct Log<R: Record> {
+    file: Arc<AppendFile>,
+    gen: u64,
+    /// Durable length of `file`.
+    len: u64,
+    /// Entries in `file`.
+    entries: u64,
+    queue: Vec<Pending<R>>,
+    writing: bool,
+    next_batch: u64,
+    /// The journal the next batch goes to, made ready by a compaction.
+    next_file: Option<(u64, AppendFile)>,
+    compacting: bool,
+    /// Generation of the newest snapshot (0 for none).
+    snapshot: u64,
+    /// A write failed and could not be undone: nothing more is written.
+    broken: Option<String>,
+    batches: u64,
+}
+
+enum Op<R: Record> {
+    Put(R),
+    Remove(R::Id),
+}
+
+type Outcome = Arc<OnceLock<std::result::Result<(), String>>>;
+
+struct Pending<R: Record> {
+    op: Op<R>,
+    kind: Kind,
+    id: String,
+    payload: Vec<u8>,
+    done: Outcome,
+}
+
+fn log_name(gen: u64) -> String {
+    format!("log.{gen}")
+}
+fn snapshot_name(gen: u64) -> String {
+    format!("snapshot.{gen}")
+}
+
+/// The files of a store directory, by kind.
+#[derive(Default)]
+struct Listing {
+    snapshots: BTreeSet<u64>,
+    logs: BTreeSet<u64>,
+    /// Records of the older layout.
+    legacy: Vec<String>,
+    /// Damaged files set aside: of this layout (journals, snapshots) and stems of
+    /// the older one.
+    corrupt: Vec<String>,
+    legacy_corrupt: BTreeSet<String>,
+}
+
+impl Listing {
+    fn read(dir: &Path) -> Result<Listing> {
+        let mut l = Listing::default();
         let entries = std::fs::read_dir(dir)
             .map_err(|e| Error::internal(format!("reading {}: {e}", dir.display())))?;
         for entry in entries.flatten() {
             let name = entry.file_name().to_string_lossy().into_owned();
+            let gen = |prefix: &str| {
+                name.strip_prefix(prefix)
+                    .and_then(|g| g.parse::<u64>().ok())
+            };
             if name.starts_with('.') {
                 // A temporary file of a write a crash interrupted: the rename never
-                // happened, so the old record (if any) is still whole.
+                // happened, so what it was to replace is still whole.
                 if name.ends_with(".tmp") {
-                    let path = entry.path();
-                    let _ = std::fs::remove_file(&path);
-                    tracing::info!(path = %path.display(), "removed an interrupted record write");
+                    let _ = file::remove_file_if_exists(&entry.path());
+                    tracing::info!(path = %entry.path().display(), "removed an interrupted write");
                 }
+            } else if let Some(g) = gen("snapshot.") {
+                l.snapshots.insert(g);
+            } else if let Some(g) = gen("log.") {
+                l.logs.insert(g);
             } else if let Some(stem) = name.strip_suffix(".corrupt") {
-                quarantined.insert(stem.to_string());
+                if stem.starts_with("log.") || stem.starts_with("snapshot.") {
+                    l.corrupt.push(name);
+                } else {
+                    l.legacy_corrupt.insert(stem.to_string());
+                }
             } else if name.ends_with(".json") {
-                names.push(name);
+                l.legacy.push(name);
             }
         }
-        let mut records = Vec::with_capacity(names.len());
-        for (name, parsed) in load_all::<R>(dir, names)? {
-            let stem = name.strip_suffix(".json").unwrap_or(&name);
-            match parsed {
-                Ok(r) if r.id().to_string() == stem => records.push((r.id(), r)),
-                other => {
-                    let path = dir.join(&name);
-                    let why = other.err().unwrap_or_else(|| "id does not match".into());
-                    tracing::error!(path = %path.display(), error = %why,
-                        "record unreadable; set aside as .corrupt and its data kept");
-                    let _ = std::fs::rename(&path, path.with_extension("corrupt"));
-                    quarantined.insert(stem.to_string());
+        Ok(l)
+    }
+}
+
+/// What the files of a store say, before the payloads are parsed.
+struct Replay<'a> {
+    /// Each entry, and whether it came from a journal.
+    entries: Vec<(Entry<'a>, bool)>,
+    /// Ids with a damaged entry.
+    unreadable: BTreeSet<String>,
+    blind: bool,
+    last_batch: u64,
+}
+
+/// Reads `snapshot.base` (if any) and the journals `logs`, in order: each
+/// file's name and bytes.
+fn read_files(dir: &Path, base: Option<u64>, logs: &[u64]) -> Result<Vec<(String, Vec<u8>)>> {
+    let mut bufs = Vec::new();
+    for name in base
+        .map(snapshot_name)
+        .into_iter()
+        .chain(logs.iter().map(|g| log_name(*g)))
+    {
+        let path = dir.join(&name);
+        let bytes = std::fs::read(&path)
+            .map_err(|e| Error::internal(format!("reading {}: {e}", path.display())))?;
+        bufs.push((name, bytes));
+    }
+    Ok(bufs)
+}
+
+/// The frames of files [`read_files`] read, with each file's name and whether it
+/// is a journal.
+fn scan_files(bufs: &[(String, Vec<u8>)]) -> Vec<(String, bool, journal::Scan<'_>)> {
+    bufs.iter()
+        .map(|(name, bytes)| {
+            let is_log = name.starts_with("log.");
+            (name.clone(), is_log, journal::scan(bytes, is_log))
+        })
+        .collect()
+}
+
+impl<R: Record> Store<R> {
+    /// Opens (making it if needed) the store in `dir` and loads every record;
+    /// converts a store of the older layout first.
+    pub fn open(dir: &Path) -> Result<Self> {
+        #[cfg(test)]
+        if let Some(t) = TEST_TUNING.with(|t| t.get()) {
+            return Self::open_with(dir, t);
+        }
+        Self::open_with(dir, Tuning::default())
+    }
+
+    pub fn open_with(dir: &Path, tuning: Tuning) -> Result<Self> {
+        file::mkdir_p_mode(dir, 0o700).context(|| format!("making {}", dir.display()))?;
+        let mut listing = Listing::read(dir)?;
+        if listing.snapshots.is_empty() && !listing.legacy.is_empty() {
+            migrate::<R>(dir, &listing)?;
+            listing = Listing::read(dir)?;
+        }
+        let base = listing.snapshots.iter().next_back().copied();
+        let from = base.unwrap_or(0);
+        // What a compaction that finished left behind, and records of the older
+        // layout a finished conversion had not removed yet.
+        let mut stale: Vec<String> = listing
+            .snapshots
+            .range(..from)
+            .map(|g| snapshot_name(*g))
+            .chain(listing.logs.range(..from).map(|g| log_name(*g)))
+            .collect();
+        stale.extend(listing.legacy.iter().cloned());
+        for name in &stale {
+            file::remove_file_if_exists(&dir.join(name)).context(|| format!("removing {name}"))?;
+        }
+        let logs: Vec<u64> = listing.logs.range(from..).copied().collect();
+
+        let bufs = read_files(dir, base, &logs)?;
+        let scans = scan_files(&bufs);
+        let mut replay = Replay {
+            entries: Vec::new(),
+            unreadable: BTreeSet::new(),
+            blind: false,
+            last_batch: 0,
+        };
+        let mut torn = None;
+        for (i, (name, is_log, scan)) in scans.iter().enumerate() {
+            if !scan.damage.is_empty() {
+                set_aside(dir, name, &bufs[i].1, &scan.damage);
+            }
+            if *is_log && i + 1 == scans.len() && scan.valid_len < bufs[i].1.len() {
+                torn = Some(scan.valid_len as u64);
+            }
+            replay.blind |= scan.blind;
+            for e in &scan.entries {
+                if *is_log {
+                    replay.last_batch = replay.last_batch.max(e.batch);
+                }
+                replay.entries.push((e.clone(), *is_log));
+            }
+        }
+        // Files set aside earlier: their damaged entries stay quarantined.
+        let mut old_copies = Vec::new();
+        for name in &listing.corrupt {
+            if let Ok(bytes) = std::fs::read(dir.join(name)) {
+                old_copies.push((name.starts_with("log."), bytes));
+            }
+        }
+        for (is_log, bytes) in &old_copies {
+            let scan = journal::scan(bytes, *is_log);
+            replay.blind |= scan.blind;
+            replay.unreadable.extend(
+                scan.entries
+                    .iter()
+                    .filter(|e| e.kind == Kind::Unreadable)
+                    .map(|e| e.id.to_string()),
+            );
+        }
+        let (records, born, unreadable) = apply::<R>(&replay.entries);
+        replay.unreadable.extend(unreadable);
+        let mut quarantined = listing.legacy_corrupt;
+        quarantined.extend(
+            replay
+                .unreadable
+                .into_iter()
+                .filter(|id| R::parse_id(id).is_none_or(|k| !records.contains_key(&k))),
+        );
+        for id in &quarantined {
+            tracing::error!(dir = %dir.display(), id, "record unreadable; its data is kept");
+        }
+        if replay.blind {
+            tracing::error!(dir = %dir.display(),
+                "records of unknown ids were lost; no data of this store is taken for an orphan");
+        }
+
+        let logged = replay.entries.iter().filter(|(_, log)| *log).count() as u64;
+        let (file, gen, len) = match logs.last() {
+            Some(&g) => {
+                let path = dir.join(log_name(g));
+                let f =
+                    AppendFile::open(&path).context(|| format!("opening {}", path.display()))?;
+                let len = bufs.last().map_or(0, |b| b.1.len()) as u64;
+                match torn {
+                    Some(valid) => {
+                        tracing::info!(path = %path.display(), bytes = len - valid,
+                            "cut an unacknowledged write off the journal");
+                        f.truncate(valid)
+                            .context(|| format!("truncating {}", path.display()))?;
+                        (f, g, valid)
+                    }
+                    None => (f, g, len),
                 }
             }
-        }
+            None => {
+                let path = dir.join(log_name(from));
+                let f =
+                    AppendFile::create(&path).context(|| format!("making {}", path.display()))?;
+                (f, from, 0)
+            }
+        };
+        let born = born.into_iter().collect();
+        let (blind, next_batch) = (replay.blind, replay.last_batch + 1);
+        drop(replay.entries);
+        drop(scans);
+        drop(bufs);
         Ok(Store {
-            dir: dir.to_path_buf(),
-            records: RwLock::new(records.into_iter().collect()),
-            quarantined,
+            inner: Arc::new(Inner {
+                dir: dir.to_path_buf(),
+                records: RwLock::new(records),
+                quarantined,
+                blind,
+                born,
+                log: Mutex::new(Log {
+                    file: Arc::new(file),
+                    gen,
+                    len,
+                    entries: logged,
+                    queue: Vec::new(),
+                    writing: false,
+                    next_batch,
+                    next_file: None,
+                    compacting: false,
+                    snapshot: from,
+                    broken: None,
+                    batches: 0,
+                }),
+                changed: Condvar::new(),
+                barrier: OnceLock::new(),
+                compactor: Mutex::new(None),
+                tuning,
+                #[cfg(test)]
+                gate: (Mutex::new(true), Condvar::new()),
+            }),
         })
     }
 
-    fn path(&self, id: R::Id) -> PathBuf {
-        self.dir.join(format!("{id}.json"))
-    }
-
     pub fn get(&self, id: R::Id) -> Option<R> {
-        self.read().get(&id).cloned()
+        self.inner.read().get(&id).cloned()
     }
 
     /// Writes the record durably, then makes it visible.
     pub fn put(&self, record: &R) -> Result<()> {
-        let bytes = serde_json::to_vec_pretty(record)
+        let payload = serde_json::to_vec(record)
             .map_err(|e| Error::internal(format!("encoding record: {e}")))?;
-        let path = self.path(record.id());
-        file::write_atomic(&path, &bytes).context(|| format!("writing {}", path.display()))?;
-        self.write().insert(record.id(), record.clone());
-        Ok(())
+        self.inner.commit(Pending {
+            kind: Kind::Put,
+            id: record.id().to_string(),
+            payload,
+            op: Op::Put(record.clone()),
+            done: Outcome::default(),
+        })
     }
 
-    /// Removes the record durably.
+    /// Removes the record durably. Also when it is not there: an earlier attempt
+    /// may have removed it from memory only, its write having failed.
     pub fn remove(&self, id: R::Id) -> Result<()> {
-        let path = self.path(id);
-        file::remove_file_if_exists(&path).context(|| format!("removing {}", path.display()))?;
-        // Also when the file was already gone: the remove may be an earlier
-        // attempt's that died before this sync.
-        file::fsync_dir(&self.dir).context(|| format!("syncing {}", self.dir.display()))?;
-        self.write().remove(&id);
-        Ok(())
+        self.inner.commit(Pending {
+            kind: Kind::Remove,
+            id: id.to_string(),
+            payload: Vec::new(),
+            op: Op::Remove(id),
+            done: Outcome::default(),
+        })
     }
 
     pub fn contains(&self, id: R::Id) -> bool {
-        self.read().contains_key(&id)
+        self.inner.read().contains_key(&id)
     }
 
     /// The records `filter` picks, in id order; only those are copied.
     pub fn select(&self, filter: impl Fn(&R) -> bool) -> Vec<R> {
-        self.read()
+        self.inner
+            .read()
             .values()
             .filter(|r| filter(r))
             .cloned()
@@ -117,11 +424,15 @@ impl<R: Record> Store<R> {
     }
 
     pub fn len(&self) -> usize {
-        self.read().len()
+        self.inner.read().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.inner.read().is_empty()
     }
 
     pub fn all(&self) -> Vec<R> {
-        self.read().values().cloned().collect()
+        self.inner.read().values().cloned().collect()
     }
 
     /// Up to `max` records (all when 0) with ids after `after`, in id order, and
@@ -132,7 +443,7 @@ impl<R: Record> Store<R> {
         max: usize,
         filter: impl Fn(&R) -> bool,
     ) -> (Vec<R>, bool) {
-        let map = self.read();
+        let map = self.inner.read();
         let lower = match after {
             Some(id) => Bound::Excluded(id),
             None => Bound::Unbounded,
@@ -150,17 +461,411 @@ impl<R: Record> Store<R> {
         (out, false)
     }
 
-    /// Whether data named `stem` belongs to a record that could not be read.
+    /// Whether data named `stem` may belong to a record that could not be read.
     pub fn is_quarantined(&self, stem: &str) -> bool {
-        self.quarantined.contains(stem)
+        self.inner.blind || self.inner.quarantined.contains(stem)
     }
 
+    /// The records that the journals, as loaded at open, made (rather than the
+    /// snapshot): those whose data a power loss may have taken since.
+    pub fn created_in_journal(&self) -> Vec<R::Id> {
+        self.inner.born.clone()
+    }
+
+    /// Sets what a compaction does before it drops journals (once, before the
+    /// first change).
+    pub fn set_compaction_barrier(&self, barrier: Barrier) {
+        let _ = self.inner.barrier.set(barrier);
+    }
+}
+
+impl<R: Record> Drop for Store<R> {
+    fn drop(&mut self) {
+        let running = self.inner.compactor.lock().ok().and_then(|mut h| h.take());
+        if let Some(h) = running {
+            let _ = h.join();
+        }
+    }
+}
+
+impl<R: Record> Inner<R> {
     fn read(&self) -> std::sync::RwLockReadGuard<'_, BTreeMap<R::Id, R>> {
         self.records.read().unwrap_or_else(|p| p.into_inner())
     }
     fn write(&self) -> std::sync::RwLockWriteGuard<'_, BTreeMap<R::Id, R>> {
         self.records.write().unwrap_or_else(|p| p.into_inner())
     }
+    fn lock(&self) -> MutexGuard<'_, Log<R>> {
+        self.log.lock().unwrap_or_else(|p| p.into_inner())
+    }
+    fn wait<'a>(&self, g: MutexGuard<'a, Log<R>>) -> MutexGuard<'a, Log<R>> {
+        self.changed.wait(g).unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Queues the change and returns once the batch holding it is durable (and
+    /// applied), leading that batch when no other caller is writing.
+    fn commit(self: &Arc<Self>, p: Pending<R>) -> Result<()> {
+        let done = p.done.clone();
+        let mut st = self.lock();
+        if let Some(why) = &st.broken {
+            return Err(Error::internal(format!(
+                "the journal of {} cannot be written: {why}",
+                self.dir.display()
+            )));
+        }
+        st.queue.push(p);
+        loop {
+            if let Some(outcome) = done.get() {
+                return outcome.clone().map_err(Error::internal);
+            }
+            if st.writing {
+                st = self.wait(st);
+                continue;
+            }
+            let (next, compact) = self.lead(st);
+            st = next;
+            if compact {
+                drop(st);
+                self.start_compaction();
+                st = self.lock();
+            }
+        }
+    }
+
+    /// Writes every queued entry as one batch, syncs it, applies it, and tells
+    /// the callers. Returns whether a compaction is due.
+    fn lead<'a>(&'a self, mut st: MutexGuard<'a, Log<R>>) -> (MutexGuard<'a, Log<R>>, bool) {
+        st.writing = true;
+        if let Some((gen, file)) = st.next_file.take() {
+            st.file = Arc::new(file);
+            st.gen = gen;
+            st.len = 0;
+            st.entries = 0;
+            self.changed.notify_all();
+        }
+        let batch = std::mem::take(&mut st.queue);
+        let number = st.next_batch;
+        st.next_batch += 1;
+        let (file, offset) = (st.file.clone(), st.len);
+        drop(st);
+        #[cfg(test)]
+        {
+            let (open, cv) = &self.gate;
+            let mut g = open.lock().unwrap();
+            while !*g {
+                g = cv.wait(g).unwrap();
+            }
+        }
+        let mut buf = Vec::new();
+        for (i, p) in batch.iter().enumerate() {
+            journal::encode(
+                &mut buf,
+                number,
+                i + 1 == batch.len(),
+                p.kind,
+                &p.id,
+                &p.payload,
+            );
+        }
+        let res = file
+            .write_at(offset, &buf)
+            .and_then(|()| file.sync_data())
+            .map_err(|e| e.to_string());
+        let mut st = self.lock();
+        let mut applied = Vec::with_capacity(batch.len());
+        let mut live = 0;
+        match &res {
+            Ok(()) => {
+                st.len += buf.len() as u64;
+                st.entries += batch.len() as u64;
+                st.batches += 1;
+                let mut map = self.write();
+                for p in batch {
+                    match p.op {
+                        Op::Put(r) => {
+                            map.insert(r.id(), r);
+                        }
+                        Op::Remove(id) => {
+                            map.remove(&id);
+                        }
+                    }
+                    applied.push(p.done);
+                }
+                live = map.len() as u64;
+            }
+            Err(e) => {
+                // What may have reached the file is cut off again, so that the next
+                // batch follows the last durable one.
+                if let Err(e2) = file.truncate(offset) {
+                    st.broken = Some(format!("{e}; undoing it: {e2}"));
+                }
+                applied.extend(batch.into_iter().map(|p| p.done));
+            }
+        }
+        for done in applied {
+            let _ = done.set(res.clone());
+        }
+        st.writing = false;
+        let due = !st.compacting
+            && st.broken.is_none()
+            && res.is_ok()
+            && st.len >= self.tuning.compact_at
+            && st.entries >= live / 4;
+        if due {
+            st.compacting = true;
+        }
+        self.changed.notify_all();
+        (st, due)
+    }
+
+    fn start_compaction(self: &Arc<Self>) {
+        if self.tuning.inline {
+            self.run_compaction();
+            return;
+        }
+        let mut slot = self.compactor.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(h) = slot.take() {
+            // Finished: `compacting` was set only after it ended.
+            let _ = h.join();
+        }
+        let inner = self.clone();
+        match std::thread::Builder::new()
+            .name("store-compact".into())
+            .spawn(move || inner.run_compaction())
+        {
+            Ok(h) => *slot = Some(h),
+            Err(e) => {
+                tracing::warn!(error = %e, "could not start a compaction");
+                self.lock().compacting = false;
+            }
+        }
+    }
+
+    fn run_compaction(&self) {
+        if let Err(e) = self.compact() {
+            tracing::warn!(dir = %self.dir.display(), error = %e,
+                "compaction failed; the journal is kept and compacted later");
+        }
+        self.lock().compacting = false;
+    }
+
+    /// Moves writes to a new journal, then folds the snapshot and the journals
+    /// before it into a new snapshot and removes them. A crash at any point
+    /// leaves files that open reads back to the same records.
+    fn compact(&self) -> Result<()> {
+        let gen = self.lock().gen + 1;
+        let path = self.dir.join(log_name(gen));
+        // An empty journal an earlier attempt made and never used.
+        file::remove_file_if_exists(&path).context(|| format!("removing {}", path.display()))?;
+        let next = AppendFile::create(&path).context(|| format!("making {}", path.display()))?;
+        failpoint::hit("store.compact.after-new-log");
+        {
+            // The next leader switches, or this thread once no batch is being
+            // written, whichever comes first.
+            let mut st = self.lock();
+            st.next_file = Some((gen, next));
+            while st.gen != gen {
+                if !st.writing {
+                    if let Some((g, f)) = st.next_file.take() {
+                        st.file = Arc::new(f);
+                        st.gen = g;
+                        st.len = 0;
+                        st.entries = 0;
+                    }
+                    break;
+                }
+                st = self.wait(st);
+            }
+        }
+        failpoint::hit("store.compact.after-rotate");
+        let base = self.lock().snapshot;
+        let listing = Listing::read(&self.dir)?;
+        let logs: Vec<u64> = listing.logs.range(base..gen).copied().collect();
+        let base_file = listing.snapshots.contains(&base).then_some(base);
+        let bufs = read_files(&self.dir, base_file, &logs)?;
+        let scans = scan_files(&bufs);
+        let mut merged: BTreeMap<&str, &[u8]> = BTreeMap::new();
+        let mut born = BTreeSet::new();
+        for (_, is_log, scan) in &scans {
+            for e in &scan.entries {
+                match e.kind {
+                    Kind::Put => {
+                        if merged.insert(e.id, e.payload).is_none() && *is_log {
+                            born.insert(e.id);
+                        }
+                    }
+                    Kind::Remove | Kind::Unreadable => {
+                        merged.remove(e.id);
+                        born.remove(e.id);
+                    }
+                    Kind::End => {}
+                }
+            }
+        }
+        if let Some(barrier) = self.barrier.get() {
+            let ids: Vec<String> = born.iter().map(|s| s.to_string()).collect();
+            barrier(&ids)?;
+        }
+        let snap = self.dir.join(snapshot_name(gen));
+        file::write_atomic_with(&snap, |w| {
+            let mut buf = Vec::new();
+            for (id, payload) in &merged {
+                buf.clear();
+                journal::encode(&mut buf, 0, false, Kind::Put, id, payload);
+                w.write_all(&buf)?;
+            }
+            buf.clear();
+            journal::encode(&mut buf, 0, true, Kind::End, "", b"");
+            w.write_all(&buf)
+        })
+        .context(|| format!("writing {}", snap.display()))?;
+        failpoint::hit("store.compact.after-snapshot");
+        self.lock().snapshot = gen;
+        for name in base_file
+            .map(snapshot_name)
+            .into_iter()
+            .chain(logs.iter().map(|g| log_name(*g)))
+        {
+            // Left behind, open removes it.
+            let _ = file::remove_file_if_exists(&self.dir.join(name));
+        }
+        Ok(())
+    }
+}
+
+/// Replays the entries: the records, the ids the journals made, and the ids
+/// whose last entry is damaged.
+#[allow(clippy::type_complexity)]
+fn apply<R: Record>(
+    entries: &[(Entry<'_>, bool)],
+) -> (BTreeMap<R::Id, R>, BTreeSet<R::Id>, BTreeSet<String>) {
+    let parsed = parse_all::<R>(entries);
+    let mut records = BTreeMap::new();
+    let mut born = BTreeSet::new();
+    let mut unreadable: BTreeSet<String> = BTreeSet::new();
+    for ((e, from_log), parsed) in entries.iter().zip(parsed) {
+        let key = R::parse_id(e.id);
+        match (e.kind, parsed) {
+            (Kind::Put, Some(Ok(r))) if key == Some(r.id()) => {
+                let id = r.id();
+                if records.insert(id, r).is_none() && *from_log {
+                    born.insert(id);
+                }
+                unreadable.remove(e.id);
+            }
+            (Kind::Remove, _) => {
+                if let Some(k) = key {
+                    records.remove(&k);
+                    born.remove(&k);
+                }
+                unreadable.remove(e.id);
+            }
+            (Kind::End, _) => {}
+            (_, other) => {
+                let why = match other {
+                    Some(Err(e)) => e,
+                    Some(Ok(_)) => "its id does not match".into(),
+                    None => "its checksum does not match".into(),
+                };
+                tracing::error!(id = e.id, error = %why, "a record entry is unreadable");
+                if let Some(k) = key {
+                    records.remove(&k);
+                    born.remove(&k);
+                }
+                unreadable.insert(e.id.to_string());
+            }
+        }
+    }
+    (records, born, unreadable)
+}
+
+/// Parses the payloads of the puts, on as many threads as the machine has
+/// cores: start-up time is mostly this.
+fn parse_all<R: Record>(
+    entries: &[(Entry<'_>, bool)],
+) -> Vec<Option<std::result::Result<R, String>>> {
+    let threads = std::thread::available_parallelism()
+        .map_or(1, |n| n.get())
+        .min(entries.len() / 512 + 1);
+    let chunk = entries.len().div_ceil(threads).max(1);
+    let parse = |part: &[(Entry<'_>, bool)]| -> Vec<_> {
+        part.iter()
+            .map(|(e, _)| {
+                (e.kind == Kind::Put)
+                    .then(|| serde_json::from_slice::<R>(e.payload).map_err(|e| e.to_string()))
+            })
+            .collect()
+    };
+    if threads == 1 {
+        return parse(entries);
+    }
+    std::thread::scope(|s| {
+        let parts: Vec<_> = entries
+            .chunks(chunk)
+            .map(|part| s.spawn(move || parse(part)))
+            .collect();
+        parts
+            .into_iter()
+            .flat_map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+            .collect()
+    })
+}
+
+/// Keeps a copy of a damaged file beside it (once), for people to look at and
+/// for the next starts to keep its records' data.
+fn set_aside(dir: &Path, name: &str, bytes: &[u8], damage: &[String]) {
+    let copy = dir.join(format!("{name}.corrupt"));
+    tracing::error!(path = %dir.join(name).display(), damage = ?damage,
+        "damaged entries in the store; the file is kept as {}", copy.display());
+    if !copy.exists() {
+        if let Err(e) = file::write_atomic(&copy, bytes) {
+            tracing::error!(path = %copy.display(), error = %e, "could not keep a copy");
+        }
+    }
+}
+
+/// Converts a store of the older layout: every `<id>.json` is read (an unreadable
+/// one is set aside as `<id>.corrupt`, as that layout did), all go into a first
+/// snapshot, made durable before any old file is removed. A crash before that
+/// leaves the old layout whole (and converted again), after it the snapshot.
+fn migrate<R: Record>(dir: &Path, listing: &Listing) -> Result<()> {
+    tracing::info!(dir = %dir.display(), records = listing.legacy.len(),
+        "converting the store to a snapshot and a journal");
+    let mut records = Vec::with_capacity(listing.legacy.len());
+    for (name, parsed) in load_all::<R>(dir, listing.legacy.clone())? {
+        let stem = name.strip_suffix(".json").unwrap_or(&name);
+        match parsed {
+            Ok(r) if r.id().to_string() == stem => records.push(r),
+            other => {
+                let path = dir.join(&name);
+                let why = other.err().unwrap_or_else(|| "id does not match".into());
+                tracing::error!(path = %path.display(), error = %why,
+                    "record unreadable; set aside as .corrupt and its data kept");
+                let _ = std::fs::rename(&path, path.with_extension("corrupt"));
+            }
+        }
+    }
+    records.sort_by_key(|r| r.id().to_string());
+    let snap = dir.join(snapshot_name(1));
+    file::write_atomic_with(&snap, |w| {
+        let mut buf = Vec::new();
+        for r in &records {
+            buf.clear();
+            let payload = serde_json::to_vec(r).map_err(std::io::Error::other)?;
+            journal::encode(&mut buf, 0, false, Kind::Put, &r.id().to_string(), &payload);
+            w.write_all(&buf)?;
+        }
+        buf.clear();
+        journal::encode(&mut buf, 0, true, Kind::End, "", b"");
+        w.write_all(&buf)
+    })
+    .context(|| format!("writing {}", snap.display()))?;
+    failpoint::hit("store.migrate.after-snapshot");
+    // From here the snapshot rules: open removes any old file left.
+    for name in &listing.legacy {
+        let _ = file::remove_file_if_exists(&dir.join(name));
+    }
+    Ok(())
 }
 
 /// Reads and parses the files `names` of `dir`, split among threads; each
@@ -170,7 +875,6 @@ fn load_all<R: Record>(
     dir: &Path,
     names: Vec<String>,
 ) -> Result<Vec<(String, std::result::Result<R, String>)>> {
-    // A thread is worth its start only for a few hundred records.
     let threads = std::thread::available_parallelism()
         .map_or(1, |n| n.get())
         .min(names.len() / 256 + 1);
@@ -180,9 +884,15 @@ fn load_all<R: Record>(
             .chunks(chunk)
             .map(|part| {
                 s.spawn(move || {
-                    let mut buf = Vec::new();
                     part.iter()
-                        .map(|name| (name.clone(), load(&dir.join(name), &mut buf)))
+                        .map(|name| {
+                            let r = std::fs::read(dir.join(name))
+                                .map_err(|e| e.to_string())
+                                .and_then(|b| {
+                                    serde_json::from_slice(&b).map_err(|e| e.to_string())
+                                });
+                            (name.clone(), r)
+                        })
                         .collect::<Vec<_>>()
                 })
             })
@@ -197,30 +907,62 @@ fn load_all<R: Record>(
     })
 }
 
-fn load<R: Record>(path: &Path, buf: &mut Vec<u8>) -> std::result::Result<R, String> {
-    use std::io::Read;
-    let mut f = std::fs::File::open(path).map_err(|e| e.to_string())?;
-    let mut len = 0;
-    loop {
-        if len == buf.len() {
-            buf.resize(buf.len().max(4096) * 2, 0);
+/// The records of a store directory, as JSON by id, read without loading them
+/// (for tests and tools). While the store is open, a batch being written may be
+/// missed; what is acknowledged is there.
+pub fn read_raw(dir: &Path) -> Result<BTreeMap<String, Vec<u8>>> {
+    let listing = Listing::read(dir)?;
+    let mut out = BTreeMap::new();
+    if listing.snapshots.is_empty() && !listing.legacy.is_empty() {
+        for name in &listing.legacy {
+            let bytes = std::fs::read(dir.join(name))
+                .map_err(|e| Error::internal(format!("{}: {e}", dir.join(name).display())))?;
+            out.insert(name.trim_end_matches(".json").to_string(), bytes);
         }
-        match f.read(&mut buf[len..]) {
-            Ok(0) => break,
-            Ok(n) => {
-                len += n;
-                // A record file is never changed in place (a new one is renamed
-                // over it): a read short of the buffer reached its end, and a
-                // second read would only say so.
-                if len < buf.len() {
-                    break;
+        return Ok(out);
+    }
+    let base = listing.snapshots.iter().next_back().copied();
+    let logs: Vec<u64> = listing.logs.range(base.unwrap_or(0)..).copied().collect();
+    let bufs = read_files(dir, base, &logs)?;
+    for (_, _, scan) in scan_files(&bufs) {
+        for e in scan.entries {
+            match e.kind {
+                Kind::Put => {
+                    out.insert(e.id.to_string(), e.payload.to_vec());
                 }
+                Kind::Remove | Kind::Unreadable => {
+                    out.remove(e.id);
+                }
+                Kind::End => {}
             }
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-            Err(e) => return Err(e.to_string()),
         }
     }
-    serde_json::from_slice(&buf[..len]).map_err(|e| e.to_string())
+    Ok(out)
+}
+
+/// Writes (`Some`) or removes (`None`) one record of a store that is not open,
+/// durably (for tests and tools that play a lost or a stale record).
+pub fn write_raw(dir: &Path, id: &str, json: Option<&[u8]>) -> Result<()> {
+    let listing = Listing::read(dir)?;
+    let Some(&g) = listing.logs.iter().next_back() else {
+        return Err(Error::internal(format!("{} has no journal", dir.display())));
+    };
+    let path = dir.join(log_name(g));
+    let bytes =
+        std::fs::read(&path).map_err(|e| Error::internal(format!("{}: {e}", path.display())))?;
+    let scan = journal::scan(&bytes, true);
+    let batch = scan.entries.iter().map(|e| e.batch).max().unwrap_or(0) + 1;
+    let mut buf = Vec::new();
+    let (kind, payload) = match json {
+        Some(j) => (Kind::Put, j),
+        None => (Kind::Remove, &b""[..]),
+    };
+    journal::encode(&mut buf, batch, true, kind, id, payload);
+    let f = AppendFile::open(&path).context(|| format!("opening {}", path.display()))?;
+    f.truncate(scan.valid_len as u64)
+        .and_then(|()| f.write_at(scan.valid_len as u64, &buf))
+        .and_then(|()| f.sync_data())
+        .context(|| format!("writing {}", path.display()))
 }
 
 macro_rules! record {
@@ -229,6 +971,9 @@ macro_rules! record {
             type Id = $id;
             fn id(&self) -> $id {
                 self.id
+            }
+            fn parse_id(s: &str) -> Option<$id> {
+                <$id>::parse(s)
             }
         }
     };
@@ -241,3 +986,369 @@ record!(
     crate::ids::GroupSnapshotId
 );
 record!(crate::node::NodeRecord, crate::ids::VolumeId);
+
+#[cfg(test)]
+impl<R: Record> Store<R> {
+    /// Holds the leader of the next batch before it writes (false), or lets it go.
+    fn set_gate(&self, open: bool) {
+        let (g, cv) = &self.inner.gate;
+        *g.lock().unwrap() = open;
+        cv.notify_all();
+    }
+    /// (entries queued, a batch being written, batches written)
+    fn progress(&self) -> (usize, bool, u64) {
+        let st = self.inner.lock();
+        (st.queue.len(), st.writing, st.batches)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde::Deserialize;
+
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+    struct Tid(u32);
+    impl Display for Tid {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(f, "r{:04}", self.0)
+        }
+    }
+    #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+    struct Rec {
+        id: Tid,
+        v: String,
+    }
+    impl Record for Rec {
+        type Id = Tid;
+        fn id(&self) -> Tid {
+            self.id
+        }
+        fn parse_id(s: &str) -> Option<Tid> {
+            s.strip_prefix('r')?.parse().ok().map(Tid)
+        }
+    }
+    fn rec(i: u32, v: &str) -> Rec {
+        Rec {
+            id: Tid(i),
+            v: v.to_string(),
+        }
+    }
+
+    const SMALL: Tuning = Tuning {
+        compact_at: 2048,
+        inline: true,
+    };
+
+    fn open(dir: &Path) -> Store<Rec> {
+        Store::open_with(dir, SMALL).unwrap()
+    }
+
+    fn contents(s: &Store<Rec>) -> BTreeMap<u32, String> {
+        s.all().into_iter().map(|r| (r.id.0, r.v)).collect()
+    }
+
+    fn names(dir: &Path) -> BTreeSet<String> {
+        std::fs::read_dir(dir)
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .collect()
+    }
+
+    /// The changes of step `i` of the crash workload, and the model of them.
+    fn step(s: &Store<Rec>, model: &mut BTreeMap<u32, String>, i: u32) -> Result<()> {
+        if i % 3 == 2 {
+            model.remove(&(i / 3));
+            s.remove(Tid(i / 3))
+        } else {
+            let v = format!("value {i} {}", "x".repeat(i as usize % 40));
+            model.insert(i, v.clone());
+            s.put(&rec(i, &v))
+        }
+    }
+
+    #[test]
+    fn changes_survive_a_reopen_and_start_up_reads_one_snapshot_and_one_journal() {
+        let tmp = tempfile::tempdir().unwrap();
+        let s = open(tmp.path());
+        let mut model = BTreeMap::new();
+        for i in 0..300 {
+            step(&s, &mut model, i).unwrap();
+        }
+        assert_eq!(contents(&s), model);
+        drop(s);
+        let files = names(tmp.path());
+        let snaps: Vec<_> = files
+            .iter()
+            .filter(|n| n.starts_with("snapshot."))
+            .collect();
+        let logs: Vec<_> = files.iter().filter(|n| n.starts_with("log.")).collect();
+        assert_eq!((snaps.len(), logs.len()), (1, 1), "{files:?}");
+        assert_eq!(snaps[0][9..], logs[0][4..], "{files:?}");
+        let s = open(tmp.path());
+        assert_eq!(contents(&s), model);
+        // Made by the journal since the snapshot: what start-up checks the data of.
+        let made: BTreeSet<u32> = s.created_in_journal().into_iter().map(|t| t.0).collect();
+        assert!(!made.is_empty() && made.iter().all(|i| model.contains_key(i)));
+        assert!(
+            made.len() < model.len(),
+            "the snapshot's records are not in it"
+        );
+        assert!(!s.is_quarantined("r0001"));
+    }
+
+    #[test]
+    fn a_torn_end_is_cut_and_nothing_acknowledged_is_lost() {
+        let tmp = tempfile::tempdir().unwrap();
+        let s = open(tmp.path());
+        let mut model = BTreeMap::new();
+        for i in 0..4 {
+            step(&s, &mut model, i).unwrap();
+        }
+        drop(s);
+        let log = tmp.path().join("log.0");
+        let whole = std::fs::read(&log).unwrap();
+        // A batch of two whose write reached the disk only in part.
+        let mut next = Vec::new();
+        journal::encode(
+            &mut next,
+            99,
+            false,
+            Kind::Put,
+            "r0050",
+            b"{\"id\":50,\"v\":\"a\"}",
+        );
+        journal::encode(&mut next, 99, true, Kind::Remove, "r0000", b"");
+        for cut in [1, 10, 30, next.len() / 2, next.len() - 1] {
+            let mut torn = whole.clone();
+            torn.extend_from_slice(&next[..cut]);
+            std::fs::write(&log, &torn).unwrap();
+            let s = open(tmp.path());
+            assert_eq!(contents(&s), model, "cut {cut}");
+            assert!(!s.is_quarantined("r0050"), "cut {cut}");
+            drop(s);
+            assert_eq!(std::fs::read(&log).unwrap(), whole, "cut {cut}: cut back");
+            assert!(!names(tmp.path()).iter().any(|n| n.ends_with(".corrupt")));
+        }
+        // And the journal takes new batches after it.
+        let s = open(tmp.path());
+        step(&s, &mut model, 4).unwrap();
+        drop(s);
+        assert_eq!(contents(&open(tmp.path())), model);
+    }
+
+    /// A store of three records, one batch each, with the byte `at(frame size)`
+    /// of its journal damaged.
+    fn three_with_damage(at: impl Fn(usize) -> usize) -> tempfile::TempDir {
+        let tmp = tempfile::tempdir().unwrap();
+        let s = open(tmp.path());
+        for i in 1..=3 {
+            s.put(&rec(i, "v")).unwrap();
+        }
+        drop(s);
+        let log = tmp.path().join("log.0");
+        let mut bytes = std::fs::read(&log).unwrap();
+        let i = at(bytes.len() / 3);
+        bytes[i] ^= 0x55;
+        std::fs::write(&log, &bytes).unwrap();
+        tmp
+    }
+
+    #[test]
+    fn a_damaged_entry_is_reported_and_its_record_quarantined_not_lost() {
+        // The last byte of r0002's payload: its header still names it.
+        let tmp = three_with_damage(|frame| 2 * frame - 2);
+        let s = open(tmp.path());
+        assert_eq!(contents(&s).keys().copied().collect::<Vec<_>>(), [1, 3]);
+        assert!(s.is_quarantined("r0002") && !s.is_quarantined("r0001"));
+        assert!(tmp.path().join("log.0.corrupt").is_file());
+        // Compacted away, the damaged journal still keeps the record's data safe.
+        for i in 10..60 {
+            s.put(&rec(i, &"y".repeat(60))).unwrap();
+        }
+        drop(s);
+        assert!(!tmp.path().join("log.0").exists(), "compacted");
+        let s = open(tmp.path());
+        assert!(s.is_quarantined("r0002") && !s.is_quarantined("r0003"));
+        // Put again, it is known once more.
+        s.put(&rec(2, "again")).unwrap();
+        drop(s);
+        assert!(!open(tmp.path()).is_quarantined("r0002"));
+
+        // A header damaged: which record it held is unknown, so every stem is
+        // treated as one that may be.
+        let tmp = three_with_damage(|frame| frame + 5);
+        let s = open(tmp.path());
+        assert_eq!(contents(&s).keys().copied().collect::<Vec<_>>(), [1, 3]);
+        assert!(s.is_quarantined("anything"));
+    }
+
+    #[test]
+    fn writers_at_once_share_one_write_and_one_sync() {
+        let tmp = tempfile::tempdir().unwrap();
+        let s = Arc::new(open(tmp.path()));
+        s.set_gate(false);
+        let writers: Vec<_> = (0..16)
+            .map(|i| {
+                let s = s.clone();
+                std::thread::spawn(move || s.put(&rec(i, "v")))
+            })
+            .collect();
+        // The first leader holds its batch of one; the other fifteen queue behind it.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        while s.progress() != (15, true, 0) {
+            assert!(std::time::Instant::now() < deadline, "{:?}", s.progress());
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        s.set_gate(true);
+        for w in writers {
+            w.join().unwrap().unwrap();
+        }
+        assert_eq!(
+            s.progress(),
+            (0, false, 2),
+            "two writes for sixteen changes"
+        );
+        assert_eq!(s.len(), 16);
+        drop(s);
+        assert_eq!(open(tmp.path()).len(), 16);
+    }
+
+    #[test]
+    fn a_store_of_the_older_layout_is_converted_once() {
+        let tmp = tempfile::tempdir().unwrap();
+        let d = tmp.path();
+        for i in 1..=2 {
+            std::fs::write(
+                d.join(format!("r{i:04}.json")),
+                serde_json::to_vec(&rec(i, "old")).unwrap(),
+            )
+            .unwrap();
+        }
+        std::fs::write(d.join("r0003.json"), b"{ half a rec").unwrap();
+        std::fs::write(d.join(".r0004.json.tmp"), b"{}").unwrap();
+        let s = open(d);
+        assert_eq!(contents(&s).keys().copied().collect::<Vec<_>>(), [1, 2]);
+        assert!(s.is_quarantined("r0003"));
+        s.remove(Tid(1)).unwrap();
+        drop(s);
+        assert_eq!(
+            names(d),
+            ["log.1", "r0003.corrupt", "snapshot.1"]
+                .map(String::from)
+                .into()
+        );
+        let s = open(d);
+        assert_eq!(contents(&s).keys().copied().collect::<Vec<_>>(), [2]);
+        assert!(s.is_quarantined("r0003"));
+        let raw = read_raw(d).unwrap();
+        assert_eq!(raw.keys().collect::<Vec<_>>(), ["r0002"]);
+        write_raw(d, "r0002", None).unwrap();
+        write_raw(
+            d,
+            "r0005",
+            Some(&serde_json::to_vec(&rec(5, "raw")).unwrap()),
+        )
+        .unwrap();
+        assert_eq!(contents(&open(d)), [(5, "raw".to_string())].into());
+    }
+
+    const CHILD: &str = "STORE_CRASH_CHILD";
+
+    /// In a child process (this test, run again): the workload, until the
+    /// failpoint armed there ends the process. Prints each acknowledged step.
+    fn child(dir: &Path, what: &str) {
+        let mut model = BTreeMap::new();
+        if what == "migrate" {
+            let _ = open(dir);
+            println!("opened");
+            return;
+        }
+        let s = open(dir);
+        for i in 0..400 {
+            step(&s, &mut model, i).unwrap();
+            println!("acked {i}");
+        }
+    }
+
+    #[test]
+    fn a_crash_at_each_step_of_a_compaction_or_a_conversion_loses_nothing() {
+        if let Ok(dir) = std::env::var(CHILD) {
+            let what = std::env::var("STORE_CRASH_WHAT").unwrap();
+            return child(Path::new(&dir), &what);
+        }
+        let me = "core::store::tests::a_crash_at_each_step_of_a_compaction_or_a_conversion_loses_nothing";
+        for fp in [
+            "store.compact.after-new-log",
+            "store.compact.after-rotate",
+            "store.compact.after-snapshot",
+            "store.migrate.after-snapshot",
+        ] {
+            let tmp = tempfile::tempdir().unwrap();
+            let what = fp.split('.').nth(1).unwrap();
+            let mut legacy = BTreeMap::new();
+            if what == "migrate" {
+                for i in 0..50 {
+                    let r = rec(i, "old");
+                    let bytes = serde_json::to_vec(&r).unwrap();
+                    std::fs::write(tmp.path().join(format!("{}.json", r.id)), bytes).unwrap();
+                    legacy.insert(i, r.v);
+                }
+            }
+            let out = std::process::Command::new(std::env::current_exe().unwrap())
+                .args([me, "--exact", "--nocapture", "--test-threads=1"])
+                .env(CHILD, tmp.path())
+                .env("STORE_CRASH_WHAT", what)
+                .env(failpoint::ENV, fp)
+                .output()
+                .unwrap();
+            let stdout = String::from_utf8_lossy(&out.stdout);
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            use std::os::unix::process::ExitStatusExt;
+            assert_eq!(
+                out.status.signal(),
+                Some(libc::SIGABRT),
+                "{fp}: the child must die there\n{stdout}\n{stderr}"
+            );
+            assert!(
+                stderr.contains(&format!("failpoint {fp} reached")),
+                "{stderr}"
+            );
+            let mut model = if what == "migrate" {
+                legacy
+            } else {
+                // Every step acknowledged, and the one whose batch started the
+                // compaction: it was durable before the compaction began.
+                // (The harness may print the test's name on the first line's start.)
+                let acked = stdout
+                    .lines()
+                    .filter_map(|l| l.split("acked ").nth(1)?.trim().parse::<u32>().ok())
+                    .max()
+                    .map_or(0, |last| last + 1);
+                let (mut model, scratch) = (BTreeMap::new(), tempfile::tempdir().unwrap());
+                let replay = open(scratch.path());
+                for i in 0..=acked {
+                    step(&replay, &mut model, i).unwrap();
+                }
+                model
+            };
+            let s = open(tmp.path());
+            assert_eq!(contents(&s), model, "{fp}: after the crash");
+            assert!(!s.is_quarantined("r0001"), "{fp}");
+            // It goes on, compacts again, and reads back the same.
+            for i in 1000..1100 {
+                step(&s, &mut model, i).unwrap();
+            }
+            drop(s);
+            assert_eq!(contents(&open(tmp.path())), model, "{fp}: after more");
+            let files = names(tmp.path());
+            assert!(
+                !files
+                    .iter()
+                    .any(|n| n.starts_with('.') || n.ends_with(".json")),
+                "{fp}: {files:?}"
+            );
+        }
+    }
+}

@@ -386,6 +386,8 @@ impl Node {
     /// A setting that cannot be read or applied fails the stage: a volume is never
     /// served without what was asked for it.
     fn attach(&self, image: &Path, devices: &[LoopDevice]) -> Result<LoopDevice> {
+        // A new image may not be durable yet (core::blank); data goes in after this.
+        crate::core::blank::make_durable(image)?;
         let settings = recorded_settings(image)?;
         let dev = match devices.iter().find(|d| !d.read_only).cloned() {
             Some(d) => d,

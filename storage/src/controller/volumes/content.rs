@@ -6,6 +6,7 @@ use std::path::Path;
 
 use csi_sys::{btrfs, file};
 
+use crate::core::blank;
 use crate::error::{Context, Error, Result};
 use crate::failpoint;
 use crate::model::*;
@@ -68,11 +69,24 @@ impl Controller {
         let path = pool.volume_path(rec.id, rec.backing, rec.ephemeral);
         let at = || format!("making volume {} at {}", rec.id, path.display());
         match (rec.backing, source) {
+            // Its record alone makes a blank image durable (see core::blank); one
+            // made from a template is synced with the attributes start-up checks.
+            (Backing::Image, None) if blank::is_fresh_image(rec) => {
+                let attrs = blank::attributes(rec);
+                let from_template = rec
+                    .fs_type
+                    .as_deref()
+                    .is_some_and(|fs| self.templates.fill(pool, fs, rec.size, &path, &attrs));
+                return match from_template {
+                    true => Ok(()),
+                    false => blank::make(&path, rec),
+                };
+            }
             (Backing::Image, None) => {
                 let from_template = rec
                     .fs_type
                     .as_deref()
-                    .is_some_and(|fs| self.templates.fill(pool, fs, rec.size, &path));
+                    .is_some_and(|fs| self.templates.fill(pool, fs, rec.size, &path, &[]));
                 if !from_template {
                     file::create_sparse(&path, rec.size).context(at)?;
                 }

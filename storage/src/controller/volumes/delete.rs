@@ -21,7 +21,7 @@ impl Controller {
         // volume is deleted, and the staged mark read here stays true.
         let volume = self.state.lock_volume(id)?;
         failpoint::hit("delete-volume.after-volume-lock");
-        let Some(mut rec) = self.volumes.get(id) else {
+        let Some(rec) = self.volumes.get(id) else {
             self.remove_volume_data(id, false)?;
             return volume.remove();
         };
@@ -60,12 +60,13 @@ impl Controller {
                 )));
             }
         }
-        rec.state = RecordState::Deleting;
-        self.volumes.put(&rec)?;
-        failpoint::hit("delete-volume.after-intent");
-        self.remove_volume_data(id, false)?;
-        failpoint::hit("delete-volume.after-data");
+        // The record goes first, in one journal write: a crash after it leaves data
+        // that no record accounts for, which start-up removes, so removing the data
+        // needs no sync of its own.
         self.volumes.remove(id)?;
+        failpoint::hit("delete-volume.after-commit");
+        self.drop_volume_data(id)?;
+        failpoint::hit("delete-volume.after-data");
         volume.remove()?;
         tracing::info!(volume.id = %id, name = %rec.name, "volume deleted");
         Ok(())

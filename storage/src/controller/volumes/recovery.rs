@@ -11,6 +11,8 @@ impl Controller {
     /// Start-up: roll back creations, finish deletions and expansions, then remove
     /// pool data that no record accounts for.
     pub(crate) fn recover_volumes(&self) -> Result<()> {
+        let made = self.volumes.created_in_journal().into_iter();
+        self.repair_fresh_images(made.filter_map(|id| self.volumes.get(id)));
         let unfinished = self
             .volumes
             .select(|r| r.state != RecordState::Ready || r.pending_size.is_some());

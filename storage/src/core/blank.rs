@@ -1,0 +1,121 @@
+//! New empty images, made without a sync of their own. A new image holds no data,
+//! so its record says all there is to know of it: the record's one journal write
+//! is the create's only synchronous write, and what a power loss takes of the
+//! image (its entry, its length, its attributes) start-up makes again from the
+//! record. Data can reach an image only through a loop device the node attaches,
+//! and the node makes the image durable before it attaches it; a compaction makes
+//! the images of the records it folds durable before it drops their journal.
+//!
+//! Each such image carries its record's creation time, so that start-up tells the
+//! image of this record from one of an earlier volume of the same id whose
+//! removal a power loss undid.
+
+use std::path::{Path, PathBuf};
+
+use csi_sys::{file, xattr};
+
+use crate::core::Core;
+use crate::data::remove_data;
+use crate::error::{Context, Result};
+use crate::model::{Backing, RecordState, VolumeRecord};
+use crate::settings::attr_name;
+use crate::store::Barrier;
+
+/// The attribute holding the creation time of the record an image was made for.
+const MADE_FOR: &str = "created";
+
+fn stamp(rec: &VolumeRecord) -> String {
+    format!("{}.{:09}", rec.created.seconds, rec.created.nanos)
+}
+
+/// Whether a volume's data is a new empty image, made without a sync.
+pub(crate) fn is_fresh_image(rec: &VolumeRecord) -> bool {
+    rec.backing == Backing::Image && rec.source.is_none() && !rec.ephemeral
+}
+
+/// The attributes a new image of `rec` carries: its mutable parameters and the
+/// stamp of its record.
+pub(crate) fn attributes(rec: &VolumeRecord) -> Vec<(String, Vec<u8>)> {
+    rec.mutable_parameters
+        .iter()
+        .map(|(k, v)| (attr_name(k), v.as_bytes().to_vec()))
+        .chain(std::iter::once((
+            attr_name(MADE_FOR),
+            stamp(rec).into_bytes(),
+        )))
+        .collect()
+}
+
+/// Makes the image of a new volume with its attributes; nothing of it is
+/// durable yet. Fails with AlreadyExists when the path exists.
+pub(crate) fn make(path: &Path, rec: &VolumeRecord) -> Result<()> {
+    let at = || format!("making volume {} at {}", rec.id, path.display());
+    file::create_sparse_unsynced(path, rec.size).context(at)?;
+    for (name, value) in attributes(rec) {
+        xattr::set(path, &name, &value)
+            .context(|| format!("recording {name} on {}", path.display()))?;
+    }
+    Ok(())
+}
+
+/// Makes an image and its entry durable: before anything can write data into it.
+pub(crate) fn make_durable(image: &Path) -> Result<()> {
+    let at = || format!("syncing {}", image.display());
+    file::sync_path(image).context(at)?;
+    if let Some(dir) = image.parent() {
+        file::fsync_dir(dir).context(at)?;
+    }
+    Ok(())
+}
+
+impl Core {
+    /// Start-up: the images of `records` (those the journal made) that a power
+    /// loss took in part, or that are another volume's, are made again, durably.
+    pub(crate) fn repair_fresh_images(&self, records: impl IntoIterator<Item = VolumeRecord>) {
+        for rec in records {
+            if !is_fresh_image(&rec) || rec.state != RecordState::Ready {
+                continue;
+            }
+            let Ok(pool) = self.pool(&rec.pool) else {
+                continue;
+            };
+            let path = pool.volume_path(rec.id, Backing::Image, false);
+            let made_for = xattr::get(&path, &attr_name(MADE_FOR)).ok().flatten();
+            if made_for.as_deref() == Some(stamp(&rec).as_bytes()) {
+                continue;
+            }
+            tracing::warn!(volume.id = %rec.id, path = %path.display(),
+                "making again the new image a power loss took");
+            let remade = remove_data(&path)
+                .and_then(|()| make(&path, &rec))
+                .and_then(|()| make_durable(&path));
+            if let Err(e) = remade {
+                tracing::error!(volume.id = %rec.id, error = %e,
+                    "could not make the image again; a stage of the volume will fail");
+            }
+        }
+    }
+}
+
+/// The barrier of the volume store's compactions: the images of the records
+/// folded, in the pools' volume folders `dirs`, made durable.
+pub(crate) fn barrier(dirs: Vec<PathBuf>) -> Barrier {
+    Box::new(move |ids: &[String]| {
+        for dir in &dirs {
+            let mut synced = false;
+            for id in ids {
+                let path = dir.join(format!("{id}.img"));
+                match file::sync_path(&path) {
+                    Ok(()) => synced = true,
+                    // Removed since, or not an image.
+                    Err(e) if e.is_not_found() => {}
+                    Err(e) => return Err(e).context(|| format!("syncing {}", path.display())),
+                }
+            }
+            if synced {
+                file::fsync_dir(dir).context(|| format!("syncing {}", dir.display()))?;
+            }
+        }
+        Ok(())
+    })
+}
