@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use csi_sys::{btrfs, file};
 
-use crate::data::{parse_token, remove_data};
+use crate::data::{parse_token, remove_data, shorten};
 use crate::error::{Context, Error, Result};
 use crate::failpoint;
 use crate::ids::{validate_name, GroupSnapshotId, SnapshotId, VolumeId};
@@ -26,12 +26,18 @@ pub struct GroupSnapshot {
     pub members: Vec<SnapshotRecord>,
 }
 
-fn check_parameters(p: &BTreeMap<String, String>) -> Result<()> {
-    match p.keys().find(|k| !k.starts_with(K8S_PREFIX)) {
-        Some(k) => Err(Error::invalid(format!(
-            "unknown snapshot parameter {k:?}; only keys beginning {K8S_PREFIX} are accepted"
-        ))),
-        None => Ok(()),
+/// Snapshots take no parameters of their own: what a (group) snapshot class
+/// holds besides the CO's `csi.storage.k8s.io/` keys is ignored, with a warning
+/// naming it. Kubernetes' own storage suite, for one, puts the class's
+/// `deletionPolicy` there.
+fn warn_unknown_parameters(p: &BTreeMap<String, String>) {
+    let unknown: Vec<String> = p
+        .keys()
+        .filter(|k| !k.starts_with(K8S_PREFIX))
+        .map(|k| shorten(k))
+        .collect();
+    if !unknown.is_empty() {
+        tracing::warn!(parameters = ?unknown, "snapshot parameters this driver does not use; ignored");
     }
 }
 
@@ -71,7 +77,7 @@ impl Controller {
         if source_volume_id.is_empty() {
             return Err(Error::invalid("source_volume_id is required"));
         }
-        check_parameters(parameters)?;
+        warn_unknown_parameters(parameters);
         let vid = VolumeId::parse_existing(source_volume_id)?;
         let sid = SnapshotId::for_name(name);
         let _guard = self
@@ -264,7 +270,7 @@ impl Controller {
         if source_volume_ids.is_empty() {
             return Err(Error::invalid("source_volume_ids are required"));
         }
-        check_parameters(parameters)?;
+        warn_unknown_parameters(parameters);
         let vids = group_sources(source_volume_ids)?;
         let gid = GroupSnapshotId::for_name(name);
         let member_id = |v: VolumeId| SnapshotId::for_name(&format!("group/{gid}/{v}"));

@@ -174,3 +174,22 @@ fn a_freeze_marker_left_by_a_crash_is_thawed_at_open() {
     assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0);
     assert!(w.d().probe().unwrap());
 }
+
+#[test]
+fn snapshot_class_parameters_the_driver_does_not_use_are_ignored() {
+    let w = World::new();
+    let a = w.create("pvc-a", ext4());
+    let b = w.create("pvc-b", ext4());
+    // What Kubernetes' storage suite puts in a (group) snapshot class.
+    let params = BTreeMap::from([("deletionPolicy".to_string(), "Delete".to_string())]);
+    let snap = w.c().create_snapshot("snap-1", &a, &params).unwrap();
+    assert_eq!(
+        w.c().create_snapshot("snap-1", &a, &params).unwrap().id,
+        snap.id
+    );
+    let group = w
+        .c()
+        .create_group_snapshot("group-1", &[a.clone(), b.clone()], &params)
+        .unwrap();
+    assert_eq!(group.members.len(), 2);
+}
