@@ -1727,18 +1727,6 @@ async fn root_btrfs_dir_volume_expansion_raises_the_qgroup_limit() {
     assert!(subvolumes(&pool).is_empty());
 }
 
-/// A loop device's settings as the kernel reports them: (direct I/O, read-ahead KiB).
-fn loop_settings(dev: &str) -> (String, String) {
-    let name = dev.trim_start_matches("/dev/");
-    let read = |f: &str| {
-        std::fs::read_to_string(format!("/sys/block/{name}/{f}"))
-            .unwrap()
-            .trim()
-            .to_string()
-    };
-    (read("loop/dio"), read("queue/read_ahead_kb"))
-}
-
 /// ControllerModifyVolume on a staged image whose read-ahead cannot be set (a
 /// failpoint fails it once, after direct I/O was turned on): the call fails and the
 /// volume keeps its old settings, on the device, on the image and in the record. The

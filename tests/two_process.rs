@@ -328,13 +328,7 @@ async fn root_a_delete_and_a_stage_from_the_two_processes_exclude_each_other() {
     };
     let devices = loops_below(&pool.path);
     assert_eq!(devices.len(), 1, "one loop device serves the staged volume");
-    let read_ahead = || {
-        let name = devices[0].trim_start_matches("/dev/");
-        std::fs::read_to_string(format!("/sys/block/{name}/queue/read_ahead_kb"))
-            .unwrap()
-            .trim()
-            .to_string()
-    };
+    let read_ahead = || loop_settings(&devices[0]).1;
     let modify = |kib: &str| csi::ControllerModifyVolumeRequest {
         volume_id: staged.clone(),
         mutable_parameters: [("readAheadKiB".to_string(), kib.to_string())].into(),

@@ -7,7 +7,6 @@
 
 use std::io::{BufRead, BufReader, Write};
 use std::os::unix::fs::PermissionsExt;
-use std::os::unix::io::AsRawFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -144,10 +143,7 @@ impl Drop for Server {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Release);
         // Wakes the accept (it fails from now on); the thread sees the flag and ends.
-        let _ = nix::sys::socket::shutdown(
-            self.listening.as_raw_fd(),
-            nix::sys::socket::Shutdown::Both,
-        );
+        csi_sys::socket::stop_listening(&self.listening);
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }

@@ -101,7 +101,7 @@ fn open_read(path: &Path) -> Result<File> {
 
 /// Run `fill` on a freshly created file and make it durable; on any failure remove
 /// the file again so that no half-written copy is left for a retry to trip over.
-fn create_with<F>(path: &Path, mode: u32, fill: F) -> Result<()>
+pub(crate) fn create_with<F>(path: &Path, mode: u32, fill: F) -> Result<()>
 where
     F: FnOnce(&File) -> Result<()>,
 {
@@ -146,30 +146,34 @@ pub fn grow(path: &Path, size: u64) -> Result<()> {
 /// filesystem, ...); `dst` is then removed.
 pub fn reflink(src: &Path, dst: &Path) -> Result<()> {
     let s = open_read(src)?;
-    create_with(dst, 0o600, |d| {
-        // SAFETY: FICLONE takes the source's descriptor by value; both stay open
-        // for the duration of the call.
-        let r = unsafe { ficlone(d.as_raw_fd(), s.as_raw_fd()) };
-        let Err(errno) = r else {
-            note(|| FsOp::CopyData {
-                src: src.into(),
-                dst: dst.into(),
-            });
-            return Ok(());
-        };
-        let e = io::Error::from(errno);
-        if is_unsupported_errno(e.raw_os_error()) {
-            Err(SysError::Unsupported {
-                what: format!(
-                    "reflink (FICLONE) of {} to {}: {e}",
-                    src.display(),
-                    dst.display()
-                ),
-            })
-        } else {
-            Err(SysError::io("reflink to", dst, e))
-        }
-    })
+    create_with(dst, 0o600, |d| clone_into(d, &s, src, dst))
+}
+
+/// Shares every extent of `s` (opened from `src`) with the empty file `d` (at
+/// `dst`) with FICLONE. Unsupported when the filesystem cannot.
+pub(crate) fn clone_into(d: &File, s: &File, src: &Path, dst: &Path) -> Result<()> {
+    // SAFETY: FICLONE takes the source's descriptor by value; both stay open
+    // for the duration of the call.
+    let r = unsafe { ficlone(d.as_raw_fd(), s.as_raw_fd()) };
+    let Err(errno) = r else {
+        note(|| FsOp::CopyData {
+            src: src.into(),
+            dst: dst.into(),
+        });
+        return Ok(());
+    };
+    let e = io::Error::from(errno);
+    if is_unsupported_errno(e.raw_os_error()) {
+        Err(SysError::Unsupported {
+            what: format!(
+                "reflink (FICLONE) of {} to {}: {e}",
+                src.display(),
+                dst.display()
+            ),
+        })
+    } else {
+        Err(SysError::io("reflink to", dst, e))
+    }
 }
 
 /// Copy `src` to the new file `dst`, copying only data extents (SEEK_DATA /
@@ -789,6 +793,12 @@ pub fn mkdir_p_mode(path: &Path, mode: u32) -> Result<()> {
     Ok(())
 }
 
+/// Group read/write, search, and setgid (so new files inherit the group): what a
+/// directory shared with a group has.
+const GROUP_DIR_BITS: u32 = 0o2070;
+/// Group read/write: what a file shared with a group has.
+const GROUP_FILE_BITS: u32 = 0o060;
+
 /// Gives a directory to group `gid` with group read/write/search and the setgid bit,
 /// so that files made in it inherit the group.
 pub fn share_with_group(dir: &Path, gid: u32) -> Result<()> {
@@ -798,9 +808,72 @@ pub fn share_with_group(dir: &Path, gid: u32) -> Result<()> {
         std::os::unix::fs::chown(dir, None, Some(gid))
             .map_err(|e| SysError::io("chown", dir, e))?;
     }
-    let mode = meta.permissions().mode() | 0o2070;
+    let mode = meta.permissions().mode() | GROUP_DIR_BITS;
     fs::set_permissions(dir, fs::Permissions::from_mode(mode))
         .map_err(|e| SysError::io("chmod", dir, e))
+}
+
+/// Whether `dir` is shared with group `gid` as [`share_with_group`] leaves it.
+pub fn is_shared_with_group(dir: &Path, gid: u32) -> Result<bool> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = fs::metadata(dir).map_err(|e| SysError::io("stat", dir, e))?;
+    Ok(meta.gid() == gid && meta.mode() & GROUP_DIR_BITS == GROUP_DIR_BITS)
+}
+
+/// Gives every file and directory below `root` on its filesystem to group `gid`
+/// (files group read/write, directories also search and setgid; symbolic links
+/// only change group): the walk follows no link and does not cross into other
+/// mounts. `root` itself is left as it is.
+pub fn share_contents_with_group(root: &Path, gid: u32) -> Result<()> {
+    use std::os::unix::fs::MetadataExt;
+    let dev = fs::metadata(root)
+        .map_err(|e| SysError::io("stat", root, e))?
+        .dev();
+    let mut dirs = vec![root.to_path_buf()];
+    while let Some(dir) = dirs.pop() {
+        let entries = fs::read_dir(&dir).map_err(|e| SysError::io("list", &dir, e))?;
+        for entry in entries {
+            let path = entry.map_err(|e| SysError::io("list", &dir, e))?.path();
+            let meta = match fs::symlink_metadata(&path) {
+                Ok(m) => m,
+                // Removed since it was listed (by a process still exiting).
+                Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+                Err(e) => return Err(SysError::io("stat", &path, e)),
+            };
+            if meta.dev() != dev {
+                continue;
+            }
+            give_to_group(&path, &meta, gid)?;
+            if meta.is_dir() {
+                dirs.push(path);
+            }
+        }
+    }
+    Ok(())
+}
+
+fn give_to_group(path: &Path, meta: &fs::Metadata, gid: u32) -> Result<()> {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    if meta.gid() != gid {
+        std::os::unix::fs::lchown(path, None, Some(gid))
+            .map_err(|e| SysError::io("chown", path, e))?;
+    }
+    if meta.file_type().is_symlink() {
+        return Ok(());
+    }
+    let bits = if meta.is_dir() {
+        GROUP_DIR_BITS
+    } else {
+        GROUP_FILE_BITS
+    };
+    // chown clears a file's setuid/setgid bits: the mode is set after it, from
+    // what it was before.
+    let mode = meta.mode() & 0o7777 | bits;
+    if meta.gid() != gid || mode != meta.mode() & 0o7777 {
+        fs::set_permissions(path, fs::Permissions::from_mode(mode))
+            .map_err(|e| SysError::io("chmod", path, e))?;
+    }
+    Ok(())
 }
 
 #[cfg(test)]

@@ -112,33 +112,14 @@ pub fn clone_template(
     uuid: [u8; 16],
     attrs: &[(&str, &[u8])],
 ) -> Result<()> {
-    use std::os::fd::AsRawFd;
-    use std::os::unix::fs::OpenOptionsExt;
     let src = open(template, false)?;
-    let d = OpenOptions::new()
-        .write(true)
-        .create_new(true)
-        .mode(0o600)
-        .open(dst)
-        .map_err(|e| SysError::io("creating", dst, e))?;
-    let made = (|| {
-        // SAFETY: both fds are open for the duration of the call; FICLONE takes
-        // the source fd as its integer argument.
-        if let Err(errno) = unsafe { crate::file::ficlone(d.as_raw_fd(), src.as_raw_fd()) } {
-            return Err(SysError::io("reflink to", dst, std::io::Error::from(errno)));
-        }
+    crate::file::create_with(dst, 0o600, |d| {
+        crate::file::clone_into(d, &src, template, dst)?;
         renew_uuid(dst, fstype, uuid)?;
-        for (name, value) in attrs {
-            crate::xattr::set(dst, name, value)?;
-        }
-        d.sync_all().map_err(|e| SysError::io("fsync", dst, e))?;
-        crate::file::fsync_dir(dst.parent().unwrap_or(Path::new("/")))
-    })();
-    if made.is_err() {
-        drop(d);
-        let _ = crate::file::remove_file_if_exists(dst);
-        return made;
-    }
+        attrs
+            .iter()
+            .try_for_each(|(name, value)| crate::xattr::set(dst, name, value))
+    })?;
     // Only an order among templates: not worth an fsync.
     let _ = src.set_modified(std::time::SystemTime::now());
     Ok(())

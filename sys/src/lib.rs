@@ -28,6 +28,7 @@ pub mod fsrecord;
 pub mod health;
 pub mod linux;
 pub mod mountinfo;
+pub mod socket;
 pub mod xattr;
 
 use std::path::{Path, PathBuf};

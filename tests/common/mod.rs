@@ -640,3 +640,15 @@ pub async fn advertises_service(c: &mut Clients, t: csi::plugin_capability::serv
                 if s.r#type == t as i32)
         })
 }
+
+/// A loop device's settings as the kernel reports them: (direct I/O, read-ahead KiB).
+pub fn loop_settings(dev: &str) -> (String, String) {
+    let name = dev.trim_start_matches("/dev/");
+    let read = |f: &str| {
+        std::fs::read_to_string(format!("/sys/block/{name}/{f}"))
+            .unwrap()
+            .trim()
+            .to_string()
+    };
+    (read("loop/dio"), read("queue/read_ahead_kb"))
+}

@@ -707,18 +707,7 @@ impl<R: Record> Inner<R> {
             barrier(&ids)?;
         }
         let snap = self.dir.join(snapshot_name(gen));
-        file::write_atomic_with(&snap, |w| {
-            let mut buf = Vec::new();
-            for (id, payload) in &merged {
-                buf.clear();
-                journal::encode(&mut buf, 0, false, Kind::Put, id, payload);
-                w.write_all(&buf)?;
-            }
-            buf.clear();
-            journal::encode(&mut buf, 0, true, Kind::End, "", b"");
-            w.write_all(&buf)
-        })
-        .context(|| format!("writing {}", snap.display()))?;
+        write_snapshot(&snap, merged.iter().map(|(id, p)| Ok((*id, *p))))?;
         failpoint::hit("store.compact.after-snapshot");
         self.lock().snapshot = gen;
         for name in base_file
@@ -824,6 +813,31 @@ fn set_aside(dir: &Path, name: &str, bytes: &[u8], damage: &[String]) {
     }
 }
 
+/// Writes the snapshot file `path`, crash-safely: a Put entry for each (id,
+/// payload) of `entries`, then the End mark.
+fn write_snapshot<K, P>(
+    path: &Path,
+    entries: impl Iterator<Item = std::io::Result<(K, P)>>,
+) -> Result<()>
+where
+    K: AsRef<str>,
+    P: AsRef<[u8]>,
+{
+    file::write_atomic_with(path, |w| {
+        let mut buf = Vec::new();
+        for entry in entries {
+            let (id, payload) = entry?;
+            buf.clear();
+            journal::encode(&mut buf, 0, false, Kind::Put, id.as_ref(), payload.as_ref());
+            w.write_all(&buf)?;
+        }
+        buf.clear();
+        journal::encode(&mut buf, 0, true, Kind::End, "", b"");
+        w.write_all(&buf)
+    })
+    .context(|| format!("writing {}", path.display()))
+}
+
 /// Converts a store of the older layout: every `<id>.json` is read (an unreadable
 /// one is set aside as `<id>.corrupt`, as that layout did), all go into a first
 /// snapshot, made durable before any old file is removed. A crash before that
@@ -847,19 +861,13 @@ fn migrate<R: Record>(dir: &Path, listing: &Listing) -> Result<()> {
     }
     records.sort_by_key(|r| r.id().to_string());
     let snap = dir.join(snapshot_name(1));
-    file::write_atomic_with(&snap, |w| {
-        let mut buf = Vec::new();
-        for r in &records {
-            buf.clear();
+    write_snapshot(
+        &snap,
+        records.iter().map(|r| {
             let payload = serde_json::to_vec(r).map_err(std::io::Error::other)?;
-            journal::encode(&mut buf, 0, false, Kind::Put, &r.id().to_string(), &payload);
-            w.write_all(&buf)?;
-        }
-        buf.clear();
-        journal::encode(&mut buf, 0, true, Kind::End, "", b"");
-        w.write_all(&buf)
-    })
-    .context(|| format!("writing {}", snap.display()))?;
+            Ok((r.id().to_string(), payload))
+        }),
+    )?;
     failpoint::hit("store.migrate.after-snapshot");
     // From here the snapshot rules: open removes any old file left.
     for name in &listing.legacy {

@@ -1,18 +1,11 @@
 //! fsGroup for a CO that leaves it to the driver (VOLUME_MOUNT_GROUP): the
 //! volume's files are given to the pod's group, the way a kubelet would have done.
 
-use std::fs;
-use std::os::unix::fs::{lchown, MetadataExt, PermissionsExt};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 use csi_sys::file;
 
 use crate::error::{Context, Error, Result};
-
-/// Group read/write, search on directories, and setgid so that new files
-/// inherit the group.
-const DIR_BITS: u32 = 0o2070;
-const FILE_BITS: u32 = 0o060;
 
 /// Gives the volume mounted at `root` to `group`. When the root already
 /// belongs to it (the usual case: the same pod, or one with the same fsGroup,
@@ -25,75 +18,18 @@ pub(super) fn apply_mount_group(root: &Path, group: &str) -> Result<()> {
             "volume_mount_group {group:?} is not a numeric group id"
         ))
     })?;
-    let meta = fs::metadata(root).context_io(root, "reading")?;
-    if meta.gid() != gid || meta.mode() & DIR_BITS != DIR_BITS {
-        give_contents(root, meta.dev(), gid)?;
+    let given = || format!("giving {} to group {gid}", root.display());
+    if !file::is_shared_with_group(root, gid).context(given)? {
+        file::share_contents_with_group(root, gid).context(given)?;
     }
-    file::share_with_group(root, gid)
-        .context(|| format!("giving {} to group {gid}", root.display()))
-}
-
-/// Every file and directory below `root` on its filesystem (the walk does not
-/// follow symbolic links nor cross into other mounts) given to `gid`.
-fn give_contents(root: &Path, dev: u64, gid: u32) -> Result<()> {
-    let mut dirs: Vec<PathBuf> = vec![root.to_path_buf()];
-    while let Some(dir) = dirs.pop() {
-        for entry in fs::read_dir(&dir).context_io(&dir, "listing")? {
-            let path = entry.context_io(&dir, "listing")?.path();
-            let meta = match fs::symlink_metadata(&path) {
-                Ok(m) => m,
-                // Removed since it was listed (by a process of the last pod
-                // still exiting): nothing to give.
-                Err(e) if e.kind() == std::io::ErrorKind::NotFound => continue,
-                Err(e) => return Err(io_error(&path, "reading", e)),
-            };
-            if meta.dev() != dev {
-                continue;
-            }
-            give(&path, &meta, gid)?;
-            if meta.is_dir() {
-                dirs.push(path);
-            }
-        }
-    }
-    Ok(())
-}
-
-fn give(path: &Path, meta: &fs::Metadata, gid: u32) -> Result<()> {
-    if meta.gid() != gid {
-        lchown(path, None, Some(gid)).map_err(|e| io_error(path, "changing the group of", e))?;
-    }
-    if meta.file_type().is_symlink() {
-        return Ok(());
-    }
-    let bits = if meta.is_dir() { DIR_BITS } else { FILE_BITS };
-    // chown clears setuid/setgid of a file: the mode is set after it, from what
-    // it was before, as a kubelet does.
-    let mode = meta.mode() & 0o7777 | bits;
-    if meta.gid() != gid || mode != meta.mode() & 0o7777 {
-        fs::set_permissions(path, fs::Permissions::from_mode(mode))
-            .map_err(|e| io_error(path, "changing the mode of", e))?;
-    }
-    Ok(())
-}
-
-fn io_error(path: &Path, what: &str, e: std::io::Error) -> Error {
-    Error::internal(format!("{what} {}: {e}", path.display()))
-}
-
-trait IoContext<T> {
-    fn context_io(self, path: &Path, what: &str) -> Result<T>;
-}
-
-impl<T> IoContext<T> for std::io::Result<T> {
-    fn context_io(self, path: &Path, what: &str) -> Result<T> {
-        self.map_err(|e| io_error(path, what, e))
-    }
+    file::share_with_group(root, gid).context(given)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::fs;
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
 
     fn mode(p: &Path) -> u32 {
         fs::symlink_metadata(p).unwrap().mode() & 0o7777
