@@ -32,6 +32,21 @@ fn run(cmd: &str, args: &[&str]) -> String {
     String::from_utf8_lossy(&out.stdout).trim().to_string()
 }
 
+/// Detaches `device` and waits until the kernel has let it go: a detach while
+/// another process has the device open (a scan reading its status) only marks
+/// it to be cleared on that last close.
+fn detach(device: &str) {
+    run("losetup", &["-d", device]);
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while backing_of(device).is_some() {
+        assert!(
+            std::time::Instant::now() < until,
+            "{device} still attached 10 s after its detach"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+}
+
 fn backing_of(device: &str) -> Option<String> {
     let n = device.strip_prefix("/dev/")?;
     std::fs::read_to_string(format!("/sys/block/{n}/loop/backing_file"))
@@ -256,7 +271,7 @@ fn delete_refuses_an_image_attached_by_something_else() {
     assert_eq!(csi_glue::code(&err), Code::FailedPrecondition, "{err}");
     assert!(err.to_string().contains(&dev), "{err}");
     assert!(image.exists());
-    run("losetup", &["-d", &dev]);
+    detach(&dev);
     d.controller().unwrap().delete_volume(&id).unwrap();
     assert!(!image.exists());
 }

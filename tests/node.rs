@@ -235,8 +235,22 @@ fn umount(p: &Path) {
         .unwrap_or_else(|e| panic!("umount {}: {e}", p.display()));
 }
 
+/// Detaches `dev` and waits for the kernel to let it go (a detach while a scan
+/// has the device open only takes effect on that last close).
 fn detach(dev: &str) {
     sh("losetup", &["-d", dev]);
+    let backing = format!(
+        "/sys/block/{}/loop/backing_file",
+        dev.trim_start_matches("/dev/")
+    );
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while Path::new(&backing).exists() {
+        assert!(
+            std::time::Instant::now() < until,
+            "{dev} still attached 10 s after its detach"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
 }
 
 // ---------------------------------------------------------------- data paths
