@@ -1886,3 +1886,64 @@ async fn root_snapshots_live_on_the_node_that_took_them() {
     }
     delete_volume(&mut c, &vol.volume_id).await;
 }
+
+/// A claim smaller than the filesystem's minimum gets the minimum; its snapshots,
+/// single or in a group, promise a restore the size the claim asked for (what a
+/// CO checks a restore's request against), and a restore of that size is made as
+/// large as the data.
+#[tokio::test]
+#[ignore = "needs root: loop devices, mkfs, mounts"]
+async fn root_snapshots_of_a_volume_made_larger_than_asked_restore_at_the_asked_size() {
+    require_root();
+    let pool = Pool::new("xfs");
+    let driver = Driver::start(&pool, &[]);
+    let mut c = driver.clients().await;
+    const MIB: i64 = 1 << 20;
+    let kind = Kind::image("ext4");
+    let vol = create_volume(&mut c, "pvc-tiny", MIB, &kind, None)
+        .await
+        .unwrap();
+    assert_eq!(vol.capacity_bytes, 8 * MIB, "ext4's minimum is made");
+
+    let snap = create_snapshot(&mut c, "snap-tiny", &vol.volume_id)
+        .await
+        .unwrap();
+    assert_eq!(snap.size_bytes, MIB);
+    let (listed, _) = list_snapshots(&mut c, 0, "", &snap.snapshot_id, "")
+        .await
+        .unwrap();
+    assert_eq!(
+        listed.iter().map(|s| s.size_bytes).collect::<Vec<_>>(),
+        vec![MIB]
+    );
+    let group = create_group(&mut c, "group-tiny", &[&vol.volume_id])
+        .await
+        .unwrap();
+    assert_eq!(
+        group
+            .snapshots
+            .iter()
+            .map(|s| s.size_bytes)
+            .collect::<Vec<_>>(),
+        vec![MIB]
+    );
+
+    for (name, from) in [("pvc-r1", &snap), ("pvc-r2", &group.snapshots[0])] {
+        let restored = create_volume(
+            &mut c,
+            name,
+            from.size_bytes,
+            &kind,
+            Some(snap_source(&from.snapshot_id)),
+        )
+        .await
+        .unwrap();
+        assert_eq!(restored.capacity_bytes, 8 * MIB, "{name}");
+        delete_volume(&mut c, &restored.volume_id).await;
+    }
+    delete_group(&mut c, &group.group_snapshot_id)
+        .await
+        .unwrap();
+    delete_snapshot(&mut c, &snap.snapshot_id).await.unwrap();
+    delete_volume(&mut c, &vol.volume_id).await;
+}

@@ -54,7 +54,7 @@ fn volume(d: &Domain, v: &VolumeInfo) -> csi::Volume {
 
 pub(crate) fn snapshot(d: &Domain, s: &csi_storage::model::SnapshotRecord) -> csi::Snapshot {
     csi::Snapshot {
-        size_bytes: bytes(s.size),
+        size_bytes: bytes(s.restore_size()),
         snapshot_id: s.id.to_string(),
         source_volume_id: s.source_volume.to_string(),
         creation_time: Some(timestamp(s.created)),

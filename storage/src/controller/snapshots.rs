@@ -141,6 +141,7 @@ impl Controller {
             created: Timestamp::now(),
             state: RecordState::Creating,
             group,
+            requested: vol.requested,
         }
     }
 

@@ -253,6 +253,16 @@ pub struct VolumeRecord {
     /// Set on volumes created for an ephemeral inline volume.
     #[serde(default)]
     pub ephemeral: bool,
+    /// The size the request asked for when the driver made more (its filesystem's
+    /// minimum, or a whole MiB): what a snapshot of the volume promises a restore
+    /// needs, so that a restore may ask for what the source's creator asked for.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub requested: Option<u64>,
+}
+
+/// What was asked, when less than what was made.
+pub fn requested_below(asked: i64, made: u64) -> Option<u64> {
+    (asked > 0 && (asked as u64) < made).then_some(asked as u64)
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -268,6 +278,18 @@ pub struct SnapshotRecord {
     pub state: RecordState,
     #[serde(default)]
     pub group: Option<GroupSnapshotId>,
+    /// The source volume's `requested` size when it was taken.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub requested: Option<u64>,
+}
+
+impl SnapshotRecord {
+    /// The size a volume restored from this snapshot needs (CSI `size_bytes`):
+    /// the size its source's creator asked for. The data may be larger (the
+    /// driver's minimum); a restore is made at least as large as the data anyway.
+    pub fn restore_size(&self) -> u64 {
+        self.requested.unwrap_or(self.size)
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]

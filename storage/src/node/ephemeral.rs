@@ -204,6 +204,7 @@ impl Node {
             pending_size: None,
             published: BTreeMap::new(),
             ephemeral: true,
+            requested: None,
         };
         let path = pool.volume_path(id, Backing::Image, true);
         remove_data(&path)?;

@@ -303,3 +303,57 @@ fn a_driver_configured_without_a_mutable_parameter_refuses_it() {
     image.mutable_parameters = params(&[("directIO", "true")]);
     assert_eq!(kind(w.c().create_volume(image)), Kind::InvalidArgument);
 }
+
+#[test]
+fn a_volume_made_larger_than_asked_lets_its_snapshots_restore_at_the_asked_size() {
+    let w = World::new();
+    // 1 MiB of ext4 is made as the filesystem's 8 MiB minimum.
+    let small = w
+        .c()
+        .create_volume(request("pvc-small", MIB as i64, 0, vec![ext4()]))
+        .unwrap();
+    assert_eq!(small.record.size, 8 * MIB);
+    assert_eq!(small.record.requested, Some(MIB));
+    let id = small.record.id.to_string();
+    let snap = w
+        .c()
+        .create_snapshot("snap-small", &id, &BTreeMap::new())
+        .unwrap();
+    assert_eq!(snap.size, 8 * MIB, "the data is the whole image");
+    assert_eq!(snap.restore_size(), MIB, "a restore needs what was asked");
+
+    // A restore asking for the source's asked size is made as large as the data.
+    let mut restore = request("pvc-restore", MIB as i64, 0, vec![ext4()]);
+    restore.source = Some(ContentSource::Snapshot(snap.id));
+    let restored = w.c().create_volume(restore).unwrap();
+    assert_eq!(restored.record.size, 8 * MIB);
+    assert_eq!(restored.record.requested, Some(MIB));
+    // ... but not squeezed below it.
+    let mut capped = request("pvc-capped", MIB as i64, MIB as i64, vec![ext4()]);
+    capped.source = Some(ContentSource::Snapshot(snap.id));
+    assert_eq!(kind(w.c().create_volume(capped)), Kind::OutOfRange);
+
+    // Grown to a size of its own, the volume promises that size.
+    w.c()
+        .expand_volume(
+            &id,
+            CapacityRange {
+                required: 16 * MIB as i64,
+                limit: 0,
+            },
+            None,
+        )
+        .unwrap();
+    let grown = w
+        .c()
+        .create_snapshot("snap-grown", &id, &BTreeMap::new())
+        .unwrap();
+    assert_eq!((grown.size, grown.restore_size()), (16 * MIB, 16 * MIB));
+
+    // Asked for exactly what is made: no separate size is kept.
+    let exact = w
+        .c()
+        .create_volume(request("pvc-exact", 64 * MIB as i64, 0, vec![ext4()]))
+        .unwrap();
+    assert_eq!(exact.record.requested, None);
+}

@@ -83,6 +83,7 @@ impl Controller {
             pending_size: None,
             published: BTreeMap::new(),
             ephemeral: false,
+            requested: requested_below(req.capacity.required, size),
         };
         self.make_volume(record, &plan.pool, src_path)
     }

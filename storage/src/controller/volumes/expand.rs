@@ -69,6 +69,7 @@ impl Controller {
         failpoint::hit("expand-volume.after-grow");
         rec.size = new;
         rec.pending_size = None;
+        rec.requested = requested_below(want as i64, new);
         self.volumes.put(&rec)?;
         tracing::info!(volume.id = %id, size = new, "volume expanded");
         Ok((new, node_grows))
