@@ -105,10 +105,20 @@ pub(crate) fn create_with<F>(path: &Path, mode: u32, fill: F) -> Result<()>
 where
     F: FnOnce(&File) -> Result<()>,
 {
+    create_unsynced_with(path, mode, |file| {
+        fill(file)
+            .and_then(|()| fsync(file, path))
+            .and_then(|()| fsync_dir(parent_dir(path)))
+    })
+}
+
+/// [`create_with`] without making anything durable.
+pub(crate) fn create_unsynced_with<F>(path: &Path, mode: u32, fill: F) -> Result<()>
+where
+    F: FnOnce(&File) -> Result<()>,
+{
     let file = create_new(path, mode)?;
-    let res = fill(&file)
-        .and_then(|()| fsync(&file, path))
-        .and_then(|()| fsync_dir(parent_dir(path)));
+    let res = fill(&file);
     if res.is_err() {
         drop(file);
         let _ = remove_file_if_exists(path);

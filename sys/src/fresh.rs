@@ -101,10 +101,11 @@ pub fn read_uuid(image: &Path, fstype: &str) -> Result<[u8; 16]> {
 }
 
 /// Makes `dst` a reflink of the template `template` with the filesystem UUID
-/// `uuid` and the xattrs `attrs` (`user.` names, as [`crate::xattr::set`]), then
-/// makes it durable (file and folder): one fsync for the lot. Nothing is left at
-/// `dst` when a step fails. The template's modification time is set to now, so
-/// the least recently used template is the oldest.
+/// `uuid` and the xattrs `attrs` (`user.` names, as [`crate::xattr::set`]).
+/// Nothing of it is durable yet: the caller syncs it before anything is written
+/// to it, and [`carries_uuid`] tells a copy whose UUID a power loss took in part.
+/// Nothing is left at `dst` when a step fails. The template's modification time
+/// is set to now, so the least recently used template is the oldest.
 pub fn clone_template(
     template: &Path,
     dst: &Path,
@@ -113,7 +114,7 @@ pub fn clone_template(
     attrs: &[(&str, &[u8])],
 ) -> Result<()> {
     let src = open(template, false)?;
-    crate::file::create_with(dst, 0o600, |d| {
+    crate::file::create_unsynced_with(dst, 0o600, |d| {
         crate::file::clone_into(d, &src, template, dst)?;
         renew_uuid(dst, fstype, uuid)?;
         attrs
@@ -123,6 +124,95 @@ pub fn clone_template(
     // Only an order among templates: not worth an fsync.
     let _ = src.set_modified(std::time::SystemTime::now());
     Ok(())
+}
+
+/// Whether the copy of a template at `image` carries `uuid` in every place
+/// [`renew_uuid`] writes it, each checksum right: false for a copy of which a
+/// power loss kept only some of those writes (or none).
+pub fn carries_uuid(image: &Path, fstype: &str, uuid: [u8; 16]) -> Result<bool> {
+    let f = open(image, false)?;
+    let len = f
+        .metadata()
+        .map_err(|e| SysError::io("reading the size of", image, e))?
+        .len();
+    let holds = |offset: u64, size: usize, at: usize| -> Result<Vec<u8>> {
+        let b = read(&f, image, offset, size)?;
+        Ok(if b[at..at + 16] == uuid {
+            b
+        } else {
+            Vec::new()
+        })
+    };
+    match fstype {
+        "ext4" => {
+            let sb = holds(EXT4_SB, 1024, EXT4_UUID)?;
+            Ok(!sb.is_empty() && le32(&sb, EXT4_CSUM) == ext4_csum(&sb))
+        }
+        "xfs" => {
+            let sb = holds(0, 512, XFS_UUID)?;
+            if sb.is_empty() || &sb[0..4] != b"XFSB" {
+                return Ok(false);
+            }
+            let (sect, bsize) = (be16(&sb, 102) as usize, be32(&sb, 4) as u64);
+            let (agblocks, agcount) = (be32(&sb, 84) as u64, be32(&sb, 88) as u64);
+            if !(512..=32768).contains(&sect)
+                || agcount.saturating_mul(agblocks).saturating_mul(bsize) > len
+            {
+                return Ok(false);
+            }
+            for ag in 0..agcount {
+                let s = holds(ag * agblocks * bsize, sect, XFS_UUID)?;
+                if s.is_empty()
+                    || s[XFS_CRC..XFS_CRC + 4] != xfs_crc(&s).to_le_bytes()
+                    || be32(&s, XFS_INCOMPAT) & XFS_INCOMPAT_META_UUID == 0
+                {
+                    return Ok(false);
+                }
+            }
+            let log = xfs_log_offset(&sb);
+            Ok(log.saturating_add(512) <= len && !holds(log, 512, XLOG_UUID)?.is_empty())
+        }
+        "btrfs" => {
+            let mut any = false;
+            for &offset in BTRFS_SB.iter().filter(|&&o| o + 4096 <= len) {
+                let s = holds(offset, 4096, BTRFS_FSID)?;
+                if s.is_empty()
+                    || le32(&s, 0) != crc32c(&s[0x20..])
+                    || le64(&s, BTRFS_INCOMPAT) & BTRFS_INCOMPAT_METADATA_UUID == 0
+                {
+                    return Ok(false);
+                }
+                any = true;
+            }
+            Ok(any)
+        }
+        other => Err(unsupported(other)),
+    }
+}
+
+/// Empties the never-mounted copy of a template at `image` (its length and
+/// attributes kept), so that it is formatted at its first stage as a blank image.
+pub fn discard(image: &Path) -> Result<()> {
+    let f = open(image, true)?;
+    let len = f
+        .metadata()
+        .map_err(|e| SysError::io("reading the size of", image, e))?
+        .len();
+    f.set_len(0)
+        .and_then(|()| f.set_len(len))
+        .map_err(|e| SysError::io("emptying", image, e))
+}
+
+/// Where in the image an xfs filesystem's internal log starts, from its superblock.
+fn xfs_log_offset(sb: &[u8]) -> u64 {
+    let (bsize, agblocks) = (be32(sb, 4) as u64, be32(sb, 84) as u64);
+    let agblklog = (sb[124] as u32).min(63);
+    let logstart = be64(sb, 48);
+    let mask = (1u64 << agblklog) - 1;
+    (logstart >> agblklog)
+        .saturating_mul(agblocks)
+        .saturating_add(logstart & mask)
+        .saturating_mul(bsize)
 }
 
 /// One block to rewrite: where, what it holds now, and how the new UUID goes in.
@@ -202,11 +292,10 @@ fn plan(f: &File, image: &Path, fstype: &str, len: u64) -> Result<Vec<Block>> {
             let bsize = be32(&sb, 4) as u64;
             let agblocks = be32(&sb, 84) as u64;
             let agcount = be32(&sb, 88) as u64;
-            let agblklog = sb[124] as u32;
             let logstart = be64(&sb, 48);
             if !(512..=32768).contains(&sect)
                 || agcount == 0
-                || agcount * agblocks * bsize > len
+                || agcount.saturating_mul(agblocks).saturating_mul(bsize) > len
                 || logstart == 0
             {
                 return Err(bad("unexpected geometry or external log"));
@@ -239,8 +328,7 @@ fn plan(f: &File, image: &Path, fstype: &str, len: u64) -> Result<Vec<Block>> {
                     },
                 });
             }
-            let mask = (1u64 << agblklog) - 1;
-            let log = ((logstart >> agblklog) * agblocks + (logstart & mask)) * bsize;
+            let log = xfs_log_offset(&sb);
             let head = read(f, image, log, 512)?;
             // The unmount record mkfs writes: cycle 1, no CRC, this filesystem's UUID.
             let fresh_log = be32(&head, 0) == XLOG_MAGIC

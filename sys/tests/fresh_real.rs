@@ -4,11 +4,14 @@
 
 mod common;
 
+use std::os::unix::fs::FileExt;
 use std::path::Path;
 use std::time::Duration;
 
 use common::{mountpoint, require_root, sh, Attached, LoopMountedPool, Mounted, MIB};
-use csi_sys::fresh::{check_template, format_template, read_uuid, renew_uuid};
+use csi_sys::fresh::{
+    carries_uuid, check_template, discard, format_template, read_uuid, renew_uuid,
+};
 use csi_sys::linux::LinuxMounter;
 use csi_sys::{file, LoopOptions, MountOptions, Mounter};
 
@@ -67,7 +70,14 @@ fn root_copies_get_their_own_uuid_and_mount_side_by_side() {
         let b = pool.path().join(format!("b-{fstype}.img"));
         for copy in [&a, &b] {
             file::reflink(&t, copy).unwrap();
-            renew_uuid(copy, fstype, random_uuid()).unwrap();
+            let uuid = random_uuid();
+            assert!(!carries_uuid(copy, fstype, uuid).unwrap(), "{fstype}");
+            renew_uuid(copy, fstype, uuid).unwrap();
+            assert!(carries_uuid(copy, fstype, uuid).unwrap(), "{fstype}");
+            assert!(
+                !carries_uuid(copy, fstype, random_uuid()).unwrap(),
+                "{fstype}"
+            );
             // A copy is no longer a fresh template: a second change is refused
             // where the filesystem records the first.
             if fstype != "ext4" {
@@ -124,5 +134,44 @@ fn root_copies_get_their_own_uuid_and_mount_side_by_side() {
         fsck_ok(fstype, &b);
         // The copies' changes never reach the template's blocks.
         check_template(&t, fstype).unwrap();
+    }
+}
+
+/// A copy of which only some UUID writes were kept is not taken for one that
+/// has its UUID; emptied, it holds no filesystem and keeps its length.
+#[test]
+#[ignore = "needs root: mkfs, loop devices and mounts"]
+fn root_a_copy_with_part_of_its_uuid_is_told_and_discarded() {
+    require_root();
+    let pool = LoopMountedPool::new("xfs", 2048 * MIB);
+    for fstype in ["ext4", "xfs", "btrfs"] {
+        let t = template(pool.path(), fstype);
+        let copy = pool.path().join(format!("c-{fstype}.img"));
+        file::reflink(&t, &copy).unwrap();
+        let uuid = random_uuid();
+        renew_uuid(&copy, fstype, uuid).unwrap();
+        // The template's first superblock back, as if that write were lost.
+        let mut head = vec![0u8; 128 << 10];
+        std::fs::File::open(&t)
+            .unwrap()
+            .read_exact_at(&mut head, 0)
+            .unwrap();
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&copy)
+            .unwrap()
+            .write_all_at(&head, 0)
+            .unwrap();
+        assert!(!carries_uuid(&copy, fstype, uuid).unwrap(), "{fstype}");
+        discard(&copy).unwrap();
+        assert_eq!(std::fs::metadata(&copy).unwrap().len(), 512 * MIB);
+        let mut now = vec![1u8; 128 << 10];
+        std::fs::File::open(&copy)
+            .unwrap()
+            .read_exact_at(&mut now, 0)
+            .unwrap();
+        assert!(now.iter().all(|&b| b == 0), "{fstype}: emptied");
+        assert_eq!(file::allocated_bytes(&copy).unwrap(), 0, "{fstype}");
+        assert!(!carries_uuid(&copy, fstype, uuid).unwrap(), "{fstype}");
     }
 }

@@ -92,8 +92,8 @@ impl Templates {
             });
             return false;
         }
-        let (name, value) = fresh::mark(fs_type);
         let uuid = *uuid::Uuid::new_v4().as_bytes();
+        let (name, value) = fresh::mark(fs_type, uuid);
         let all: Vec<(&str, &[u8])> = std::iter::once((name.as_str(), value.as_slice()))
             .chain(attrs.iter().map(|(n, v)| (n.as_str(), v.as_slice())))
             .collect();

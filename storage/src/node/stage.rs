@@ -386,7 +386,11 @@ impl Node {
     /// A setting that cannot be read or applied fails the stage: a volume is never
     /// served without what was asked for it.
     fn attach(&self, image: &Path, devices: &[LoopDevice]) -> Result<LoopDevice> {
-        // A new image may not be durable yet (core::blank); data goes in after this.
+        // A new image may not be durable yet (core::blank, core::fresh); data goes
+        // in after this.
+        if devices.is_empty() {
+            crate::fresh::settle(image)?;
+        }
         crate::core::blank::make_durable(image)?;
         let settings = recorded_settings(image)?;
         let dev = match devices.iter().find(|d| !d.read_only).cloned() {
