@@ -64,6 +64,18 @@ pub(crate) fn settle(image: &Path) -> Result<()> {
     clear(image)
 }
 
+/// Clears the mark of an image that will be grown before its first stage. The
+/// stage then checks its filesystem as any other and no longer looks at the
+/// UUID, so the copy is settled and made durable first.
+pub(crate) fn unmark(image: &Path) -> Result<()> {
+    if read_mark(image).is_none() {
+        return Ok(());
+    }
+    settle(image)?;
+    crate::core::blank::make_durable(image)?;
+    clear(image)
+}
+
 /// Clears the mark, before the filesystem is first mounted: a later stage checks
 /// it as any other.
 pub(crate) fn clear(image: &Path) -> Result<()> {

@@ -81,7 +81,7 @@ impl Controller {
         match rec.backing {
             // Unmarked first: a fresh filesystem is not grown at its first stage.
             Backing::Image => {
-                crate::fresh::clear(&path).and_then(|()| file::grow(&path, size).context(at))
+                crate::fresh::unmark(&path).and_then(|()| file::grow(&path, size).context(at))
             }
             Backing::Subvolume => btrfs::qgroup_limit(&path, size).context(at),
             Backing::Directory => record_size(&path, size),
