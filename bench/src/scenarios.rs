@@ -507,23 +507,15 @@ async fn snapshot_of(
             volume_id: v.volume_id.clone(),
         }),
     );
-    let restored = time_and_space(
-        pool,
-        out,
-        (&prefix, "restore", "restore_space"),
-        create(&mut t.ctl, restore_req),
-    )
-    .await?;
-    let cloned = time_and_space(
-        pool,
-        out,
-        (&prefix, "clone", "clone_space"),
-        create(&mut t.ctl, clone_req),
-    )
-    .await?;
-
-    delete(&mut t.ctl, &restored.volume_id).await?;
-    delete(&mut t.ctl, &cloned.volume_id).await?;
+    let mut made = Vec::new();
+    for (what, req) in [("restore", restore_req), ("clone", clone_req)] {
+        let space = format!("{what}_space");
+        let op = create(&mut t.ctl, req);
+        made.push(time_and_space(pool, out, (&prefix, what, &space), op).await?);
+    }
+    for m in &made {
+        delete(&mut t.ctl, &m.volume_id).await?;
+    }
     t.ctl
         .delete_snapshot(csi::DeleteSnapshotRequest {
             snapshot_id: snap.snapshot_id.clone(),
