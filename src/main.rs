@@ -275,44 +275,68 @@ async fn serve(
         Some(addr) => Some(start_metrics(addr, &cli, &driver, sys, &endpoint).await?),
     };
 
+    let router = services(&driver, metrics, rpc_limit);
+    let grace = Duration::from_secs(cli.shutdown_timeout);
+    listen(router, endpoint, grace, registration).await
+}
+
+/// A CSI service that takes and sends messages up to [`MAX_MESSAGE_BYTES`].
+macro_rules! bounded {
+    ($server:expr) => {
+        $server
+            .max_decoding_message_size(MAX_MESSAGE_BYTES)
+            .max_encoding_message_size(MAX_MESSAGE_BYTES)
+    };
+}
+
+type Services = tonic::transport::server::Router<
+    tower::layer::util::Stack<metrics::RpcLayer, tower::layer::util::Identity>,
+>;
+
+/// The CSI services this mode serves, behind the RPC limit and the metrics.
+fn services(
+    driver: &Arc<Driver>,
+    metrics: Option<Arc<metrics::Metrics>>,
+    rpc_limit: usize,
+) -> Services {
     let controller = driver.controller().cloned();
     let node = driver.node().cloned();
-    let router = tonic::transport::Server::builder()
+    let identity = csi_identity::IdentityService::new(driver.clone(), controller.is_some());
+    tonic::transport::Server::builder()
         .layer(metrics::RpcLayer::new(metrics, rpc_limit))
-        .add_service(
-            IdentityServer::new(csi_identity::IdentityService::new(
-                driver.clone(),
-                controller.is_some(),
-            ))
-            .max_decoding_message_size(MAX_MESSAGE_BYTES)
-            .max_encoding_message_size(MAX_MESSAGE_BYTES),
-        )
+        .add_service(bounded!(IdentityServer::new(identity)))
         .add_optional_service(controller.clone().map(|c| {
-            ControllerServer::new(csi_controller::ControllerService::new(c))
-                .max_decoding_message_size(MAX_MESSAGE_BYTES)
-                .max_encoding_message_size(MAX_MESSAGE_BYTES)
+            bounded!(ControllerServer::new(
+                csi_controller::ControllerService::new(c)
+            ))
         }))
         .add_optional_service(controller.clone().map(|c| {
-            GroupControllerServer::new(csi_controller::GroupControllerService::new(c))
-                .max_decoding_message_size(MAX_MESSAGE_BYTES)
-                .max_encoding_message_size(MAX_MESSAGE_BYTES)
+            bounded!(GroupControllerServer::new(
+                csi_controller::GroupControllerService::new(c)
+            ))
         }))
         .add_optional_service(controller.map(|c| {
-            SnapshotMetadataServer::new(csi_controller::SnapshotMetadataService::new(c))
-                .max_decoding_message_size(MAX_MESSAGE_BYTES)
-                .max_encoding_message_size(MAX_MESSAGE_BYTES)
+            bounded!(SnapshotMetadataServer::new(
+                csi_controller::SnapshotMetadataService::new(c)
+            ))
         }))
-        .add_optional_service(node.map(|n| {
-            NodeServer::new(csi_node::NodeService::new(n))
-                .max_decoding_message_size(MAX_MESSAGE_BYTES)
-                .max_encoding_message_size(MAX_MESSAGE_BYTES)
-        }));
+        .add_optional_service(
+            node.map(|n| bounded!(NodeServer::new(csi_node::NodeService::new(n)))),
+        )
+}
 
+/// Serves `router` on the endpoint until a signal stops it, registered with the
+/// kubelet meanwhile when asked to be.
+async fn listen(
+    router: Services,
+    endpoint: Endpoint,
+    grace: Duration,
+    registration: Option<registration::Config>,
+) -> Result<(), Stop> {
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let stopping = async move {
         let _ = stop_rx.await;
     };
-    let grace = Duration::from_secs(cli.shutdown_timeout);
     match endpoint {
         Endpoint::Unix(path) => {
             endpoint::prepare(&path)?;

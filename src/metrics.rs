@@ -146,12 +146,7 @@ pub struct Metrics {
     registry: Registry,
     rpcs: Family<Labels, Counter>,
     latency: HistogramFamily,
-    volumes: Family<Labels, Gauge>,
-    snapshots: Family<Labels, Gauge>,
-    capacity: Family<Labels, Gauge>,
-    free: Family<Labels, Gauge>,
-    reflink: Family<Labels, Gauge>,
-    loops: Family<Labels, Gauge>,
+    pools: PoolGauges,
     ready: Gauge,
     scrape_errors: Counter<u64, AtomicU64>,
     shown: HealthGauges,
@@ -159,6 +154,19 @@ pub struct Metrics {
     /// One scrape at a time sets and encodes: the health families are cleared
     /// and refilled, and a concurrent encode must not see them half done.
     rendering: Mutex<()>,
+}
+
+/// A figure of each pool.
+type ByPool = Family<Labels, Gauge>;
+
+/// What each pool holds.
+struct PoolGauges {
+    volumes: ByPool,
+    snapshots: ByPool,
+    capacity: ByPool,
+    free: ByPool,
+    reflink: ByPool,
+    loops: ByPool,
 }
 
 /// What the last health check found, as the metrics show it.
@@ -180,6 +188,40 @@ fn register<M: Metric + Clone>(r: &mut Registry, name: &str, help: &str, metric:
 
 fn family() -> Family<Labels, Gauge> {
     Family::default()
+}
+
+impl PoolGauges {
+    fn new(r: &mut Registry) -> PoolGauges {
+        PoolGauges {
+            volumes: register(r, "volumes", "Volumes recorded, by pool", family()),
+            snapshots: register(r, "snapshots", "Snapshots recorded, by pool", family()),
+            capacity: register(
+                r,
+                "pool_capacity_bytes",
+                "Size of the pool's filesystem, by pool",
+                family(),
+            ),
+            free: register(
+                r,
+                "pool_free_bytes",
+                "Bytes available to new volumes in the pool's filesystem, by pool",
+                family(),
+            ),
+            reflink: register(
+                r,
+                "pool_reflink",
+                "1 when the pool's filesystem clones by reflink (snapshots and clones \
+                 share blocks), 0 when they are full copies",
+                family(),
+            ),
+            loops: register(
+                r,
+                "loop_devices",
+                "Loop devices attached to image files inside the pool, by pool",
+                family(),
+            ),
+        }
+    }
 }
 
 impl HealthGauges {
@@ -255,33 +297,7 @@ impl Metrics {
             "Time from a gRPC call's arrival to its status, by service and method",
             Family::new_with_constructor(new_histogram as fn() -> Histogram),
         );
-        let volumes = register(r, "volumes", "Volumes recorded, by pool", family());
-        let snapshots = register(r, "snapshots", "Snapshots recorded, by pool", family());
-        let capacity = register(
-            r,
-            "pool_capacity_bytes",
-            "Size of the pool's filesystem, by pool",
-            family(),
-        );
-        let free = register(
-            r,
-            "pool_free_bytes",
-            "Bytes available to new volumes in the pool's filesystem, by pool",
-            family(),
-        );
-        let reflink = register(
-            r,
-            "pool_reflink",
-            "1 when the pool's filesystem clones by reflink (snapshots and clones \
-             share blocks), 0 when they are full copies",
-            family(),
-        );
-        let loops = register(
-            r,
-            "loop_devices",
-            "Loop devices attached to image files inside the pool, by pool",
-            family(),
-        );
+        let pools = PoolGauges::new(r);
         let ready = register(
             r,
             "ready",
@@ -299,12 +315,7 @@ impl Metrics {
             registry: std::mem::take(r),
             rpcs,
             latency,
-            volumes,
-            snapshots,
-            capacity,
-            free,
-            reflink,
-            loops,
+            pools,
             ready,
             scrape_errors,
             shown,
@@ -358,13 +369,16 @@ impl Metrics {
         for pool in driver.pools() {
             let l: Labels = vec![("pool", pool.name.clone())];
             let (v, s) = by_pool.get(&pool.name).copied().unwrap_or_default();
-            self.volumes.get_or_create(&l).set(v as i64);
-            self.snapshots.get_or_create(&l).set(s as i64);
-            self.reflink.get_or_create(&l).set(pool.reflink as i64);
+            self.pools.volumes.get_or_create(&l).set(v as i64);
+            self.pools.snapshots.get_or_create(&l).set(s as i64);
+            self.pools
+                .reflink
+                .get_or_create(&l)
+                .set(pool.reflink as i64);
             match pool.space() {
                 Ok((free, total)) => {
-                    self.capacity.get_or_create(&l).set(clamp(total));
-                    self.free.get_or_create(&l).set(clamp(free));
+                    self.pools.capacity.get_or_create(&l).set(clamp(total));
+                    self.pools.free.get_or_create(&l).set(clamp(free));
                 }
                 Err(e) => {
                     tracing::warn!(pool = %pool.name, error = %e, "metrics: reading pool space failed");
@@ -380,7 +394,7 @@ impl Metrics {
                         pool.contains(std::path::Path::new(b))
                     })
                     .count();
-                self.loops.get_or_create(&l).set(n as i64);
+                self.pools.loops.get_or_create(&l).set(n as i64);
             }
         }
         self.ready.set(matches!(driver.probe(), Ok(true)) as i64);

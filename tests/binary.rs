@@ -292,16 +292,20 @@ async fn root_live_socket_of_another_process_is_refused() {
     let sock = dir.join("csi.sock");
     let _listener = std::os::unix::net::UnixListener::bind(&sock).unwrap();
     let ino = std::fs::metadata(&sock).unwrap().ino();
-    let out = Command::new(BIN)
-        .args([
-            &format!("--endpoint=unix://{}", sock.display()),
-            "--nodeid=n",
-            &format!("--pool=default={}", pool.path.display()),
-            &format!("--state-dir={}", dir.join("state").display()),
-        ])
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
+    // The driver started on `socket`, run until it exits.
+    let start_on = |socket: &Path| {
+        Command::new(BIN)
+            .args([
+                &format!("--endpoint=unix://{}", socket.display()),
+                "--nodeid=n",
+                &format!("--pool=default={}", pool.path.display()),
+                &format!("--state-dir={}", dir.join("state").display()),
+            ])
+            .stdin(Stdio::null())
+            .output()
+            .unwrap()
+    };
+    let out = start_on(&sock);
     assert!(!out.status.success());
     assert!(
         String::from_utf8_lossy(&out.stderr).contains("in use"),
@@ -316,16 +320,7 @@ async fn root_live_socket_of_another_process_is_refused() {
     // A regular file at the socket path is not removed either.
     let file = dir.join("file.sock");
     std::fs::write(&file, b"keep").unwrap();
-    let out = Command::new(BIN)
-        .args([
-            &format!("--endpoint=unix://{}", file.display()),
-            "--nodeid=n",
-            &format!("--pool=default={}", pool.path.display()),
-            &format!("--state-dir={}", dir.join("state").display()),
-        ])
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
+    let out = start_on(&file);
     assert!(!out.status.success());
     assert_eq!(std::fs::read(&file).unwrap(), b"keep");
 }
@@ -375,19 +370,16 @@ async fn root_sigterm_lets_a_running_call_finish() {
     let pool = Pool::new("ext4");
     let mut driver = Driver::start(&pool, &[]);
     let mut c = driver.clients().await;
-    let src = c
-        .controller
-        .create_volume(create_req(
+    let src = must_create(
+        &mut c.controller,
+        create_req(
             "pvc-src",
             1024 * MIB,
             mount_cap("ext4", writer()),
             &[("kind", "image")],
-        ))
-        .await
-        .unwrap()
-        .into_inner()
-        .volume
-        .unwrap();
+        ),
+    )
+    .await;
     fill(&image_of(&pool, &src.volume_id), 512);
     let mut ctl = c.controller.clone();
     let src_id = src.volume_id.clone();
@@ -501,14 +493,7 @@ async fn root_secrets_never_reach_the_logs() {
         let cap = mount_cap("ext4", writer());
         let mut req = create_req(&format!("pvc-secret-{fmt}"), 64 * MIB, cap.clone(), &[]);
         req.secrets = secrets();
-        let vol = c
-            .controller
-            .create_volume(req.clone())
-            .await
-            .unwrap()
-            .into_inner()
-            .volume
-            .unwrap();
+        let vol = must_create(&mut c.controller, req.clone()).await;
         // Requests refused by validation, with secrets.
         let mut bad = req.clone();
         bad.name.clear();
@@ -661,14 +646,11 @@ async fn root_identity_and_metrics() {
     assert_eq!(sample(&before, "example_csi_rpc_requests_total", &ok), None);
 
     let cap = mount_cap("ext4", writer());
-    let vol = c
-        .controller
-        .create_volume(create_req("pvc-metrics", 64 * MIB, cap.clone(), &[]))
-        .await
-        .unwrap()
-        .into_inner()
-        .volume
-        .unwrap();
+    let vol = must_create(
+        &mut c.controller,
+        create_req("pvc-metrics", 64 * MIB, cap.clone(), &[]),
+    )
+    .await;
     for _ in 0..2 {
         let e = c
             .controller
@@ -1028,18 +1010,16 @@ async fn root_500_simultaneous_creates_keep_the_driver_bounded() {
     let mut ctl = c.controller.clone();
     let mut sources = Vec::new();
     for i in 0..SOURCES {
-        let src = ctl
-            .create_volume(create_req(
+        let src = must_create(
+            &mut ctl,
+            create_req(
                 &format!("pvc-heavy-src-{i}"),
                 64 * MIB,
                 mount_cap("ext4", writer()),
                 &[("kind", "image")],
-            ))
-            .await
-            .unwrap()
-            .into_inner()
-            .volume
-            .unwrap();
+            ),
+        )
+        .await;
         // Real data to copy: ext4 has no reflink, so each clone copies it.
         fill(&image_of(&pool, &src.volume_id), 1);
         sources.push(src.volume_id);
@@ -1213,14 +1193,11 @@ async fn root_a_stuck_mkfs_is_killed_and_the_volume_released() {
     let driver = Driver::start_with_env(&pool, &["--command-timeout=2"], &[("PATH", &path)]);
     let mut c = driver.clients().await;
     let cap = mount_cap("ext4", writer());
-    let vol = c
-        .controller
-        .create_volume(create_req("pvc-stuck", 64 * MIB, cap.clone(), &[]))
-        .await
-        .unwrap()
-        .into_inner()
-        .volume
-        .unwrap();
+    let vol = must_create(
+        &mut c.controller,
+        create_req("pvc-stuck", 64 * MIB, cap.clone(), &[]),
+    )
+    .await;
     let staging = pool.scratch("staging");
     for round in 0..2 {
         let started = Instant::now();

@@ -106,17 +106,6 @@ fn xattr(path: &Path, name: &str) -> Option<String> {
     (len >= 0).then(|| String::from_utf8_lossy(&buf[..len as usize]).into_owned())
 }
 
-/// Names in `dir` (not recursive).
-fn names(dir: &Path) -> BTreeSet<String> {
-    std::fs::read_dir(dir)
-        .map(|rd| {
-            rd.flatten()
-                .map(|e| e.file_name().to_string_lossy().into_owned())
-                .collect()
-        })
-        .unwrap_or_default()
-}
-
 /// Every file or directory below `dir` whose name ends with `.tmp`.
 /// Filesystem templates a pool's background worker makes (and, when cut short,
 /// start-up removes) are the driver's cache, not an operation's leftovers:
@@ -356,14 +345,11 @@ async fn crash_safety(fs: &str, kind: &str) {
     let mut exp = Expected::default();
 
     // A source for clones, with some data in it when it is a directory.
-    let base = c
-        .controller
-        .create_volume(create_req("base", 64 * MIB, cap.clone(), &params))
-        .await
-        .unwrap()
-        .into_inner()
-        .volume
-        .unwrap();
+    let base = must_create(
+        &mut c.controller,
+        create_req("base", 64 * MIB, cap.clone(), &params),
+    )
+    .await;
     exp.add(&base.volume_id, kind, 64 * MIB, btrfs);
     if kind == "dir" {
         std::fs::write(
@@ -404,14 +390,7 @@ async fn crash_safety(fs: &str, kind: &str) {
                 assert_eq!(v.volume_id, id, "{label}: same id on retry");
                 assert_eq!(v.capacity_bytes, 64 * MIB, "{label}");
                 // A second retry is still the same volume.
-                let again = c
-                    .controller
-                    .create_volume(req)
-                    .await
-                    .unwrap()
-                    .into_inner()
-                    .volume
-                    .unwrap();
+                let again = must_create(&mut c.controller, req).await;
                 assert_eq!(again.volume_id, id, "{label}: idempotent");
                 exp.add(&id, kind, 64 * MIB, btrfs);
                 if kind == "dir" && *fp == "create-volume.after-copy" {
@@ -539,32 +518,21 @@ async fn orphans_removed(fs: &str) {
     let pool = Pool::new(fs);
     let mut d = Driver::start(&pool, &[]);
     let mut c = d.clients().await;
-    let keep = c
-        .controller
-        .create_volume(create_req(
-            "keep",
-            16 * MIB,
-            mount_cap("ext4", writer()),
-            &[],
-        ))
-        .await
-        .unwrap()
-        .into_inner()
-        .volume
-        .unwrap();
-    let keep_dir = c
-        .controller
-        .create_volume(create_req(
+    let keep = must_create(
+        &mut c.controller,
+        create_req("keep", 16 * MIB, mount_cap("ext4", writer()), &[]),
+    )
+    .await;
+    let keep_dir = must_create(
+        &mut c.controller,
+        create_req(
             "keep-dir",
             16 * MIB,
             mount_cap("", writer()),
             &[("kind", "dir")],
-        ))
-        .await
-        .unwrap()
-        .into_inner()
-        .volume
-        .unwrap();
+        ),
+    )
+    .await;
     drop(c);
     let t = std::time::Instant::now();
     d.stop();
@@ -779,24 +747,8 @@ async fn root_bad_inputs_get_spec_codes_and_change_nothing() {
     let d = Driver::start(&pool, &["--enable-attach"]);
     let mut c = d.clients().await;
     let cap = mount_cap("ext4", writer());
-    let good = c
-        .controller
-        .create_volume(create_req("good", 64 * MIB, cap.clone(), &[]))
-        .await
-        .unwrap()
-        .into_inner()
-        .volume
-        .unwrap()
-        .volume_id;
-    let published = c
-        .controller
-        .create_volume(create_req("published", 64 * MIB, cap.clone(), &[]))
-        .await
-        .unwrap()
-        .into_inner()
-        .volume
-        .unwrap()
-        .volume_id;
+    let good = c.create("good", 64 * MIB, cap.clone(), &[]).await;
+    let published = c.create("published", 64 * MIB, cap.clone(), &[]).await;
     let publish = |vol: &str, node: &str, ro: bool| csi::ControllerPublishVolumeRequest {
         volume_id: vol.to_string(),
         node_id: node.to_string(),
@@ -1311,14 +1263,11 @@ async fn root_64_mib_image_refuses_the_65th_mib() {
     let d = Driver::start(&pool, &[]);
     let mut c = d.clients().await;
     let cap = mount_cap("ext4", writer());
-    let v = c
-        .controller
-        .create_volume(create_req("cap64", 64 * MIB, cap.clone(), &[]))
-        .await
-        .unwrap()
-        .into_inner()
-        .volume
-        .unwrap();
+    let v = must_create(
+        &mut c.controller,
+        create_req("cap64", 64 * MIB, cap.clone(), &[]),
+    )
+    .await;
     assert_eq!(v.capacity_bytes, 64 * MIB);
     let id = v.volume_id;
     let staging = pool.scratch("staging");
@@ -1546,19 +1495,16 @@ async fn root_names_capacity_health_expand_list_modify() {
 
     // A plain directory on xfs: the size is recorded (not enforced), and survives a
     // restart.
-    let dir = c
-        .controller
-        .create_volume(create_req(
+    let dir = must_create(
+        &mut c.controller,
+        create_req(
             "plain",
             10 * MIB,
             mount_cap("", writer()),
             &[("kind", "dir")],
-        ))
-        .await
-        .unwrap()
-        .into_inner()
-        .volume
-        .unwrap();
+        ),
+    )
+    .await;
     assert!(pool.path.join("volumes").join(&dir.volume_id).is_dir());
     let r = c
         .controller
@@ -1684,19 +1630,11 @@ async fn root_btrfs_dir_volume_expansion_raises_the_qgroup_limit() {
     let d = Driver::start(&pool, &[]);
     let mut c = d.clients().await;
     let cap = mount_cap("", writer());
-    let v = c
-        .controller
-        .create_volume(create_req(
-            "subvol",
-            64 * MIB,
-            cap.clone(),
-            &[("kind", "dir")],
-        ))
-        .await
-        .unwrap()
-        .into_inner()
-        .volume
-        .unwrap();
+    let v = must_create(
+        &mut c.controller,
+        create_req("subvol", 64 * MIB, cap.clone(), &[("kind", "dir")]),
+    )
+    .await;
     let id = v.volume_id;
     let path = pool.path.join("volumes").join(&id);
     assert_eq!(qgroup_limit(&path), 64 * MIB as u64);
@@ -1741,15 +1679,7 @@ async fn root_modify_volume_that_cannot_be_applied_changes_nothing() {
     let mut d = Driver::start_with_env(&pool, &[], &[FAIL]);
     let mut c = d.clients().await;
     let cap = mount_cap("ext4", writer());
-    let id = c
-        .controller
-        .create_volume(create_req("pvc-modify", 64 * MIB, cap.clone(), &[]))
-        .await
-        .unwrap()
-        .into_inner()
-        .volume
-        .unwrap()
-        .volume_id;
+    let id = c.create("pvc-modify", 64 * MIB, cap.clone(), &[]).await;
     let image = pool.path.join("volumes").join(format!("{id}.img"));
     let staging = pool.scratch("staging");
     c.node

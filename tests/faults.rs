@@ -135,27 +135,6 @@ fn write_probe(dir: &Path, secs: u64) -> bool {
     rx.recv_timeout(Duration::from_secs(secs)).unwrap_or(false)
 }
 
-/// Backing files of the loop devices whose backing file lies below `dir`.
-fn loop_backings_below(dir: &Path) -> Vec<PathBuf> {
-    let mut out: Vec<PathBuf> = loop_devices()
-        .into_iter()
-        .map(|(_, b)| b)
-        .filter(|b| b.starts_with(dir))
-        .collect();
-    out.sort();
-    out
-}
-
-/// Names of the entries of a directory (empty if it does not exist).
-fn names(dir: &Path) -> BTreeSet<String> {
-    std::fs::read_dir(dir)
-        .into_iter()
-        .flatten()
-        .flatten()
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .collect()
-}
-
 /// The ids of the records a store of the state holds; the store holds nothing
 /// but its snapshot and journal (no temporary file, nothing set aside).
 fn records(dir: &Path) -> BTreeSet<String> {

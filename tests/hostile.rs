@@ -1092,40 +1092,16 @@ async fn run_table(disturb: &mut dyn FnMut(usize, &Env)) -> (usize, Vec<(usize, 
     let driver = Driver::start(&pool, &[]);
     let mut c = driver.clients().await;
     let cap = mount_cap("ext4", writer());
-    let vol = c
-        .controller
-        .create_volume(create_req("pvc-hostile", 64 * MIB, cap.clone(), &[]))
-        .await
-        .unwrap()
-        .into_inner()
-        .volume
-        .unwrap()
-        .volume_id;
+    let vol = c.create("pvc-hostile", 64 * MIB, cap.clone(), &[]).await;
     c.node
         .node_stage_volume(stage_req(&vol, &staging, cap.clone()))
         .await
         .unwrap();
     let fresh = c
-        .controller
-        .create_volume(create_req("pvc-hostile-fresh", 64 * MIB, cap.clone(), &[]))
+        .create("pvc-hostile-fresh", 64 * MIB, cap.clone(), &[])
+        .await;
+    let snap = must_snapshot(&mut c.controller, snapshot_req("snap-hostile", &vol))
         .await
-        .unwrap()
-        .into_inner()
-        .volume
-        .unwrap()
-        .volume_id;
-    let snap = c
-        .controller
-        .create_snapshot(csi::CreateSnapshotRequest {
-            source_volume_id: vol.clone(),
-            name: "snap-hostile".into(),
-            ..Default::default()
-        })
-        .await
-        .unwrap()
-        .into_inner()
-        .snapshot
-        .unwrap()
         .snapshot_id;
     let mut env = Env {
         pool,

@@ -90,43 +90,79 @@ fn secrets() -> HashMap<String, String> {
     HashMap::from([("token".to_string(), SECRET.to_string())])
 }
 
-/// All messages of an allocated stream, checked for the invariants of every
-/// message; returns (ranges, number of messages).
-async fn allocated(
-    m: &mut SnapshotMetadataClient<Channel>,
-    id: &str,
+/// What the messages of both metadata streams carry.
+trait Ranges {
+    fn kind(&self) -> i32;
+    fn capacity(&self) -> i64;
+    fn blocks(&self) -> &[csi::BlockMetadata];
+}
+
+/// Both messages name their fields alike.
+macro_rules! ranges_of {
+    ($($message:ty),*) => {$(
+        impl Ranges for $message {
+            fn kind(&self) -> i32 {
+                self.block_metadata_type
+            }
+            fn capacity(&self) -> i64 {
+                self.volume_capacity_bytes
+            }
+            fn blocks(&self) -> &[csi::BlockMetadata] {
+                &self.block_metadata
+            }
+        }
+    )*};
+}
+
+ranges_of!(
+    csi::GetMetadataAllocatedResponse,
+    csi::GetMetadataDeltaResponse
+);
+
+/// All messages of a stream, checked for the invariants of every message;
+/// returns (ranges, number of messages).
+async fn ranges<M: Ranges>(
+    mut s: tonic::Streaming<M>,
     start: i64,
     max: i32,
 ) -> Result<(Vec<W>, usize), tonic::Status> {
-    let mut s = m
-        .get_metadata_allocated(csi::GetMetadataAllocatedRequest {
-            snapshot_id: id.to_string(),
-            starting_offset: start,
-            max_results: max,
-            secrets: secrets(),
-        })
-        .await?
-        .into_inner();
     let mut out = Vec::new();
     let mut n = 0;
     while let Some(msg) = s.message().await? {
         n += 1;
-        assert_eq!(
-            msg.block_metadata_type,
-            BlockMetadataType::VariableLength as i32
-        );
-        assert_eq!(msg.volume_capacity_bytes, SIZE);
+        assert_eq!(msg.kind(), BlockMetadataType::VariableLength as i32);
+        assert_eq!(msg.capacity(), SIZE);
         if max > 0 {
-            assert!(msg.block_metadata.len() <= max as usize);
+            assert!(msg.blocks().len() <= max as usize);
         }
         out.extend(
-            msg.block_metadata
+            msg.blocks()
                 .iter()
                 .map(|b| (b.byte_offset as u64, b.size_bytes as u64)),
         );
     }
     check_order(&out, start);
     Ok((out, n))
+}
+
+async fn allocated(
+    m: &mut SnapshotMetadataClient<Channel>,
+    id: &str,
+    start: i64,
+    max: i32,
+) -> Result<(Vec<W>, usize), tonic::Status> {
+    let req = csi::GetMetadataAllocatedRequest {
+        snapshot_id: id.to_string(),
+        starting_offset: start,
+        max_results: max,
+        secrets: secrets(),
+    };
+    ranges(
+        m.get_metadata_allocated(req).await?.into_inner(),
+        start,
+        max,
+    )
+    .await
 }
 
 async fn delta(
@@ -136,36 +172,14 @@ async fn delta(
     start: i64,
     max: i32,
 ) -> Result<(Vec<W>, usize), tonic::Status> {
-    let mut s = m
-        .get_metadata_delta(csi::GetMetadataDeltaRequest {
-            base_snapshot_id: base.to_string(),
-            target_snapshot_id: target.to_string(),
-            starting_offset: start,
-            max_results: max,
-            secrets: secrets(),
-        })
-        .await?
-        .into_inner();
-    let mut out = Vec::new();
-    let mut n = 0;
-    while let Some(msg) = s.message().await? {
-        n += 1;
-        assert_eq!(
-            msg.block_metadata_type,
-            BlockMetadataType::VariableLength as i32
-        );
-        assert_eq!(msg.volume_capacity_bytes, SIZE);
-        if max > 0 {
-            assert!(msg.block_metadata.len() <= max as usize);
-        }
-        out.extend(
-            msg.block_metadata
-                .iter()
-                .map(|b| (b.byte_offset as u64, b.size_bytes as u64)),
-        );
-    }
-    check_order(&out, start);
-    Ok((out, n))
+    let req = csi::GetMetadataDeltaRequest {
+        base_snapshot_id: base.to_string(),
+        target_snapshot_id: target.to_string(),
+        starting_offset: start,
+        max_results: max,
+        secrets: secrets(),
+    };
+    ranges(m.get_metadata_delta(req).await?.into_inner(), start, max).await
 }
 
 /// The spec's rules: sizes > 0, strictly ascending, no overlap, and the first
@@ -214,15 +228,7 @@ struct Block {
 
 async fn block_volume(fx: &mut Fixture, name: &str) -> Block {
     let cap = block_cap(writer());
-    let id =
-        fx.c.controller
-            .create_volume(create_req(name, SIZE, cap.clone(), &[]))
-            .await
-            .unwrap()
-            .into_inner()
-            .volume
-            .unwrap()
-            .volume_id;
+    let id = fx.c.create(name, SIZE, cap.clone(), &[]).await;
     let staging = fx.pool.scratch(&format!("{name}-staging"));
     let target = fx.pool.scratch(&format!("{name}-pods")).join("dev");
     fx.c.stage_and_publish(&id, &staging, &target, &cap).await;
@@ -239,17 +245,8 @@ async fn release(fx: &mut Fixture, b: &Block) {
 }
 
 async fn snapshot(fx: &mut Fixture, name: &str, vol: &str) -> String {
-    fx.c.controller
-        .create_snapshot(csi::CreateSnapshotRequest {
-            source_volume_id: vol.to_string(),
-            name: name.to_string(),
-            ..Default::default()
-        })
+    must_snapshot(&mut fx.c.controller, snapshot_req(name, vol))
         .await
-        .unwrap()
-        .into_inner()
-        .snapshot
-        .unwrap()
         .snapshot_id
 }
 
@@ -355,19 +352,8 @@ async fn scenario(fs: &str, method: &str) {
 
     // A directory volume's snapshot has no block data.
     let dir =
-        fx.c.controller
-            .create_volume(create_req(
-                "pvc-dir",
-                SIZE,
-                mount_cap("", writer()),
-                &[("kind", "dir")],
-            ))
-            .await
-            .unwrap()
-            .into_inner()
-            .volume
-            .unwrap()
-            .volume_id;
+        fx.c.create("pvc-dir", SIZE, mount_cap("", writer()), &[("kind", "dir")])
+            .await;
     let ds = snapshot(&mut fx, "snap-dir", &dir).await;
     let m = &mut fx.meta;
     assert_eq!(code(allocated(m, &ds, 0, 0).await), Code::InvalidArgument);

@@ -153,6 +153,14 @@ impl Fx {
             .map(|r| r.into_inner())
     }
 
+    /// NodeUnpublishVolume, NodeUnstageVolume and DeleteVolume, each of which
+    /// must succeed.
+    async fn remove(&mut self, id: &str, staging: &Path, target: &Path) {
+        self.unpublish(id, target).await.unwrap();
+        self.unstage(id, staging).await.unwrap();
+        self.delete(id).await;
+    }
+
     /// Loop devices of the volumes (the pool's own device is not below its mount).
     fn volume_loops(&self) -> Vec<String> {
         let mut v = loops_below(&self.pool.path);
@@ -349,9 +357,7 @@ async fn root_small_volume_refuses_writes_past_its_size() {
     assert_eq!(err.raw_os_error(), Some(libc::ENOSPC), "{err}");
     assert!(written <= 64 * 1024 * 1024, "wrote {written} bytes");
     drop(f);
-    fx.unpublish(&id, &target).await.unwrap();
-    fx.unstage(&id, &staging).await.unwrap();
-    fx.delete(&id).await;
+    fx.remove(&id, &staging, &target).await;
 }
 
 #[tokio::test]
@@ -382,9 +388,7 @@ async fn root_read_only_publish_refuses_writes() {
         code(fx.publish(&id, &staging, &ro, &cap, false).await),
         Code::AlreadyExists
     );
-    fx.unpublish(&id, &ro).await.unwrap();
-    fx.unstage(&id, &staging).await.unwrap();
-    fx.delete(&id).await;
+    fx.remove(&id, &staging, &ro).await;
     assert!(fx.volume_loops().is_empty());
 }
 
@@ -595,14 +599,27 @@ async fn root_volume_mount_group_gives_group_and_setgid() {
             sub & 0o2010 == 0o2010,
             "{fs}: a directory gets setgid and search: {sub:o}"
         );
-        fx.unpublish(&id, &target).await.unwrap();
-        fx.unstage(&id, &staging).await.unwrap();
-        fx.delete(&id).await;
+        fx.remove(&id, &staging, &target).await;
     }
     assert!(fx.volume_loops().is_empty());
 }
 
 // ---------------------------------------------------------------- stats
+
+/// What `df` with `args` prints for `path`, and the numbers of its one row.
+fn df_figures(args: &[&str], path: &Path) -> (String, Vec<i64>) {
+    let mut args = args.to_vec();
+    args.push(path.to_str().unwrap());
+    let out = sh("df", &args);
+    let nums = out
+        .lines()
+        .nth(1)
+        .unwrap()
+        .split_whitespace()
+        .map(|n| n.parse().unwrap())
+        .collect();
+    (out, nums)
+}
 
 #[tokio::test]
 #[ignore = "needs root: loop devices and mounts"]
@@ -633,33 +650,13 @@ async fn root_stats_match_df_and_refuse_vanished_mounts() {
     assert_eq!(inodes.available as u64, v.files_free());
     assert_eq!(inodes.used as u64, v.files() - v.files_free());
     // And `df` agrees.
-    let df = sh(
-        "df",
-        &["-B1", "--output=size,used,avail", target.to_str().unwrap()],
-    );
-    let nums: Vec<i64> = df
-        .lines()
-        .nth(1)
-        .unwrap()
-        .split_whitespace()
-        .map(|n| n.parse().unwrap())
-        .collect();
+    let (df, nums) = df_figures(&["-B1", "--output=size,used,avail"], &target);
     assert_eq!(
         nums,
         vec![bytes.total, bytes.used, bytes.available],
         "df: {df}"
     );
-    let dfi = sh(
-        "df",
-        &["--output=itotal,iused,iavail", target.to_str().unwrap()],
-    );
-    let nums: Vec<i64> = dfi
-        .lines()
-        .nth(1)
-        .unwrap()
-        .split_whitespace()
-        .map(|n| n.parse().unwrap())
-        .collect();
+    let (dfi, nums) = df_figures(&["--output=itotal,iused,iavail"], &target);
     assert_eq!(
         nums,
         vec![inodes.total, inodes.used, inodes.available],
@@ -688,9 +685,7 @@ async fn root_stats_match_df_and_refuse_vanished_mounts() {
         fx.stats(&id, &target).await.unwrap_err().code(),
         Code::NotFound
     );
-    fx.unpublish(&id, &target).await.unwrap();
-    fx.unstage(&id, &staging).await.unwrap();
-    fx.delete(&id).await;
+    fx.remove(&id, &staging, &target).await;
     assert!(fx.volume_loops().is_empty());
 }
 
@@ -763,9 +758,7 @@ async fn root_stats_of_a_btrfs_dir_volume_are_its_qgroup() {
     // The staging path answers the same.
     let s = fx.stats(&id, &staging).await.unwrap();
     assert_eq!(usage(&s, csi::volume_usage::Unit::Bytes).total, 64 * MIB);
-    fx.unpublish(&id, &target).await.unwrap();
-    fx.unstage(&id, &staging).await.unwrap();
-    fx.delete(&id).await;
+    fx.remove(&id, &staging, &target).await;
 }
 
 // ---------------------------------------------------------------- expansion
@@ -841,9 +834,7 @@ async fn online_expand(vol_fs: &str, size: i64) {
     // Again: idempotent.
     node_expand(&mut fx, &id, &target, new, &cap).await.unwrap();
     assert_eq!(std::fs::read(target.join("keep")).unwrap(), data);
-    fx.unpublish(&id, &target).await.unwrap();
-    fx.unstage(&id, &staging).await.unwrap();
-    fx.delete(&id).await;
+    fx.remove(&id, &staging, &target).await;
     assert!(fx.volume_loops().is_empty());
 }
 
@@ -914,9 +905,7 @@ async fn root_node_expand_ext4_grows_online_or_at_next_stage() {
         .await
         .unwrap();
     assert_eq!(std::fs::read(target.join("keep")).unwrap(), data);
-    fx.unpublish(&id, &target).await.unwrap();
-    fx.unstage(&id, &staging).await.unwrap();
-    fx.delete(&id).await;
+    fx.remove(&id, &staging, &target).await;
     assert!(fx.volume_loops().is_empty());
 }
 
@@ -970,9 +959,7 @@ async fn expand_to_present_size(pool_fs: &str, kinds: &[(&str, i64)]) {
             );
             assert_eq!(std::fs::read(target.join("keep")).unwrap(), data, "{label}");
         }
-        fx.unpublish(&id, &target).await.unwrap();
-        fx.unstage(&id, &staging).await.unwrap();
-        fx.delete(&id).await;
+        fx.remove(&id, &staging, &target).await;
     }
     assert!(fx.volume_loops().is_empty());
 }
@@ -1130,9 +1117,7 @@ async fn root_single_writer_refuses_second_writer_multi_writer_allows() {
     // Once the writer is gone, another may write.
     fx.unpublish(&id, &a).await.unwrap();
     fx.publish(&id, &staging, &b, &single, false).await.unwrap();
-    fx.unpublish(&id, &b).await.unwrap();
-    fx.unstage(&id, &staging).await.unwrap();
-    fx.delete(&id).await;
+    fx.remove(&id, &staging, &b).await;
 
     let multi = mount_cap("ext4", Mode::SingleNodeMultiWriter);
     let id = fx.c.create("pvc-multi", 64 * MIB, multi.clone(), &[]).await;
@@ -1149,9 +1134,7 @@ async fn root_single_writer_refuses_second_writer_multi_writer_allows() {
     );
     fx.unpublish(&id, &a).await.unwrap();
     assert_eq!(mount_count(&b), 1, "the other target stays");
-    fx.unpublish(&id, &b).await.unwrap();
-    fx.unstage(&id, &staging).await.unwrap();
-    fx.delete(&id).await;
+    fx.remove(&id, &staging, &b).await;
     assert!(fx.volume_loops().is_empty());
 }
 
@@ -1278,9 +1261,7 @@ async fn root_validation_refuses_bad_paths_and_capabilities() {
         ),
         Code::InvalidArgument
     );
-    fx.unpublish(&dir, &dt).await.unwrap();
-    fx.unstage(&dir, &dstaging).await.unwrap();
-    fx.delete(&dir).await;
+    fx.remove(&dir, &dstaging, &dt).await;
     // Nothing changed by the refused calls.
     assert!(target.symlink_metadata().is_err());
     fx.unstage(&id, &staging).await.unwrap();
@@ -1590,9 +1571,7 @@ async fn reboot(vol_fs: &str, size: i64) {
     assert_eq!(mount_count(&target), 1);
     assert_eq!(mount_count(&staging), 1);
     assert_eq!(fx.volume_loops().len(), 1);
-    fx.unpublish(&id, &target).await.unwrap();
-    fx.unstage(&id, &staging).await.unwrap();
-    fx.delete(&id).await;
+    fx.remove(&id, &staging, &target).await;
     assert!(fx.volume_loops().is_empty());
     assert_eq!(fx.all_mounts(), mounts_before);
 }
@@ -1656,9 +1635,7 @@ async fn root_reboot_block_volumes_come_back() {
         .and_then(|mut f| f.write_all(&[0u8; 512]).and_then(|_| f.sync_all()))
         .is_err());
     fx.unpublish(&id, &ro).await.unwrap();
-    fx.unpublish(&id, &rw).await.unwrap();
-    fx.unstage(&id, &staging).await.unwrap();
-    fx.delete(&id).await;
+    fx.remove(&id, &staging, &rw).await;
     assert!(fx.volume_loops().is_empty());
 }
 
@@ -1689,9 +1666,7 @@ async fn root_unpublish_unstage_succeed_when_mounts_vanished() {
         .await
         .unwrap();
     simulate_reboot(&mut fx, &[&target, &staging]).await;
-    fx.unpublish(&id, &target).await.unwrap();
-    fx.unstage(&id, &staging).await.unwrap();
-    fx.delete(&id).await;
+    fx.remove(&id, &staging, &target).await;
     assert!(fx.volume_loops().is_empty());
     assert_eq!(fx.all_mounts(), mounts_before);
 }

@@ -19,21 +19,10 @@ async fn orphans_on(fs: &str, kind: &str) {
     let mut c = d.clients().await;
     let cap = mount_cap("ext4", writer());
     let params: &[(&str, &str)] = &[("kind", kind)];
-    let vol = c
-        .controller
-        // One name per test: volume ids derive from names, and tests run side by
-        // side (a driver with --cleanup-orphans judges every mount on the machine).
-        .create_volume(create_req(
-            &format!("pvc-orphan-{kind}"),
-            64 * MIB,
-            cap.clone(),
-            params,
-        ))
-        .await
-        .unwrap()
-        .into_inner()
-        .volume
-        .unwrap();
+    // One name per test: volume ids derive from names, and tests run side by
+    // side (a driver with --cleanup-orphans judges every mount on the machine).
+    let req = create_req(&format!("pvc-orphan-{kind}"), 64 * MIB, cap.clone(), params);
+    let vol = must_create(&mut c.controller, req).await;
     let id = vol.volume_id.clone();
     let scratch = pool.scratch("node");
     let staging = scratch.join("staging");

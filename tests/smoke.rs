@@ -13,14 +13,11 @@ async fn root_volume_round_trip_keeps_data() {
     let driver = Driver::start(&pool, &[]);
     let mut c = driver.clients().await;
     let cap = mount_cap("ext4", writer());
-    let vol = c
-        .controller
-        .create_volume(create_req("pvc-smoke", 64 * MIB, cap.clone(), &[]))
-        .await
-        .unwrap()
-        .into_inner()
-        .volume
-        .unwrap();
+    let vol = must_create(
+        &mut c.controller,
+        create_req("pvc-smoke", 64 * MIB, cap.clone(), &[]),
+    )
+    .await;
     let id = vol.volume_id.clone();
     let staging = pool.scratch("staging");
     let target = pool.scratch("pods").join("target");

@@ -294,16 +294,6 @@ fn writable_within_5s(dir: &Path) -> bool {
     }
 }
 
-fn dir_names(dir: &Path) -> BTreeSet<String> {
-    std::fs::read_dir(dir)
-        .map(|rd| {
-            rd.flatten()
-                .map(|e| e.file_name().to_string_lossy().into_owned())
-                .collect()
-        })
-        .unwrap_or_default()
-}
-
 fn allocated(path: &Path) -> u64 {
     std::fs::metadata(path).unwrap().blocks() * 512
 }
@@ -433,8 +423,8 @@ async fn integrity(pool_fs: &str, kind: Kind, size: i64) {
     }
     delete_snapshot(&mut c, &snap.snapshot_id).await.unwrap();
     assert!(all_snapshot_ids(&mut c).await.is_empty());
-    assert!(dir_names(&pool.path.join("snapshots")).is_empty());
-    assert!(dir_names(&pool.path.join("volumes")).is_empty());
+    assert!(names(&pool.path.join("snapshots")).is_empty());
+    assert!(names(&pool.path.join("volumes")).is_empty());
     assert_eq!(
         loops_below(pool.dir.path()).len(),
         1,
@@ -671,7 +661,7 @@ async fn root_group_snapshot_is_consistent_under_a_writer() {
         delete_group(&mut c, &g.group_snapshot_id)
             .await
             .expect("deleting a deleted group succeeds");
-        assert!(dir_names(&pool.path.join("snapshots")).is_empty());
+        assert!(names(&pool.path.join("snapshots")).is_empty());
     }
     for m in &mounted {
         unstage(&mut c, m).await;
@@ -874,7 +864,7 @@ impl CrashRig {
         );
         let files: BTreeSet<String> = want_snaps.iter().map(|s| format!("{s}.img")).collect();
         assert_eq!(
-            dir_names(&self.pool.path.join("snapshots")),
+            names(&self.pool.path.join("snapshots")),
             files,
             "{when}: files in <pool>/snapshots"
         );
@@ -887,14 +877,14 @@ impl CrashRig {
         );
         let vfiles: BTreeSet<String> = want_vols.iter().map(|v| format!("{v}.img")).collect();
         assert_eq!(
-            dir_names(&self.pool.path.join("volumes")),
+            names(&self.pool.path.join("volumes")),
             vfiles,
             "{when}: files in <pool>/volumes"
         );
         assert!(
-            dir_names(&self.driver.state.join("shared/frozen")).is_empty(),
+            names(&self.driver.state.join("shared/frozen")).is_empty(),
             "{when}: freeze markers are left: {:?}",
-            dir_names(&self.driver.state.join("shared/frozen"))
+            names(&self.driver.state.join("shared/frozen"))
         );
     }
 
@@ -1201,7 +1191,7 @@ async fn root_list_snapshots_filters_and_pages() {
     }
     delete_volume(&mut c, &b).await;
     assert!(all_snapshot_ids(&mut c).await.is_empty());
-    assert!(dir_names(&pool.path.join("snapshots")).is_empty());
+    assert!(names(&pool.path.join("snapshots")).is_empty());
 }
 
 // ---------------------------------------------------------------- timing
@@ -1498,7 +1488,7 @@ fn snapshot_leftovers(pool: &Pool, driver: &Driver, sid: &str) -> Vec<String> {
     if raw.contains_key(sid) {
         out.push(format!("record {sid} in {}", records.display()));
     }
-    for m in dir_names(&driver.state.join("shared/frozen")) {
+    for m in names(&driver.state.join("shared/frozen")) {
         out.push(format!("freeze marker {m}"));
     }
     out
@@ -1870,14 +1860,7 @@ async fn root_snapshots_live_on_the_node_that_took_them() {
         requisite: vec![here.clone()],
         preferred: vec![],
     });
-    let restored = c
-        .controller
-        .create_volume(restore)
-        .await
-        .unwrap()
-        .into_inner()
-        .volume
-        .unwrap();
+    let restored = must_create(&mut c.controller, restore).await;
     assert_eq!(restored.accessible_topology, vec![here.clone()]);
 
     delete_volume(&mut c, &restored.volume_id).await;

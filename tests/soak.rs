@@ -628,15 +628,6 @@ fn rss_kib(pid: u32) -> u64 {
         .unwrap_or(0)
 }
 
-fn names(dir: &Path) -> BTreeSet<String> {
-    std::fs::read_dir(dir)
-        .into_iter()
-        .flatten()
-        .flatten()
-        .map(|e| e.file_name().to_string_lossy().into_owned())
-        .collect()
-}
-
 /// The ids of a store of the state; any file in it but its snapshot and journal
 /// (a temporary, a damaged file set aside) counts as an id of its own, so that
 /// the diff shows it.
@@ -650,24 +641,6 @@ fn records(dir: &Path) -> BTreeSet<String> {
             .filter(|n| !n.starts_with("log.") && !n.starts_with("snapshot.")),
     );
     ids
-}
-
-fn loop_backings_below(dir: &Path) -> Vec<PathBuf> {
-    let mut out = Vec::new();
-    for e in std::fs::read_dir("/sys/block")
-        .into_iter()
-        .flatten()
-        .flatten()
-    {
-        if let Ok(b) = std::fs::read_to_string(e.path().join("loop/backing_file")) {
-            let p = PathBuf::from(b.trim().trim_end_matches(" (deleted)"));
-            if p.starts_with(dir) {
-                out.push(p);
-            }
-        }
-    }
-    out.sort();
-    out
 }
 
 fn diff(out: &mut Vec<String>, what: &str, have: BTreeSet<String>, want: BTreeSet<String>) {

@@ -16,7 +16,7 @@ use std::time::{SystemTime, UNIX_EPOCH};
 use clap::Parser;
 use csi_storage::size::parse_size;
 
-use scenarios::{Figures, Population};
+use scenarios::{Figures, Population, Volumes};
 use target::{Spec, Target};
 
 const SCENARIOS: [&str; 6] = [
@@ -263,33 +263,35 @@ async fn run_round(
                 .map(|(a, b)| vec![(a.to_string(), b.to_string())])
                 .unwrap_or_default();
             eprintln!("  node {kind}");
-            scenarios::node(
-                t,
-                &tag,
-                kind,
-                args.node_volumes,
-                &args.fs,
-                &params,
-                &args.scratch,
-                &mut out,
-            )
-            .await?;
+            let with = Volumes {
+                fs: &args.fs,
+                params: &params,
+                scratch: &args.scratch,
+            };
+            scenarios::node(t, &tag, kind, args.node_volumes, &with, &mut out).await?;
         }
     }
     if has("snapshot") {
         eprintln!("  snapshot");
-        scenarios::snapshot(
-            t,
-            &tag,
-            &args.snapshot_sizes,
-            &args.fs,
-            &args.snapshot_params,
-            &args.scratch,
-            &mut out,
-        )
-        .await?;
+        let with = Volumes {
+            fs: &args.fs,
+            params: &args.snapshot_params,
+            scratch: &args.scratch,
+        };
+        scenarios::snapshot(t, &tag, &args.snapshot_sizes, &with, &mut out).await?;
     }
-    // One ladder of volumes present serves scale, memory and startup.
+    ladder(t, args, &has, &tag, &mut out).await?;
+    Ok(out)
+}
+
+/// One ladder of volumes present serves scale, memory and startup.
+async fn ladder(
+    t: &mut Target,
+    args: &Args,
+    has: &impl Fn(&str) -> bool,
+    tag: &str,
+    out: &mut Figures,
+) -> Result<(), String> {
     let mut steps = BTreeSet::new();
     if has("scale") {
         steps.extend(args.scale_steps.iter().copied());
@@ -305,9 +307,9 @@ async fn run_round(
     }
     let mut pop = Population::default();
     for &n in &steps {
-        pop.grow_to(t, &tag, n, &args.params).await?;
+        pop.grow_to(t, tag, n, &args.params).await?;
         if has("scale") && args.scale_steps.contains(&n) {
-            scenarios::scale_step(t, &tag, n, args.scale_ops, &args.params, &mut out).await?;
+            scenarios::scale_step(t, tag, n, args.scale_ops, &args.params, out).await?;
         }
         if has("memory") && args.memory_volumes.contains(&n) {
             if let Some(m) = scenarios::rss_mib(t) {
@@ -327,7 +329,7 @@ async fn run_round(
             }
         }
     }
-    Ok(out)
+    Ok(())
 }
 
 /// The median time to ready of `repeats` restarts.

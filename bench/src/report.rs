@@ -57,53 +57,13 @@ fn medians(rounds: &[Figures]) -> Medians {
 pub fn write(args: &Args, names: &[String], results: &[Vec<Figures>]) -> Result<(), String> {
     let meds: Vec<Medians> = results.iter().map(|r| medians(r)).collect();
     let keys = by_key(&results.concat());
-    let mut text = String::new();
-    let _ = writeln!(
-        text,
-        "csi-bench: {} round(s) per driver; medians",
-        results.iter().map(|r| r.len()).max().unwrap_or(0)
-    );
     let two = names.len() > 1;
-    if two {
-        let _ = writeln!(
-            text,
-            "{:<48} {:>12} {:>12} {:>9}",
-            "figure", names[0], names[1], "B/A"
-        );
-    } else {
-        let _ = writeln!(text, "{:<48} {:>12}  rounds", "figure", names[0]);
-    }
-    for (k, _) in &keys {
-        let a = meds[0].get(k).copied().unwrap_or(f64::NAN);
-        if two {
-            let b = meds[1].get(k).copied().unwrap_or(f64::NAN);
-            let _ = writeln!(
-                text,
-                "{k:<48} {:>12} {:>12} {:>9}",
-                num(a),
-                num(b),
-                num(b / a)
-            );
-        } else {
-            let per: Vec<String> = by_key(&results[0])
-                .into_iter()
-                .find(|(x, _)| x == k)
-                .map(|(_, v)| v.iter().map(|x| num(*x)).collect())
-                .unwrap_or_default();
-            let _ = writeln!(text, "{k:<48} {:>12}  {}", num(a), per.join(" "));
-        }
-    }
     let goals = if two {
         goals(&meds[0], &meds[1])
     } else {
         Vec::new()
     };
-    if !goals.is_empty() {
-        let _ = writeln!(text, "\ngoals (A = {}, B = {}):", names[0], names[1]);
-        for g in &goals {
-            let _ = writeln!(text, "  [{}] {}: {}", g.verdict, g.goal, g.detail);
-        }
-    }
+    let text = table(names, results, &meds, &keys, &goals);
     let json = json!({
         "generated_unix": std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
         "command": std::env::args().collect::<Vec<_>>(),
@@ -134,6 +94,60 @@ pub fn write(args: &Args, names: &[String], results: &[Vec<Figures>]) -> Result<
         put("snapshot.svg", s)?;
     }
     Ok(())
+}
+
+/// results.txt: a line a figure, with both drivers' medians and their ratio
+/// (or one driver's median and its rounds), then the goals.
+fn table(
+    names: &[String],
+    results: &[Vec<Figures>],
+    meds: &[Medians],
+    keys: &[(String, Vec<f64>)],
+    goals: &[Goal],
+) -> String {
+    let mut text = String::new();
+    let _ = writeln!(
+        text,
+        "csi-bench: {} round(s) per driver; medians",
+        results.iter().map(|r| r.len()).max().unwrap_or(0)
+    );
+    let two = names.len() > 1;
+    if two {
+        let _ = writeln!(
+            text,
+            "{:<48} {:>12} {:>12} {:>9}",
+            "figure", names[0], names[1], "B/A"
+        );
+    } else {
+        let _ = writeln!(text, "{:<48} {:>12}  rounds", "figure", names[0]);
+    }
+    for (k, _) in keys {
+        let a = meds[0].get(k).copied().unwrap_or(f64::NAN);
+        if two {
+            let b = meds[1].get(k).copied().unwrap_or(f64::NAN);
+            let _ = writeln!(
+                text,
+                "{k:<48} {:>12} {:>12} {:>9}",
+                num(a),
+                num(b),
+                num(b / a)
+            );
+        } else {
+            let per: Vec<String> = by_key(&results[0])
+                .into_iter()
+                .find(|(x, _)| x == k)
+                .map(|(_, v)| v.iter().map(|x| num(*x)).collect())
+                .unwrap_or_default();
+            let _ = writeln!(text, "{k:<48} {:>12}  {}", num(a), per.join(" "));
+        }
+    }
+    if !goals.is_empty() {
+        let _ = writeln!(text, "\ngoals (A = {}, B = {}):", names[0], names[1]);
+        for g in goals {
+            let _ = writeln!(text, "  [{}] {}: {}", g.verdict, g.goal, g.detail);
+        }
+    }
+    text
 }
 
 fn num(x: f64) -> String {
@@ -169,92 +183,111 @@ pub struct Goal {
     pub detail: String,
 }
 
+/// A goal met or missed by the figures `vals` (`ok`, described by `show`), or
+/// not measured when they are missing.
+fn check(
+    goal: &str,
+    vals: Option<(f64, f64)>,
+    ok: impl Fn(f64, f64) -> bool,
+    show: impl Fn(f64, f64) -> String,
+) -> Goal {
+    match vals {
+        Some((x, y)) => Goal {
+            goal: goal.into(),
+            verdict: if ok(x, y) { "met" } else { "MISSED" },
+            detail: show(x, y),
+        },
+        None => Goal {
+            goal: goal.into(),
+            verdict: "not measured",
+            detail: String::new(),
+        },
+    }
+}
+
 /// The goals the comparison checks (speed at scale, O(1) snapshots and restores,
 /// node latency, memory, startup), A being our driver and B the reference.
 fn goals(a: &Medians, b: &Medians) -> Vec<Goal> {
-    let mut out = Vec::new();
-    let mut check = |goal: &str,
-                     vals: Option<(f64, f64)>,
-                     ok: &dyn Fn(f64, f64) -> bool,
-                     show: &dyn Fn(f64, f64) -> String| {
-        out.push(match vals {
-            Some((x, y)) => Goal {
-                goal: goal.into(),
-                verdict: if ok(x, y) { "met" } else { "MISSED" },
-                detail: show(x, y),
-            },
-            None => Goal {
-                goal: goal.into(),
-                verdict: "not measured",
-                detail: String::new(),
-            },
-        });
-    };
+    let mut out = volume_goals(a, b);
+    out.extend(node_goals(a, b));
+    out
+}
+
+/// Speed at scale, and snapshots and restores in constant time.
+fn volume_goals(a: &Medians, b: &Medians) -> Vec<Goal> {
     let both = |k: &str| Some((*a.get(k)?, *b.get(k)?));
     let ours = |k1: &str, k2: &str| Some((*a.get(k1)?, *a.get(k2)?));
-    check(
-        "CreateVolume p50 with 5000 present <= 1/3 of the reference's",
-        both("scale/5000/create_p50_ms"),
-        &|x, y| x <= y / 3.0,
-        &|x, y| format!("{x:.2} ms vs {y:.2} ms (A/B = {:.3})", x / y),
-    );
-    check(
-        "our CreateVolume p50 at 10000 <= 1.5x at 0",
-        ours("scale/10000/create_p50_ms", "scale/0/create_p50_ms"),
-        &|x, y| x <= 1.5 * y,
-        &|x, y| format!("{x:.2} ms vs {y:.2} ms ({:.2}x)", x / y),
-    );
-    for op in ["create_snapshot", "restore"] {
+    let mut out = vec![
         check(
+            "CreateVolume p50 with 5000 present <= 1/3 of the reference's",
+            both("scale/5000/create_p50_ms"),
+            |x, y| x <= y / 3.0,
+            |x, y| format!("{x:.2} ms vs {y:.2} ms (A/B = {:.3})", x / y),
+        ),
+        check(
+            "our CreateVolume p50 at 10000 <= 1.5x at 0",
+            ours("scale/10000/create_p50_ms", "scale/0/create_p50_ms"),
+            |x, y| x <= 1.5 * y,
+            |x, y| format!("{x:.2} ms vs {y:.2} ms ({:.2}x)", x / y),
+        ),
+    ];
+    for op in ["create_snapshot", "restore"] {
+        out.push(check(
             &format!("{op} of 1 GiB >= 100x faster than the reference"),
             both(&format!("snapshot/1GiB/{op}_ms")),
-            &|x, y| x * 100.0 <= y,
-            &|x, y| format!("{x:.2} ms vs {y:.1} ms ({:.0}x)", y / x),
-        );
+            |x, y| x * 100.0 <= y,
+            |x, y| format!("{x:.2} ms vs {y:.1} ms ({:.0}x)", y / x),
+        ));
     }
-    check(
-        "our CreateSnapshot at 4 GiB within 2x of at 100 MiB",
-        ours(
-            "snapshot/4GiB/create_snapshot_ms",
-            "snapshot/100MiB/create_snapshot_ms",
-        ),
-        &|x, y| x <= 2.0 * y,
-        &|x, y| format!("{x:.2} ms vs {y:.2} ms ({:.2}x)", x / y),
-    );
-    check(
-        "our restore at 4 GiB within 2x of at 100 MiB",
-        ours("snapshot/4GiB/restore_ms", "snapshot/100MiB/restore_ms"),
-        &|x, y| x <= 2.0 * y,
-        &|x, y| format!("{x:.2} ms vs {y:.2} ms ({:.2}x)", x / y),
-    );
+    for (what, op) in [
+        ("CreateSnapshot", "create_snapshot"),
+        ("restore", "restore"),
+    ] {
+        out.push(check(
+            &format!("our {what} at 4 GiB within 2x of at 100 MiB"),
+            ours(
+                &format!("snapshot/4GiB/{op}_ms"),
+                &format!("snapshot/100MiB/{op}_ms"),
+            ),
+            |x, y| x <= 2.0 * y,
+            |x, y| format!("{x:.2} ms vs {y:.2} ms ({:.2}x)", x / y),
+        ));
+    }
+    out
+}
+
+/// Node latency, memory and startup.
+fn node_goals(a: &Medians, b: &Medians) -> Vec<Goal> {
+    let both = |k: &str| Some((*a.get(k)?, *b.get(k)?));
+    let mut out = Vec::new();
     for m in ["stage_publish", "unpublish_unstage"] {
-        check(
+        out.push(check(
             &format!("dir {m} p50 faster than the reference's"),
             both(&format!("node/dir/{m}_p50_ms")),
-            &|x, y| x < y,
-            &|x, y| format!("{x:.2} ms vs {y:.2} ms"),
-        );
-        check(
+            |x, y| x < y,
+            |x, y| format!("{x:.2} ms vs {y:.2} ms"),
+        ));
+        out.push(check(
             &format!("image {m} p50 under 60 ms"),
             a.get(&format!("node/image/{m}_p50_ms")).map(|x| (*x, 60.0)),
-            &|x, y| x < y,
-            &|x, _| format!("{x:.2} ms"),
-        );
+            |x, y| x < y,
+            |x, _| format!("{x:.2} ms"),
+        ));
     }
     for n in ["0", "5000"] {
-        check(
+        out.push(check(
             &format!("RSS with {n} volumes below the reference's"),
             both(&format!("memory/{n}/rss_mib")),
-            &|x, y| x < y,
-            &|x, y| format!("{x:.1} MiB vs {y:.1} MiB"),
-        );
+            |x, y| x < y,
+            |x, y| format!("{x:.1} MiB vs {y:.1} MiB"),
+        ));
     }
-    check(
+    out.push(check(
         "startup to ready with 10000 volumes under 1 s",
         a.get("startup/10000/ready_ms").map(|x| (*x, 1000.0)),
-        &|x, y| x < y,
-        &|x, _| format!("{x:.0} ms"),
-    );
+        |x, y| x < y,
+        |x, _| format!("{x:.0} ms"),
+    ));
     out
 }
 

@@ -338,38 +338,45 @@ fn paths(scratch: &Path, id: &str) -> Result<(PathBuf, PathBuf), Error> {
     Ok((staging, target))
 }
 
+/// How the node and snapshot scenarios make their volumes: the filesystem, the
+/// CreateVolume parameters, and a scratch directory for staging paths and
+/// targets.
+pub struct Volumes<'a> {
+    pub fs: &'a str,
+    pub params: &'a [(String, String)],
+    pub scratch: &'a Path,
+}
+
+impl Volumes<'_> {
+    fn create_req(&self, name: &str, size: i64) -> csi::CreateVolumeRequest {
+        create_req(name, size, self.fs, self.params)
+    }
+}
+
 /// NodeStage+NodePublish, then NodeUnpublish+NodeUnstage, of `count` volumes of a kind.
-#[allow(clippy::too_many_arguments)]
 pub async fn node(
     t: &mut Target,
     tag: &str,
     kind: &str,
     count: usize,
-    fs: &str,
-    params: &[(String, String)],
-    scratch: &Path,
+    with: &Volumes<'_>,
     out: &mut Figures,
 ) -> Result<(), Error> {
     let mut vols = Vec::new();
     for i in 0..count {
-        vols.push(
-            create(
-                &mut t.ctl,
-                create_req(&format!("bench-node-{tag}-{kind}-{i}"), GIB, fs, params),
-            )
-            .await?,
-        );
+        let req = with.create_req(&format!("bench-node-{tag}-{kind}-{i}"), GIB);
+        vols.push(create(&mut t.ctl, req).await?);
     }
     let mut up = Vec::new();
     for v in &vols {
-        let (staging, target) = paths(scratch, &v.volume_id)?;
+        let (staging, target) = paths(with.scratch, &v.volume_id)?;
         let t0 = Instant::now();
-        stage_publish(t, v, &staging, &target, fs).await?;
+        stage_publish(t, v, &staging, &target, with.fs).await?;
         up.push(t0.elapsed());
     }
     let mut down = Vec::new();
     for v in &vols {
-        let (staging, target) = paths(scratch, &v.volume_id)?;
+        let (staging, target) = paths(with.scratch, &v.volume_id)?;
         let t0 = Instant::now();
         unpublish_unstage(t, &v.volume_id, &staging, &target).await?;
         down.push(t0.elapsed());
@@ -416,115 +423,127 @@ async fn write_random(path: &Path, size: i64) -> Result<(), Error> {
     Ok(())
 }
 
+/// Runs `op`; puts its time as `{prefix}/{time}_ms` and, when the pool is
+/// known, the space it took there as `{prefix}/{space}_mib`.
+async fn time_and_space<T>(
+    pool: Option<&Path>,
+    out: &mut Figures,
+    (prefix, time, space): (&str, &str, &str),
+    op: impl std::future::Future<Output = Result<T, Error>>,
+) -> Result<T, Error> {
+    let before = pool.and_then(used_bytes);
+    let t0 = Instant::now();
+    let made = op.await?;
+    out.put(format!("{prefix}/{time}_ms"), ms(t0.elapsed()));
+    if let (Some(before), Some(after)) = (before, pool.and_then(used_bytes)) {
+        out.put(
+            format!("{prefix}/{space}_mib"),
+            (after as f64 - before as f64) / MIB as f64,
+        );
+    }
+    Ok(made)
+}
+
 /// For each size: a staged and published volume holding that much data; time
 /// CreateSnapshot, a restore from it, and a clone of the volume, and the space each took.
-#[allow(clippy::too_many_arguments)]
 pub async fn snapshot(
     t: &mut Target,
     tag: &str,
     sizes: &[i64],
-    fs: &str,
-    params: &[(String, String)],
-    scratch: &Path,
+    with: &Volumes<'_>,
     out: &mut Figures,
 ) -> Result<(), Error> {
-    let pool = t.spec.pool.clone();
-    let space = |before: Option<u64>| -> Option<f64> {
-        let after = used_bytes(pool.as_deref()?)?;
-        Some((after as f64 - before? as f64) / MIB as f64)
-    };
-    let used = || pool.as_deref().and_then(used_bytes);
     for &size in sizes {
-        let label = size_label(size);
-        // Room for the data and the filesystem's own overhead.
-        let vol_size = size + size / 4 + 512 * MIB;
-        let v = create(
-            &mut t.ctl,
-            create_req(&format!("bench-snap-{tag}-{label}"), vol_size, fs, params),
-        )
-        .await?;
-        let (staging, target) = paths(scratch, &v.volume_id)?;
-        stage_publish(t, &v, &staging, &target, fs).await?;
-        let t0 = Instant::now();
-        write_random(&target.join("data"), size).await?;
-        out.put(
-            format!("snapshot/{label}/write_s"),
-            t0.elapsed().as_secs_f64(),
-        );
-
-        let before = used();
-        let t0 = Instant::now();
-        let snap = t
-            .ctl
-            .create_snapshot(csi::CreateSnapshotRequest {
-                source_volume_id: v.volume_id.clone(),
-                name: format!("bench-snap-{tag}-{label}-s"),
-                ..Default::default()
-            })
-            .await
-            .map_err(|s| status("CreateSnapshot", s))?
-            .into_inner()
-            .snapshot
-            .ok_or("CreateSnapshot: no snapshot in the answer")?;
-        out.put(
-            format!("snapshot/{label}/create_snapshot_ms"),
-            ms(t0.elapsed()),
-        );
-        if let Some(s) = space(before) {
-            out.put(format!("snapshot/{label}/snapshot_space_mib"), s);
-        }
-
-        let from = |name: &str, source: csi::volume_content_source::Type| {
-            let mut req = create_req(name, vol_size, fs, params);
-            req.volume_content_source = Some(csi::VolumeContentSource {
-                r#type: Some(source),
-            });
-            req
-        };
-        let restore_req = from(
-            &format!("bench-snap-{tag}-{label}-r"),
-            csi::volume_content_source::Type::Snapshot(
-                csi::volume_content_source::SnapshotSource {
-                    snapshot_id: snap.snapshot_id.clone(),
-                },
-            ),
-        );
-        let clone_req = from(
-            &format!("bench-snap-{tag}-{label}-c"),
-            csi::volume_content_source::Type::Volume(csi::volume_content_source::VolumeSource {
-                volume_id: v.volume_id.clone(),
-            }),
-        );
-        let before = used();
-        let t0 = Instant::now();
-        let restored = create(&mut t.ctl, restore_req).await?;
-        out.put(format!("snapshot/{label}/restore_ms"), ms(t0.elapsed()));
-        if let Some(s) = space(before) {
-            out.put(format!("snapshot/{label}/restore_space_mib"), s);
-        }
-        let before = used();
-        let t0 = Instant::now();
-        let cloned = create(&mut t.ctl, clone_req).await?;
-        out.put(format!("snapshot/{label}/clone_ms"), ms(t0.elapsed()));
-        if let Some(s) = space(before) {
-            out.put(format!("snapshot/{label}/clone_space_mib"), s);
-        }
-
-        delete(&mut t.ctl, &restored.volume_id).await?;
-        delete(&mut t.ctl, &cloned.volume_id).await?;
-        t.ctl
-            .delete_snapshot(csi::DeleteSnapshotRequest {
-                snapshot_id: snap.snapshot_id.clone(),
-                ..Default::default()
-            })
-            .await
-            .map_err(|s| status("DeleteSnapshot", s))?;
-        unpublish_unstage(t, &v.volume_id, &staging, &target).await?;
-        let _ = std::fs::remove_dir(&staging);
-        let _ = std::fs::remove_dir(&target);
-        delete(&mut t.ctl, &v.volume_id).await?;
+        snapshot_of(t, &format!("bench-snap-{tag}"), size, with, out).await?;
     }
     Ok(())
+}
+
+/// The snapshot scenario for one size; its volumes are named after `name`.
+async fn snapshot_of(
+    t: &mut Target,
+    name: &str,
+    size: i64,
+    with: &Volumes<'_>,
+    out: &mut Figures,
+) -> Result<(), Error> {
+    let label = size_label(size);
+    let prefix = format!("snapshot/{label}");
+    let name = format!("{name}-{label}");
+    let pool = t.spec.pool.clone();
+    let pool = pool.as_deref();
+    // Room for the data and the filesystem's own overhead.
+    let vol_size = size + size / 4 + 512 * MIB;
+    let v = create(&mut t.ctl, with.create_req(&name, vol_size)).await?;
+    let (staging, target) = paths(with.scratch, &v.volume_id)?;
+    stage_publish(t, &v, &staging, &target, with.fs).await?;
+    let t0 = Instant::now();
+    write_random(&target.join("data"), size).await?;
+    out.put(format!("{prefix}/write_s"), t0.elapsed().as_secs_f64());
+
+    let snap = time_and_space(
+        pool,
+        out,
+        (&prefix, "create_snapshot", "snapshot_space"),
+        create_snapshot(&mut t.ctl, &v.volume_id, &format!("{name}-s")),
+    )
+    .await?;
+    let from = |suffix: &str, source: csi::volume_content_source::Type| {
+        let mut req = with.create_req(&format!("{name}-{suffix}"), vol_size);
+        req.volume_content_source = Some(csi::VolumeContentSource {
+            r#type: Some(source),
+        });
+        req
+    };
+    let restore_req = from(
+        "r",
+        csi::volume_content_source::Type::Snapshot(csi::volume_content_source::SnapshotSource {
+            snapshot_id: snap.snapshot_id.clone(),
+        }),
+    );
+    let clone_req = from(
+        "c",
+        csi::volume_content_source::Type::Volume(csi::volume_content_source::VolumeSource {
+            volume_id: v.volume_id.clone(),
+        }),
+    );
+    let mut made = Vec::new();
+    for (what, req) in [("restore", restore_req), ("clone", clone_req)] {
+        let space = format!("{what}_space");
+        let op = create(&mut t.ctl, req);
+        made.push(time_and_space(pool, out, (&prefix, what, &space), op).await?);
+    }
+    for m in &made {
+        delete(&mut t.ctl, &m.volume_id).await?;
+    }
+    t.ctl
+        .delete_snapshot(csi::DeleteSnapshotRequest {
+            snapshot_id: snap.snapshot_id.clone(),
+            ..Default::default()
+        })
+        .await
+        .map_err(|s| status("DeleteSnapshot", s))?;
+    unpublish_unstage(t, &v.volume_id, &staging, &target).await?;
+    let _ = std::fs::remove_dir(&staging);
+    let _ = std::fs::remove_dir(&target);
+    delete(&mut t.ctl, &v.volume_id).await
+}
+
+async fn create_snapshot(
+    ctl: &mut ControllerClient<Channel>,
+    source: &str,
+    name: &str,
+) -> Result<csi::Snapshot, Error> {
+    ctl.create_snapshot(csi::CreateSnapshotRequest {
+        source_volume_id: source.to_string(),
+        name: name.to_string(),
+        ..Default::default()
+    })
+    .await
+    .map_err(|s| status("CreateSnapshot", s))?
+    .into_inner()
+    .snapshot
+    .ok_or_else(|| "CreateSnapshot: no snapshot in the answer".to_string())
 }
 
 pub fn rss_mib(t: &Target) -> Option<f64> {

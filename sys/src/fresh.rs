@@ -64,22 +64,14 @@ pub fn format_template(image: &Path, fstype: &str, timeout: Duration) -> Result<
 /// [`renew_uuid`] can change: never mounted, superblock checksums right.
 pub fn check_template(image: &Path, fstype: &str) -> Result<()> {
     let f = open(image, false)?;
-    let len = f
-        .metadata()
-        .map_err(|e| SysError::io("reading the size of", image, e))?
-        .len();
-    plan(&f, image, fstype, len).map(|_| ())
+    plan(&f, image, fstype).map(|_| ())
 }
 
 /// Gives the fresh copy of a template at `image` the filesystem UUID `uuid`.
 /// The caller makes the change durable (it fsyncs the new image anyway).
 pub fn renew_uuid(image: &Path, fstype: &str, uuid: [u8; 16]) -> Result<()> {
     let f = open(image, true)?;
-    let len = f
-        .metadata()
-        .map_err(|e| SysError::io("reading the size of", image, e))?
-        .len();
-    for mut block in plan(&f, image, fstype, len)? {
+    for mut block in plan(&f, image, fstype)? {
         (block.change)(&mut block.bytes, &uuid);
         f.write_all_at(&block.bytes, block.offset)
             .map_err(|e| SysError::io("writing the UUID into", image, e))?;
@@ -254,132 +246,177 @@ fn read(f: &File, image: &Path, offset: u64, len: usize) -> Result<Vec<u8>> {
 
 /// The blocks to rewrite, each checked; an error when the filesystem is not of
 /// the expected shape, so nothing is written to anything else.
-fn plan(f: &File, image: &Path, fstype: &str, len: u64) -> Result<Vec<Block>> {
-    let bad = |why: &str| not_fresh(image, fstype, why);
+fn plan(f: &File, image: &Path, fstype: &str) -> Result<Vec<Block>> {
+    let len = f
+        .metadata()
+        .map_err(|e| SysError::io("reading the size of", image, e))?
+        .len();
+    let image = Image {
+        f,
+        path: image,
+        fstype,
+    };
     match fstype {
-        "ext4" => {
-            let sb = read(f, image, EXT4_SB, 1024)?;
-            if le16(&sb, 0x38) != 0xEF53 {
-                return Err(bad("no ext4 superblock"));
-            }
-            if le32(&sb, 0x60) & EXT4_INCOMPAT_CSUM_SEED == 0
-                || le32(&sb, 0x64) & EXT4_RO_METADATA_CSUM == 0
-            {
-                return Err(bad("not made with metadata_csum and metadata_csum_seed"));
-            }
-            if le32(&sb, EXT4_CSUM) != ext4_csum(&sb) {
-                return Err(bad("superblock checksum mismatch"));
-            }
-            if le16(&sb, 0x34) != 0 {
-                return Err(bad("it has been mounted"));
-            }
-            Ok(vec![Block {
-                offset: EXT4_SB,
-                bytes: sb,
-                change: |sb, uuid| {
-                    sb[EXT4_UUID..EXT4_UUID + 16].copy_from_slice(uuid);
-                    let c = ext4_csum(sb);
-                    sb[EXT4_CSUM..EXT4_CSUM + 4].copy_from_slice(&c.to_le_bytes());
-                },
-            }])
-        }
-        "xfs" => {
-            let sb = read(f, image, 0, 512)?;
-            if &sb[0..4] != b"XFSB" || be16(&sb, 100) & 0xf != 5 {
-                return Err(bad("no xfs v5 superblock"));
-            }
-            let sect = be16(&sb, 102) as usize;
-            let bsize = be32(&sb, 4) as u64;
-            let agblocks = be32(&sb, 84) as u64;
-            let agcount = be32(&sb, 88) as u64;
-            let logstart = be64(&sb, 48);
-            if !(512..=32768).contains(&sect)
-                || agcount == 0
-                || agcount.saturating_mul(agblocks).saturating_mul(bsize) > len
-                || logstart == 0
-            {
-                return Err(bad("unexpected geometry or external log"));
-            }
-            let uuid: [u8; 16] = sb[XFS_UUID..XFS_UUID + 16].try_into().unwrap_or([0; 16]);
-            let mut blocks = Vec::new();
-            for ag in 0..agcount {
-                let s = read(f, image, ag * agblocks * bsize, sect)?;
-                if &s[0..4] != b"XFSB" || s[XFS_UUID..XFS_UUID + 16] != uuid {
-                    return Err(bad("allocation group superblocks disagree"));
-                }
-                if s[XFS_CRC..XFS_CRC + 4] != xfs_crc(&s).to_le_bytes() {
-                    return Err(bad("superblock checksum mismatch"));
-                }
-                if be32(&s, XFS_INCOMPAT) & XFS_INCOMPAT_META_UUID != 0 {
-                    return Err(bad("its UUID has been changed already"));
-                }
-                blocks.push(Block {
-                    offset: ag * agblocks * bsize,
-                    bytes: s,
-                    change: |s, uuid| {
-                        let old: [u8; 16] =
-                            s[XFS_UUID..XFS_UUID + 16].try_into().unwrap_or([0; 16]);
-                        s[XFS_META_UUID..XFS_META_UUID + 16].copy_from_slice(&old);
-                        let inc = be32(s, XFS_INCOMPAT) | XFS_INCOMPAT_META_UUID;
-                        s[XFS_INCOMPAT..XFS_INCOMPAT + 4].copy_from_slice(&inc.to_be_bytes());
-                        s[XFS_UUID..XFS_UUID + 16].copy_from_slice(uuid);
-                        let c = xfs_crc(s);
-                        s[XFS_CRC..XFS_CRC + 4].copy_from_slice(&c.to_le_bytes());
-                    },
-                });
-            }
-            let log = xfs_log_offset(&sb);
-            let head = read(f, image, log, 512)?;
-            // The unmount record mkfs writes: cycle 1, no CRC, this filesystem's UUID.
-            let fresh_log = be32(&head, 0) == XLOG_MAGIC
-                && be32(&head, 4) == 1
-                && be32(&head, 32) == 0
-                && head[XLOG_UUID..XLOG_UUID + 16] == uuid;
-            if !fresh_log {
-                return Err(bad("its log is not the one mkfs writes"));
-            }
-            blocks.push(Block {
-                offset: log,
-                bytes: head,
-                change: |h, uuid| h[XLOG_UUID..XLOG_UUID + 16].copy_from_slice(uuid),
-            });
-            Ok(blocks)
-        }
-        "btrfs" => {
-            let mut blocks = Vec::new();
-            for &offset in BTRFS_SB.iter().filter(|&&o| o + 4096 <= len) {
-                let s = read(f, image, offset, 4096)?;
-                if &s[0x40..0x48] != b"_BHRfS_M" || le16(&s, 0xC4) != 0 {
-                    return Err(bad("no btrfs superblock with crc32c checksums"));
-                }
-                if le32(&s, 0) != crc32c(&s[0x20..]) {
-                    return Err(bad("superblock checksum mismatch"));
-                }
-                if le64(&s, BTRFS_INCOMPAT) & BTRFS_INCOMPAT_METADATA_UUID != 0 {
-                    return Err(bad("its fsid has been changed already"));
-                }
-                blocks.push(Block {
-                    offset,
-                    bytes: s,
-                    change: |s, uuid| {
-                        let old: [u8; 16] =
-                            s[BTRFS_FSID..BTRFS_FSID + 16].try_into().unwrap_or([0; 16]);
-                        s[BTRFS_META_UUID..BTRFS_META_UUID + 16].copy_from_slice(&old);
-                        let inc = le64(s, BTRFS_INCOMPAT) | BTRFS_INCOMPAT_METADATA_UUID;
-                        s[BTRFS_INCOMPAT..BTRFS_INCOMPAT + 8].copy_from_slice(&inc.to_le_bytes());
-                        s[BTRFS_FSID..BTRFS_FSID + 16].copy_from_slice(uuid);
-                        let c = crc32c(&s[0x20..]);
-                        s[0..4].copy_from_slice(&c.to_le_bytes());
-                    },
-                });
-            }
-            if blocks.is_empty() {
-                return Err(bad("too small for a btrfs superblock"));
-            }
-            Ok(blocks)
-        }
+        "ext4" => plan_ext4(&image),
+        "xfs" => plan_xfs(&image, len),
+        "btrfs" => plan_btrfs(&image, len),
         other => Err(unsupported(other)),
     }
+}
+
+/// The image a plan reads, and what it should hold.
+struct Image<'a> {
+    f: &'a File,
+    path: &'a Path,
+    fstype: &'a str,
+}
+
+impl Image<'_> {
+    fn read(&self, offset: u64, len: usize) -> Result<Vec<u8>> {
+        read(self.f, self.path, offset, len)
+    }
+
+    fn bad(&self, why: &str) -> SysError {
+        not_fresh(self.path, self.fstype, why)
+    }
+}
+
+/// ext4: the primary superblock.
+fn plan_ext4(image: &Image) -> Result<Vec<Block>> {
+    let sb = image.read(EXT4_SB, 1024)?;
+    if le16(&sb, 0x38) != 0xEF53 {
+        return Err(image.bad("no ext4 superblock"));
+    }
+    if le32(&sb, 0x60) & EXT4_INCOMPAT_CSUM_SEED == 0
+        || le32(&sb, 0x64) & EXT4_RO_METADATA_CSUM == 0
+    {
+        return Err(image.bad("not made with metadata_csum and metadata_csum_seed"));
+    }
+    if le32(&sb, EXT4_CSUM) != ext4_csum(&sb) {
+        return Err(image.bad("superblock checksum mismatch"));
+    }
+    if le16(&sb, 0x34) != 0 {
+        return Err(image.bad("it has been mounted"));
+    }
+    Ok(vec![Block {
+        offset: EXT4_SB,
+        bytes: sb,
+        change: |sb, uuid| {
+            sb[EXT4_UUID..EXT4_UUID + 16].copy_from_slice(uuid);
+            let c = ext4_csum(sb);
+            sb[EXT4_CSUM..EXT4_CSUM + 4].copy_from_slice(&c.to_le_bytes());
+        },
+    }])
+}
+
+/// xfs: every allocation group's superblock, then the header of the log.
+fn plan_xfs(image: &Image, len: u64) -> Result<Vec<Block>> {
+    let sb = image.read(0, 512)?;
+    if &sb[0..4] != b"XFSB" || be16(&sb, 100) & 0xf != 5 {
+        return Err(image.bad("no xfs v5 superblock"));
+    }
+    let sect = be16(&sb, 102) as usize;
+    let bsize = be32(&sb, 4) as u64;
+    let agblocks = be32(&sb, 84) as u64;
+    let agcount = be32(&sb, 88) as u64;
+    let logstart = be64(&sb, 48);
+    if !(512..=32768).contains(&sect)
+        || agcount == 0
+        || agcount.saturating_mul(agblocks).saturating_mul(bsize) > len
+        || logstart == 0
+    {
+        return Err(image.bad("unexpected geometry or external log"));
+    }
+    let uuid: [u8; 16] = sb[XFS_UUID..XFS_UUID + 16].try_into().unwrap_or([0; 16]);
+    let mut blocks = Vec::new();
+    for ag in 0..agcount {
+        blocks.push(xfs_ag_superblock(
+            image,
+            ag * agblocks * bsize,
+            sect,
+            &uuid,
+        )?);
+    }
+    let log = xfs_log_offset(&sb);
+    let head = image.read(log, 512)?;
+    // The unmount record mkfs writes: cycle 1, no CRC, this filesystem's UUID.
+    let fresh_log = be32(&head, 0) == XLOG_MAGIC
+        && be32(&head, 4) == 1
+        && be32(&head, 32) == 0
+        && head[XLOG_UUID..XLOG_UUID + 16] == uuid;
+    if !fresh_log {
+        return Err(image.bad("its log is not the one mkfs writes"));
+    }
+    blocks.push(Block {
+        offset: log,
+        bytes: head,
+        change: |h, uuid| h[XLOG_UUID..XLOG_UUID + 16].copy_from_slice(uuid),
+    });
+    Ok(blocks)
+}
+
+/// The superblock of an xfs allocation group at `offset`, checked against the
+/// primary's `uuid`.
+fn xfs_ag_superblock(image: &Image, offset: u64, sect: usize, uuid: &[u8; 16]) -> Result<Block> {
+    let s = image.read(offset, sect)?;
+    if &s[0..4] != b"XFSB" || s[XFS_UUID..XFS_UUID + 16] != *uuid {
+        return Err(image.bad("allocation group superblocks disagree"));
+    }
+    if s[XFS_CRC..XFS_CRC + 4] != xfs_crc(&s).to_le_bytes() {
+        return Err(image.bad("superblock checksum mismatch"));
+    }
+    if be32(&s, XFS_INCOMPAT) & XFS_INCOMPAT_META_UUID != 0 {
+        return Err(image.bad("its UUID has been changed already"));
+    }
+    Ok(Block {
+        offset,
+        bytes: s,
+        change: xfs_new_uuid,
+    })
+}
+
+/// An xfs superblock's UUID changed as `xfs_admin -U` does it.
+fn xfs_new_uuid(s: &mut [u8], uuid: &[u8; 16]) {
+    move_uuid(s, XFS_UUID, XFS_META_UUID, uuid);
+    let inc = be32(s, XFS_INCOMPAT) | XFS_INCOMPAT_META_UUID;
+    s[XFS_INCOMPAT..XFS_INCOMPAT + 4].copy_from_slice(&inc.to_be_bytes());
+    let c = xfs_crc(s);
+    s[XFS_CRC..XFS_CRC + 4].copy_from_slice(&c.to_le_bytes());
+}
+
+/// btrfs: every superblock copy inside the file.
+fn plan_btrfs(image: &Image, len: u64) -> Result<Vec<Block>> {
+    let mut blocks = Vec::new();
+    for &offset in BTRFS_SB.iter().filter(|&&o| o + 4096 <= len) {
+        let s = image.read(offset, 4096)?;
+        if &s[0x40..0x48] != b"_BHRfS_M" || le16(&s, 0xC4) != 0 {
+            return Err(image.bad("no btrfs superblock with crc32c checksums"));
+        }
+        if le32(&s, 0) != crc32c(&s[0x20..]) {
+            return Err(image.bad("superblock checksum mismatch"));
+        }
+        if le64(&s, BTRFS_INCOMPAT) & BTRFS_INCOMPAT_METADATA_UUID != 0 {
+            return Err(image.bad("its fsid has been changed already"));
+        }
+        blocks.push(Block {
+            offset,
+            bytes: s,
+            change: btrfs_new_uuid,
+        });
+    }
+    if blocks.is_empty() {
+        return Err(image.bad("too small for a btrfs superblock"));
+    }
+    Ok(blocks)
+}
+
+/// A btrfs superblock's fsid changed as `btrfstune -m` does it.
+fn btrfs_new_uuid(s: &mut [u8], uuid: &[u8; 16]) {
+    move_uuid(s, BTRFS_FSID, BTRFS_META_UUID, uuid);
+    let inc = le64(s, BTRFS_INCOMPAT) | BTRFS_INCOMPAT_METADATA_UUID;
+    s[BTRFS_INCOMPAT..BTRFS_INCOMPAT + 8].copy_from_slice(&inc.to_le_bytes());
+    let c = crc32c(&s[0x20..]);
+    s[0..4].copy_from_slice(&c.to_le_bytes());
 }
 
 const EXT4_SB: u64 = 1024;
@@ -401,6 +438,13 @@ const BTRFS_FSID: usize = 0x20;
 const BTRFS_INCOMPAT: usize = 0xBC;
 const BTRFS_META_UUID: usize = 0x23B;
 const BTRFS_INCOMPAT_METADATA_UUID: u64 = 1 << 10;
+
+/// Keeps the UUID at `at` as the metadata UUID at `meta` (the one checksums
+/// and block headers go on naming) and puts `uuid` at `at`.
+fn move_uuid(s: &mut [u8], at: usize, meta: usize, uuid: &[u8; 16]) {
+    s.copy_within(at..at + 16, meta);
+    s[at..at + 16].copy_from_slice(uuid);
+}
 
 fn le16(b: &[u8], at: usize) -> u16 {
     u16::from_le_bytes([b[at], b[at + 1]])

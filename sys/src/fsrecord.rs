@@ -242,7 +242,7 @@ mod recording {
         Move(OsString, OsString, Ino),
     }
 
-    #[derive(Debug, Clone)]
+    #[derive(Debug, Clone, Default)]
     struct Dir {
         entries: BTreeMap<OsString, Ino>,
         durable: BTreeMap<OsString, Ino>,
@@ -295,11 +295,7 @@ mod recording {
 
         fn scan_dir(&mut self, dir: &Path) -> Ino {
             let ino = self.inodes.len();
-            self.inodes.push(Inode::Dir(Dir {
-                entries: BTreeMap::new(),
-                durable: BTreeMap::new(),
-                pending: Vec::new(),
-            }));
+            self.inodes.push(Inode::Dir(Dir::default()));
             let mut entries = BTreeMap::new();
             for e in fs::read_dir(dir).unwrap().flatten() {
                 let path = e.path();
@@ -402,22 +398,8 @@ mod recording {
                 return;
             }
             match op {
-                FsOp::Create { path, truncate } => match self.lookup(path) {
-                    Some(_) if *truncate => {
-                        let d = self.file(path);
-                        d.bytes.clear();
-                        d.len = 0;
-                    }
-                    Some(_) => {}
-                    None => self.add(path, new_file(Data::default(), Data::default())),
-                },
-                FsOp::Write { path, offset, data } => {
-                    let (d, writes) = self.file_and_writes(path);
-                    write_into(d, *offset, data);
-                    if let Some(w) = writes {
-                        w.push((*offset, data.clone()));
-                    }
-                }
+                FsOp::Create { path, truncate } => self.create(path, *truncate),
+                FsOp::Write { path, offset, data } => self.write(path, *offset, data),
                 FsOp::SetLen { path, len } => {
                     let d = self.file(path);
                     d.len = *len;
@@ -439,58 +421,10 @@ mod recording {
                     let ino = self.lookup(path).expect("fsync of a path the model knows");
                     self.sync(ino);
                 }
-                FsOp::SyncData { path } => {
-                    let ino = self
-                        .lookup(path)
-                        .expect("fdatasync of a path the model knows");
-                    if let Inode::File {
-                        cur,
-                        synced,
-                        writes,
-                    } = &mut self.inodes[ino]
-                    {
-                        let xattrs = std::mem::take(&mut synced.xattrs);
-                        *synced = Data {
-                            xattrs,
-                            ..cur.clone()
-                        };
-                        *writes = Some(Vec::new());
-                    }
-                }
-                FsOp::Rename { from, to } => {
-                    let (fp, fname) = self.parent(from);
-                    let (tp, tname) = self.parent(to);
-                    let ino = self
-                        .dir(fp)
-                        .entries
-                        .remove(&fname)
-                        .expect("rename of a path the model knows");
-                    if fp == tp {
-                        let d = self.dir(fp);
-                        d.entries.insert(tname.clone(), ino);
-                        d.pending.push(Change::Move(fname, tname, ino));
-                    } else {
-                        self.dir(fp).pending.push(Change::Del(fname));
-                        let d = self.dir(tp);
-                        d.entries.insert(tname.clone(), ino);
-                        d.pending.push(Change::Put(tname, ino));
-                    }
-                }
-                FsOp::Unlink { path } | FsOp::RemoveTree { path } => {
-                    let (p, name) = self.parent(path);
-                    let d = self.dir(p);
-                    if d.entries.remove(&name).is_some() {
-                        d.pending.push(Change::Del(name));
-                    }
-                }
-                FsOp::Mkdir { path } => self.add(
-                    path,
-                    Inode::Dir(Dir {
-                        entries: BTreeMap::new(),
-                        durable: BTreeMap::new(),
-                        pending: Vec::new(),
-                    }),
-                ),
+                FsOp::SyncData { path } => self.sync_data(path),
+                FsOp::Rename { from, to } => self.rename(from, to),
+                FsOp::Unlink { path } | FsOp::RemoveTree { path } => self.unlink(path),
+                FsOp::Mkdir { path } => self.add(path, Inode::Dir(Dir::default())),
                 FsOp::SyncFs { .. } => {
                     for ino in 0..self.inodes.len() {
                         self.sync(ino);
@@ -500,6 +434,76 @@ mod recording {
                     panic!("the model does not know {what} (at {})", path.display())
                 }
                 FsOp::Mark(_) => {}
+            }
+        }
+
+        fn create(&mut self, path: &Path, truncate: bool) {
+            match self.lookup(path) {
+                Some(_) if truncate => {
+                    let d = self.file(path);
+                    d.bytes.clear();
+                    d.len = 0;
+                }
+                Some(_) => {}
+                None => self.add(path, new_file(Data::default(), Data::default())),
+            }
+        }
+
+        fn write(&mut self, path: &Path, offset: u64, data: &[u8]) {
+            let (d, writes) = self.file_and_writes(path);
+            write_into(d, offset, data);
+            if let Some(w) = writes {
+                w.push((offset, data.to_vec()));
+            }
+        }
+
+        /// fdatasync: the data and length become durable, the attributes do not.
+        fn sync_data(&mut self, path: &Path) {
+            let ino = self
+                .lookup(path)
+                .expect("fdatasync of a path the model knows");
+            if let Inode::File {
+                cur,
+                synced,
+                writes,
+            } = &mut self.inodes[ino]
+            {
+                let xattrs = std::mem::take(&mut synced.xattrs);
+                *synced = Data {
+                    xattrs,
+                    ..cur.clone()
+                };
+                *writes = Some(Vec::new());
+            }
+        }
+
+        /// A rename within one directory is one atomic change of it; across two,
+        /// a removal from one and an addition to the other.
+        fn rename(&mut self, from: &Path, to: &Path) {
+            let (fp, fname) = self.parent(from);
+            let (tp, tname) = self.parent(to);
+            let ino = self
+                .dir(fp)
+                .entries
+                .remove(&fname)
+                .expect("rename of a path the model knows");
+            if fp == tp {
+                let d = self.dir(fp);
+                d.entries.insert(tname.clone(), ino);
+                d.pending.push(Change::Move(fname, tname, ino));
+            } else {
+                self.dir(fp).pending.push(Change::Del(fname));
+                let d = self.dir(tp);
+                d.entries.insert(tname.clone(), ino);
+                d.pending.push(Change::Put(tname, ino));
+            }
+        }
+
+        fn unlink(&mut self, path: &Path) {
+            let (p, name) = self.parent(path);
+            let d = self.dir(p);
+            if d.entries.remove(&name).is_some() {
+                d.pending.push(Change::Del(name));
             }
         }
 

@@ -3,7 +3,7 @@
 //! Everything a test makes is torn down by Drop, also when the test fails.
 #![allow(dead_code)]
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -73,6 +73,29 @@ pub fn loops_below(dir: &Path) -> Vec<String> {
         .into_iter()
         .filter(|(_, b)| b.starts_with(dir))
         .map(|(d, _)| d)
+        .collect()
+}
+
+/// Backing files, in order, of the loop devices whose backing file lies below
+/// `dir`.
+pub fn loop_backings_below(dir: &Path) -> Vec<PathBuf> {
+    let mut out: Vec<PathBuf> = loop_devices()
+        .into_iter()
+        .map(|(_, b)| b)
+        .filter(|b| b.starts_with(dir))
+        .collect();
+    out.sort();
+    out
+}
+
+/// Names of the entries of a directory, not recursive (empty if it does not
+/// exist).
+pub fn names(dir: &Path) -> BTreeSet<String> {
+    std::fs::read_dir(dir)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
         .collect()
 }
 
@@ -200,13 +223,8 @@ impl Clients {
         cap: csi::VolumeCapability,
         params: &[(&str, &str)],
     ) -> String {
-        self.controller
-            .create_volume(create_req(name, size, cap, params))
+        must_create(&mut self.controller, create_req(name, size, cap, params))
             .await
-            .unwrap_or_else(|e| panic!("CreateVolume {name}: {e:?}"))
-            .into_inner()
-            .volume
-            .unwrap()
             .volume_id
     }
 
@@ -549,6 +567,34 @@ impl Driver {
     }
 }
 
+/// CreateVolume, which must succeed: the volume made.
+pub async fn must_create(
+    c: &mut ControllerClient<Channel>,
+    req: csi::CreateVolumeRequest,
+) -> csi::Volume {
+    let name = req.name.clone();
+    c.create_volume(req)
+        .await
+        .unwrap_or_else(|e| panic!("CreateVolume {name}: {e:?}"))
+        .into_inner()
+        .volume
+        .unwrap_or_else(|| panic!("CreateVolume {name} answered no volume"))
+}
+
+/// CreateSnapshot, which must succeed: the snapshot made.
+pub async fn must_snapshot(
+    c: &mut ControllerClient<Channel>,
+    req: csi::CreateSnapshotRequest,
+) -> csi::Snapshot {
+    let name = req.name.clone();
+    c.create_snapshot(req)
+        .await
+        .unwrap_or_else(|e| panic!("CreateSnapshot {name}: {e:?}"))
+        .into_inner()
+        .snapshot
+        .unwrap_or_else(|| panic!("CreateSnapshot {name} answered no snapshot"))
+}
+
 /// Creates a volume and returns its id.
 pub async fn create_volume_id(
     c: &mut ControllerClient<Channel>,
@@ -556,12 +602,8 @@ pub async fn create_volume_id(
     size: i64,
     cap: csi::VolumeCapability,
 ) -> String {
-    c.create_volume(create_req(name, size, cap, &[]))
+    must_create(c, create_req(name, size, cap, &[]))
         .await
-        .unwrap_or_else(|e| panic!("create {name}: {e:?}"))
-        .into_inner()
-        .volume
-        .unwrap()
         .volume_id
 }
 

@@ -8,6 +8,7 @@ use std::path::{Path, PathBuf};
 use csi_sys::file;
 
 use super::publish::Publish;
+use super::stage::ToStage;
 use super::Node;
 use crate::data::remove_data;
 use crate::error::{Context, Error, Result};
@@ -22,6 +23,16 @@ pub const EPHEMERAL_KEY: &str = "csi.storage.k8s.io/ephemeral";
 
 /// Size of an ephemeral inline volume whose volumeAttributes name none.
 pub const EPHEMERAL_DEFAULT_SIZE: u64 = GIB;
+
+/// An ephemeral volume as its publish asks for it, checked: its size rounded
+/// up to what its filesystem needs.
+struct Ephemeral {
+    id: VolumeId,
+    pool: Pool,
+    cap: Capability,
+    size: u64,
+    fs: String,
+}
 
 impl Node {
     pub(super) fn ephemeral_id(&self, volume_id: &str) -> Option<VolumeId> {
@@ -63,7 +74,14 @@ impl Node {
                 pool.name
             )));
         }
-        let result = self.make_ephemeral(req, target, id, &pool, &cap, size, fs, created);
+        let wanted = Ephemeral {
+            id,
+            pool,
+            cap,
+            size,
+            fs,
+        };
+        let result = self.make_ephemeral(req, target, &wanted, created);
         if result.is_err() && created {
             self.undo_first_ephemeral_publish(id, target);
         }
@@ -140,20 +158,17 @@ impl Node {
         }
     }
 
-    #[allow(clippy::too_many_arguments)]
     fn make_ephemeral(
         &self,
         req: &Publish,
         target: &Path,
-        id: VolumeId,
-        pool: &crate::pool::Pool,
-        cap: &Capability,
-        size: u64,
-        fs: String,
+        wanted: &Ephemeral,
         create: bool,
     ) -> Result<()> {
+        let Ephemeral { id, pool, cap, .. } = wanted;
+        let id = *id;
         if create {
-            self.create_ephemeral(id, pool, &req.volume_id, cap, size, fs)?;
+            self.create_ephemeral(wanted, &req.volume_id)?;
         }
         failpoint::hit("ephemeral.after-create");
         let loc = pool
@@ -166,27 +181,27 @@ impl Node {
         if let Access::Mount { mount_flags, .. } = &mut stage_cap.access {
             mount_flags.clear();
         }
-        self.stage_locked(
+        let to_stage = ToStage {
             id,
-            &req.volume_id,
-            &loc,
-            &staging,
-            &stage_cap,
-            &BTreeMap::new(),
-            None,
-        )?;
+            volume_id: &req.volume_id,
+            loc: &loc,
+            staging: &staging,
+            cap: &stage_cap,
+            context: &BTreeMap::new(),
+        };
+        self.stage_locked(&to_stage, None)?;
         self.publish_locked(id, &loc, &staging, target, cap, req.read_only)
     }
 
-    fn create_ephemeral(
-        &self,
-        id: VolumeId,
-        pool: &crate::pool::Pool,
-        name: &str,
-        cap: &Capability,
-        size: u64,
-        fs: String,
-    ) -> Result<()> {
+    fn create_ephemeral(&self, wanted: &Ephemeral, name: &str) -> Result<()> {
+        let Ephemeral {
+            id,
+            pool,
+            cap,
+            size,
+            fs,
+        } = wanted;
+        let (id, size) = (*id, *size);
         // The caller checked and rounded the size.
         let rec = VolumeRecord {
             id,
@@ -194,7 +209,7 @@ impl Node {
             pool: pool.name.clone(),
             backing: Backing::Image,
             size,
-            fs_type: Some(fs),
+            fs_type: Some(fs.clone()),
             capabilities: vec![cap.clone()],
             parameters: BTreeMap::new(),
             mutable_parameters: BTreeMap::new(),

@@ -25,6 +25,18 @@ pub struct Stage {
     pub volume_context: BTreeMap<String, String>,
 }
 
+/// A stage request checked and resolved: the volume, where its data lies, the
+/// staging path and the capability it is staged with.
+#[derive(Clone, Copy)]
+pub(super) struct ToStage<'a> {
+    pub id: VolumeId,
+    pub volume_id: &'a str,
+    pub loc: &'a Located,
+    pub staging: &'a Path,
+    pub cap: &'a Capability,
+    pub context: &'a BTreeMap<String, String>,
+}
+
 impl Node {
     pub fn node_stage(&self, req: Stage) -> Result<()> {
         let staging = self.check_request(
@@ -37,15 +49,15 @@ impl Node {
         let cap = Self::check_capability(req.capability.as_ref(), &loc)?;
         let _guard = self.locks.try_lock([format!("node:{id}")])?;
         let (volume, loc) = self.lock_located(id)?;
-        self.stage_locked(
+        let to_stage = ToStage {
             id,
-            &req.volume_id,
-            &loc,
-            &staging,
-            &cap,
-            &req.volume_context,
-            Some(&volume),
-        )
+            volume_id: &req.volume_id,
+            loc: &loc,
+            staging: &staging,
+            cap: &cap,
+            context: &req.volume_context,
+        };
+        self.stage_locked(&to_stage, Some(&volume))
     }
 
     /// Stages a volume. When the first stage of a volume fails, what this call did
@@ -54,22 +66,15 @@ impl Node {
     /// unstage finishes. A volume of the controller (`volume`, its lock held) is
     /// marked staged before anything is done, so that the controller never deletes
     /// it from under the node; an ephemeral volume is the node's alone.
-    #[allow(clippy::too_many_arguments)]
-    pub(super) fn stage_locked(
-        &self,
-        id: VolumeId,
-        volume_id: &str,
-        loc: &Located,
-        staging: &Path,
-        cap: &Capability,
-        context: &BTreeMap<String, String>,
-        volume: Option<&VolumeLock>,
-    ) -> Result<()> {
+    pub(super) fn stage_locked(&self, req: &ToStage, volume: Option<&VolumeLock>) -> Result<()> {
+        let ToStage {
+            id, loc, staging, ..
+        } = *req;
         let first_stage = self.node_records.get(id).is_none();
         let ephemeral = volume.is_none();
         let result = volume
             .map_or(Ok(()), |v| v.set_staged(true))
-            .and_then(|()| self.stage_steps(id, volume_id, loc, staging, cap, context, ephemeral));
+            .and_then(|()| self.stage_steps(req, ephemeral));
         if result.is_err() && first_stage {
             if let Err(e) = self.undo_first_stage(id, loc, staging, volume) {
                 tracing::warn!(volume.id = %id, error = %e, "could not undo a failed stage");
@@ -100,17 +105,15 @@ impl Node {
         volume.map_or(Ok(()), |v| v.set_staged(false))
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn stage_steps(
-        &self,
-        id: VolumeId,
-        volume_id: &str,
-        loc: &Located,
-        staging: &Path,
-        cap: &Capability,
-        context: &BTreeMap<String, String>,
-        ephemeral: bool,
-    ) -> Result<()> {
+    fn stage_steps(&self, req: &ToStage, ephemeral: bool) -> Result<()> {
+        let ToStage {
+            id,
+            volume_id,
+            loc,
+            staging,
+            cap,
+            context,
+        } = *req;
         let existing = self.node_records.get(id);
         let devices = self.devices(loc, existing.as_ref())?;
         let mut rec = match existing {
