@@ -275,3 +275,32 @@ fn delete_refuses_an_image_attached_by_something_else() {
     d.controller().unwrap().delete_volume(&id).unwrap();
     assert!(!image.exists());
 }
+
+/// A device let go of while another process holds it open is torn down by the
+/// kernel only at that close; DeleteVolume waits a moment for it instead of
+/// answering that the volume is in use.
+#[test]
+#[ignore = "needs root: loop devices, mkfs, mounts"]
+fn delete_waits_for_a_detached_device_the_kernel_is_still_releasing() {
+    require_root();
+    let p = Place::new();
+    let d = p.driver();
+    let id = create(&d, "releasing");
+    let image = p.path(&format!("pool/volumes/{id}.img"));
+    let dev = p.losetup(&image);
+    let held = std::fs::File::open(&dev).unwrap();
+    run("losetup", &["-d", &dev]);
+    assert_eq!(
+        devices_of(&image),
+        vec![dev.clone()],
+        "held open, the device outlives its detach"
+    );
+    let closer = std::thread::spawn(move || {
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        drop(held);
+    });
+    d.controller().unwrap().delete_volume(&id).unwrap();
+    closer.join().unwrap();
+    assert!(!image.exists());
+    assert!(backing_of(&dev).is_none());
+}

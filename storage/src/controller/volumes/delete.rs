@@ -1,5 +1,9 @@
 //! DeleteVolume: refused while the volume is published or in use on the node;
-//! the intent is recorded before the data goes, so a crash is finished at start.
+//! the record goes before the data, so data a crash leaves is an orphan, removed
+//! at start.
+
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
 use crate::error::{Context, Error, Result};
 use crate::failpoint;
@@ -41,22 +45,11 @@ impl Controller {
         // The staged mark answers for the node's own devices; a device attached
         // otherwise holds the image open, which the kernel tells without a look at
         // every device.
-        if rec.backing == Backing::Image
-            && self
-                .sys
-                .loops
-                .may_serve(&path)
-                .context(|| format!("asking whether {} is in use", path.display()))?
-        {
-            let attached = self
-                .sys
-                .loops
-                .find(&path)
-                .context(|| "listing loop devices".into())?;
-            if let Some(dev) = attached.first() {
+        if rec.backing == Backing::Image {
+            if let Some(dev) = self.device_serving(&path)? {
                 return Err(Error::precondition(format!(
                     "volume {id} is in use on this node through {}; unstage it first",
-                    dev.device.display()
+                    dev.display()
                 )));
             }
         }
@@ -71,4 +64,38 @@ impl Controller {
         tracing::info!(volume.id = %id, name = %rec.name, "volume deleted");
         Ok(())
     }
+
+    /// A loop device serving the image at `path`, if one is still there after
+    /// [`RELEASE_WAIT`]: a device the node detached while another process had it
+    /// open for a moment (a scan, a container runtime's copy of the mount table)
+    /// is torn down by the kernel only at that close.
+    fn device_serving(&self, path: &Path) -> Result<Option<PathBuf>> {
+        let deadline = Instant::now() + RELEASE_WAIT;
+        loop {
+            let may_serve = self
+                .sys
+                .loops
+                .may_serve(path)
+                .context(|| format!("asking whether {} is in use", path.display()))?;
+            if !may_serve {
+                return Ok(None);
+            }
+            let attached = self
+                .sys
+                .loops
+                .find(path)
+                .context(|| "listing loop devices".into())?;
+            let Some(dev) = attached.into_iter().next() else {
+                return Ok(None);
+            };
+            if Instant::now() >= deadline {
+                return Ok(Some(dev.device));
+            }
+            crate::cancel::check()?;
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
 }
+
+/// How long DeleteVolume waits for a loop device on its image to be released.
+const RELEASE_WAIT: Duration = Duration::from_secs(1);
