@@ -184,6 +184,24 @@ impl Fx {
         self.driver.spawn();
         self.reconnect().await;
     }
+
+    /// The call of one phase of a volume's life on the node.
+    async fn run(
+        &mut self,
+        phase: Phase,
+        id: &str,
+        staging: &Path,
+        target: &Path,
+        cap: &csi::VolumeCapability,
+        ro: bool,
+    ) -> Result<(), tonic::Status> {
+        match phase {
+            Phase::Stage => self.stage(id, staging, cap).await,
+            Phase::Publish => self.publish(id, staging, target, cap, ro).await,
+            Phase::Unpublish => self.unpublish(id, target).await,
+            Phase::Unstage => self.unstage(id, staging).await,
+        }
+    }
 }
 
 fn code(r: Result<(), tonic::Status>) -> Code {
@@ -1383,43 +1401,49 @@ async fn crash_at(point: &str, phase: Phase, kind: Kind) {
     if phase == Phase::Unstage {
         fx.unpublish(&id, &target).await.unwrap();
     }
-    // The crash.
+    // The crash. A call that fails without reaching the failpoint (the driver
+    // still alive) is retried as kubelet would, twice at most, and its answer kept
+    // for the report.
     fx.respawn(&[(FAILPOINTS, point)]).await;
-    let call = async {
-        match phase {
-            Phase::Stage => fx.stage(&id, &staging, &cap).await,
-            Phase::Publish => fx.publish(&id, &staging, &target, &cap, ro).await,
-            Phase::Unpublish => fx.unpublish(&id, &target).await,
-            Phase::Unstage => fx.unstage(&id, &staging).await,
+    let mut answers = Vec::new();
+    let status = loop {
+        let r = tokio::time::timeout(
+            Duration::from_secs(60),
+            fx.run(phase, &id, &staging, &target, &cap, ro),
+        )
+        .await;
+        assert!(
+            !matches!(r, Ok(Ok(()))),
+            "{point}: the call succeeded, the failpoint was not reached"
+        );
+        let wait = if answers.len() < 2 { 5 } else { 30 };
+        if let Some(status) = fx.driver.wait_exit(wait) {
+            break Some(status);
         }
+        answers.push(format!("{r:?}"));
+        if answers.len() == 3 {
+            break None;
+        }
+        fx.reconnect().await;
     };
-    let r = tokio::time::timeout(Duration::from_secs(60), call).await;
     assert!(
-        !matches!(r, Ok(Ok(()))),
-        "{point}: the call succeeded, the failpoint was not reached"
+        status.is_some(),
+        "{point}: the driver did not die; the calls answered {answers:?}; its log:\n{}",
+        fx.driver.log_text()
     );
-    let status = fx.driver.wait_exit(30);
-    assert!(status.is_some(), "{point}: the driver did not die");
+    if !answers.is_empty() {
+        eprintln!("{point}: reached after {} failed calls: {answers:?}", answers.len());
+    }
     assert!(fx
         .driver
         .log_text()
         .contains(&format!("failpoint {point} reached")));
     // The retry after the restart.
     fx.respawn(&[]).await;
-    let retry = match phase {
-        Phase::Stage => fx.stage(&id, &staging, &cap).await,
-        Phase::Publish => fx.publish(&id, &staging, &target, &cap, ro).await,
-        Phase::Unpublish => fx.unpublish(&id, &target).await,
-        Phase::Unstage => fx.unstage(&id, &staging).await,
-    };
+    let retry = fx.run(phase, &id, &staging, &target, &cap, ro).await;
     retry.unwrap_or_else(|e| panic!("{point}: retry failed: {e:?}\n{}", fx.driver.log_text()));
     // A second retry changes nothing.
-    let again = match phase {
-        Phase::Stage => fx.stage(&id, &staging, &cap).await,
-        Phase::Publish => fx.publish(&id, &staging, &target, &cap, ro).await,
-        Phase::Unpublish => fx.unpublish(&id, &target).await,
-        Phase::Unstage => fx.unstage(&id, &staging).await,
-    };
+    let again = fx.run(phase, &id, &staging, &target, &cap, ro).await;
     again.unwrap_or_else(|e| panic!("{point}: second retry failed: {e:?}"));
     let block = kind != Kind::Mount;
     let staged_loops = loops_before.len() + 1;
