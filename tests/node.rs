@@ -1432,7 +1432,10 @@ async fn crash_at(point: &str, phase: Phase, kind: Kind) {
         fx.driver.log_text()
     );
     if !answers.is_empty() {
-        eprintln!("{point}: reached after {} failed calls: {answers:?}", answers.len());
+        eprintln!(
+            "{point}: reached after {} failed calls: {answers:?}",
+            answers.len()
+        );
     }
     assert!(fx
         .driver
