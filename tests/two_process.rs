@@ -317,14 +317,9 @@ async fn root_a_delete_and_a_stage_from_the_two_processes_exclude_each_other() {
     // through the node plugin's process: on the device at once, and recorded.
     let image = pool.path.join(format!("volumes/{staged}.img"));
     let recorded = || {
-        let out = Command::new("getfattr")
-            .args(["--only-values", "-n", "user.example-csi.readAheadKiB"])
-            .arg(&image)
-            .output()
-            .unwrap();
-        out.status
-            .success()
-            .then(|| String::from_utf8_lossy(&out.stdout).into_owned())
+        csi_sys::xattr::get(&image, "example-csi.readAheadKiB")
+            .unwrap()
+            .map(|v| String::from_utf8_lossy(&v).into_owned())
     };
     let devices = loops_below(&pool.path);
     assert_eq!(devices.len(), 1, "one loop device serves the staged volume");
