@@ -12,6 +12,7 @@
 #
 #   e2e/build.sh [--suite] [component ...]     components: kubernetes etcd
 #                                              provisioner attacher resizer snapshotter suite
+#   e2e/build.sh --check [--suite]             succeeds when all of them are built
 set -euo pipefail
 . "$(dirname "$0")/versions.sh"
 export PATH="$PATH:/usr/local/go/bin:$HOME/go/bin"
@@ -162,8 +163,21 @@ build_sidecar() {
     touch "$out/.complete"
 }
 
+check=0
+[ "${1:-}" = --check ] && { shift; check=1; }
 all=(kubernetes etcd provisioner attacher resizer snapshotter)
 [ "${1:-}" = --suite ] && { shift; all+=(suite); }
+if [ "$check" = 1 ]; then
+    for dir in "kubernetes-$KUBERNETES_VERSION" "etcd-$ETCD_VERSION" \
+               "provisioner-$PROVISIONER_VERSION" "attacher-$ATTACHER_VERSION" \
+               "resizer-$RESIZER_VERSION" "snapshotter-$SNAPSHOTTER_VERSION"; do
+        built "$E2E_CACHE/$dir" || { log "not built yet: $dir"; exit 1; }
+    done
+    if [[ " ${all[*]} " == *" suite "* ]]; then
+        built "$E2E_CACHE/suite-$KUBERNETES_VERSION" || { log "not built yet: suite"; exit 1; }
+    fi
+    exit 0
+fi
 [ $# -gt 0 ] && all=("$@")
 for c in "${all[@]}"; do
     case $c in

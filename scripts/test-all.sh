@@ -13,12 +13,31 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH="$PATH:/usr/local/go/bin:$HOME/go/bin:/root/go/bin:/usr/sbin:/sbin:$HOME/.cargo/bin"
 log=$(mktemp /tmp/example-csi-test.XXXXXX)
-trap 'rm -f "$log"' EXIT
+prebuild_log=$(mktemp /tmp/example-csi-e2e-build.XXXXXX)
+prebuild=""
+cleanup() {
+    [ -n "$prebuild" ] && kill -- "-$prebuild" 2>/dev/null
+    rm -f "$log" "$prebuild_log"
+}
+trap cleanup EXIT
+started=$SECONDS
 
-step() { echo; echo "==== $*"; }
+step() { echo; echo "==== $* (at $(( (SECONDS - started) / 60 )) min)"; }
 
 step "dependencies"
 scripts/install-deps.sh
+
+# The end-to-end test's Go builds (Kubernetes, etcd, the sidecars: about half an
+# hour on a fresh 2-core machine, nothing once cached) run beside the Rust tests
+# at the lowest priority, which mostly wait on the disk; the e2e step waits for
+# them. In its own process group, so that an interrupted run stops them.
+if ! bash e2e/build.sh --check >/dev/null 2>&1; then
+    echo "building the end-to-end test's components in the background (log: $prebuild_log)"
+    set -m
+    nice -n 19 bash e2e/build.sh >"$prebuild_log" 2>&1 &
+    prebuild=$!
+    set +m
+fi
 
 step "format and lints"
 cargo fmt --all -- --check
@@ -60,6 +79,10 @@ deploy_failed=0; [ "$drc" -ne 0 ] && deploy_failed=1
 
 step "end-to-end on a real Kubernetes (e2e/run.sh --flavor central)"
 set +e
+if [ -n "$prebuild" ]; then
+    wait "$prebuild" || { echo "the background build failed; e2e/run.sh builds what is missing:"; tail -20 "$prebuild_log"; }
+    prebuild=""
+fi
 e2e/run.sh --flavor central 2>&1 | tee "$log"
 erc=${PIPESTATUS[0]}
 set -e
@@ -71,5 +94,5 @@ passed=$(( ${cargo_passed:-0} + ${sanity_passed:-0} + ${e2e_passed:-0} ))
 failed=$(( ${cargo_failed:-0} + ${sanity_failed:-0} + deploy_failed + ${e2e_failed:-0} ))
 echo
 echo "cargo test: ${cargo_passed:-0} passed, ${cargo_failed:-0} failed; csi-sanity: ${sanity_passed:-0} passed, ${sanity_failed:-0} failed; deploy checks: $([ $deploy_failed = 0 ] && echo ok || echo FAILED); e2e: ${e2e_passed:-0} passed, ${e2e_failed:-0} failed"
-echo "total: $passed passed, $failed failed"
+echo "total: $passed passed, $failed failed (in $(( (SECONDS - started) / 60 )) min)"
 [ "$failed" = 0 ]
