@@ -69,6 +69,9 @@ impl Controller {
         c.volumes
             .set_compaction_barrier(crate::core::blank::barrier(dirs));
         c.recover()?;
+        c.volumes.compact_if_due();
+        c.snapshots.compact_if_due();
+        c.groups.compact_if_due();
         Ok(c)
     }
 

@@ -47,6 +47,10 @@ pub trait Record: Serialize + DeserializeOwned + Clone + Send + Sync + 'static {
 /// from the journal must be made durable first.
 pub type Barrier = Box<dyn Fn(&[String]) -> Result<()> + Send + Sync>;
 
+/// Entries a start may parse beyond twice the live records before the removals
+/// that left them are compacted away.
+const SMALL_STORE: u64 = 1024;
+
 /// When to compact, and where.
 #[derive(Debug, Clone, Copy)]
 pub struct Tuning {
@@ -113,6 +117,8 @@ struct Log<R: Record> {
     compacting: bool,
     /// Generation of the newest snapshot (0 for none).
     snapshot: u64,
+    /// Records in that snapshot: what a start parses besides the journal.
+    snapshot_entries: u64,
     /// A write failed and could not be undone: nothing more is written.
     broken: Option<String>,
     batches: u64,
@@ -269,6 +275,11 @@ impl<R: Record> Store<R> {
         let scanned = started.elapsed();
         let mut replay = Replay::default();
         let mut torn = None;
+        let snapshot_entries = scans
+            .iter()
+            .filter(|(_, is_log, _)| !is_log)
+            .map(|(_, _, scan)| scan.entries.len() as u64)
+            .sum();
         for (i, (name, is_log, scan)) in scans.iter().enumerate() {
             if !scan.damage.is_empty() {
                 set_aside(dir, name, &bufs[i].1, &scan.damage);
@@ -372,6 +383,7 @@ impl<R: Record> Store<R> {
                     next_file: None,
                     compacting: false,
                     snapshot: from,
+                    snapshot_entries,
                     broken: None,
                     batches: 0,
                 }),
@@ -481,6 +493,21 @@ impl<R: Record> Store<R> {
     /// first change).
     pub fn set_compaction_barrier(&self, barrier: Barrier) {
         let _ = self.inner.barrier.set(barrier);
+    }
+
+    /// Starts a compaction in the background when one is due already, so that
+    /// the next start does not parse again what many removals left (a compaction
+    /// is otherwise only considered after a change). Call it once the store's
+    /// barrier is set.
+    pub fn compact_if_due(&self) {
+        let live = self.inner.read().len() as u64;
+        let due = {
+            let mut st = self.inner.lock();
+            self.inner.due(&mut st, live)
+        };
+        if due {
+            self.inner.start_compaction();
+        }
     }
 }
 
@@ -611,16 +638,27 @@ impl<R: Record> Inner<R> {
             let _ = done.set(res.clone());
         }
         st.writing = false;
+        let due = res.is_ok() && self.due(&mut st, live);
+        self.changed.notify_all();
+        (st, due)
+    }
+
+    /// Whether to compact now (and then marked as compacting): once the journal
+    /// holds [`Tuning::compact_at`] bytes, or once a start would parse more than
+    /// twice the live records (and [`SMALL_STORE`] more) because many were removed
+    /// since the snapshot; and in both cases only with as many entries as a
+    /// quarter of the live records, so that a compaction costs each change a few
+    /// records' worth of writing.
+    fn due(&self, st: &mut Log<R>, live: u64) -> bool {
+        let parsed = st.snapshot_entries + st.entries;
         let due = !st.compacting
             && st.broken.is_none()
-            && res.is_ok()
-            && st.len >= self.tuning.compact_at
-            && st.entries >= live / 4;
+            && st.entries >= live / 4
+            && (st.len >= self.tuning.compact_at || parsed > 2 * live + SMALL_STORE);
         if due {
             st.compacting = true;
         }
-        self.changed.notify_all();
-        (st, due)
+        due
     }
 
     fn start_compaction(self: &Arc<Self>) {
@@ -714,7 +752,11 @@ impl<R: Record> Inner<R> {
         let snap = self.dir.join(snapshot_name(gen));
         write_snapshot(&snap, merged.iter().map(|(id, p)| Ok((*id, *p))))?;
         failpoint::hit("store.compact.after-snapshot");
-        self.lock().snapshot = gen;
+        {
+            let mut st = self.lock();
+            st.snapshot = gen;
+            st.snapshot_entries = merged.len() as u64;
+        }
         for name in base_file
             .map(snapshot_name)
             .into_iter()
@@ -1209,6 +1251,37 @@ mod tests {
         bytes[i] ^= 0x55;
         std::fs::write(&log, &bytes).unwrap();
         tmp
+    }
+
+    #[test]
+    fn removals_are_compacted_away_before_a_start_parses_more_than_twice_the_live_records() {
+        let tmp = tempfile::tempdir().unwrap();
+        // Far from the journal's byte threshold: only the removals can make it due.
+        let tuning = Tuning {
+            compact_at: 1 << 40,
+            inline: true,
+        };
+        let s = Store::<Rec>::open_with(tmp.path(), tuning).unwrap();
+        for i in 0..3000 {
+            s.put(&rec(i, "v")).unwrap();
+        }
+        let parsed = |s: &Store<Rec>| {
+            let st = s.inner.lock();
+            st.snapshot_entries + st.entries
+        };
+        assert_eq!(parsed(&s), 3000, "no compaction while records are added");
+        for i in 0..3000 {
+            s.remove(Tid(i)).unwrap();
+            let live = 3000 - u64::from(i) - 1;
+            assert!(
+                parsed(&s) <= 2 * live + SMALL_STORE + 1,
+                "after {i} removals"
+            );
+        }
+        drop(s);
+        let s = Store::<Rec>::open_with(tmp.path(), tuning).unwrap();
+        assert!(contents(&s).is_empty());
+        assert!(parsed(&s) <= SMALL_STORE, "a start parses {}", parsed(&s));
     }
 
     #[test]

@@ -119,6 +119,8 @@ impl Node {
             core,
         };
         node.recover_node()?;
+        node.node_records.compact_if_due();
+        node.ephemeral_volumes.compact_if_due();
         Ok(node)
     }
 
