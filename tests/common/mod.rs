@@ -384,12 +384,32 @@ impl Driver {
         self.spawn();
     }
 
+    /// Clients of the driver, once it answers a Probe (whatever the answer): a
+    /// socket that accepted a connection in `wait_ready` has been seen to refuse
+    /// the next one on a loaded machine right after a restart, and a call that
+    /// never reached the driver proves nothing.
     pub async fn clients(&self) -> Clients {
         let ch = csi_glue::connect(&format!("unix://{}", self.socket.display()))
             .await
             .expect("connect");
+        let mut identity = IdentityClient::new(ch.clone());
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            match identity.probe(csi::ProbeRequest {}).await {
+                Err(e) if e.code() == tonic::Code::Unavailable && Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(50)).await
+                }
+                Err(e) if e.code() == tonic::Code::Unavailable => {
+                    panic!(
+                        "the driver does not answer a Probe: {e:?}\n{}",
+                        self.log_text()
+                    )
+                }
+                _ => break,
+            }
+        }
         Clients {
-            identity: IdentityClient::new(ch.clone()),
+            identity,
             controller: ControllerClient::new(ch.clone()),
             node: NodeClient::new(ch.clone()),
             group: GroupControllerClient::new(ch),
