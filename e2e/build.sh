@@ -36,8 +36,13 @@ go_module_dir() {
     echo "$copy"
 }
 
-# built DIR: true when DIR holds a finished build.
-built() { [ -f "$1/.complete" ]; }
+# built DIR: true when DIR holds a finished build. With --check, a missing one
+# ends the script with a failure instead of being built.
+built() {
+    [ -f "$1/.complete" ] && return 0
+    [ "${check:-0}" = 1 ] && { log "not built yet: ${1##*/}"; exit 1; }
+    return 1
+}
 
 # A throw-away module that requires k8s.io/kubernetes and pins every staging
 # module it replaces with a local path to the published version of the same
@@ -167,17 +172,6 @@ check=0
 [ "${1:-}" = --check ] && { shift; check=1; }
 all=(kubernetes etcd provisioner attacher resizer snapshotter)
 [ "${1:-}" = --suite ] && { shift; all+=(suite); }
-if [ "$check" = 1 ]; then
-    for dir in "kubernetes-$KUBERNETES_VERSION" "etcd-$ETCD_VERSION" \
-               "provisioner-$PROVISIONER_VERSION" "attacher-$ATTACHER_VERSION" \
-               "resizer-$RESIZER_VERSION" "snapshotter-$SNAPSHOTTER_VERSION"; do
-        built "$E2E_CACHE/$dir" || { log "not built yet: $dir"; exit 1; }
-    done
-    if [[ " ${all[*]} " == *" suite "* ]]; then
-        built "$E2E_CACHE/suite-$KUBERNETES_VERSION" || { log "not built yet: suite"; exit 1; }
-    fi
-    exit 0
-fi
 [ $# -gt 0 ] && all=("$@")
 for c in "${all[@]}"; do
     case $c in

@@ -20,9 +20,8 @@ cleanup() {
     rm -f "$log" "$prebuild_log"
 }
 trap cleanup EXIT
-started=$SECONDS
 
-step() { echo; echo "==== $* (at $(( (SECONDS - started) / 60 )) min)"; }
+step() { echo; echo "==== $* (at $(( SECONDS / 60 )) min)"; }
 
 step "dependencies"
 scripts/install-deps.sh
@@ -94,5 +93,5 @@ passed=$(( ${cargo_passed:-0} + ${sanity_passed:-0} + ${e2e_passed:-0} ))
 failed=$(( ${cargo_failed:-0} + ${sanity_failed:-0} + deploy_failed + ${e2e_failed:-0} ))
 echo
 echo "cargo test: ${cargo_passed:-0} passed, ${cargo_failed:-0} failed; csi-sanity: ${sanity_passed:-0} passed, ${sanity_failed:-0} failed; deploy checks: $([ $deploy_failed = 0 ] && echo ok || echo FAILED); e2e: ${e2e_passed:-0} passed, ${e2e_failed:-0} failed"
-echo "total: $passed passed, $failed failed (in $(( (SECONDS - started) / 60 )) min)"
+echo "total: $passed passed, $failed failed (in $(( SECONDS / 60 )) min)"
 [ "$failed" = 0 ]
