@@ -17,10 +17,12 @@ pub mod volumes;
 
 use std::collections::BTreeMap;
 use std::ops::Deref;
-use std::sync::{Arc, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::thread::JoinHandle;
 
 use crate::core::Core;
 use crate::error::Result;
+use crate::ids::VolumeId;
 use crate::locks::Locks;
 use crate::model::{GroupSnapshotRecord, SnapshotRecord, VolumeRecord};
 use crate::settings::LiveDevices;
@@ -38,6 +40,8 @@ pub struct Controller {
     /// The node domain of this process, if it runs one (`--mode all`): only it
     /// reaches loop devices.
     live: OnceLock<Arc<dyn LiveDevices>>,
+    /// The sweep of lock files that start-up leaves to the background.
+    sweep: Mutex<Option<JoinHandle<()>>>,
     _owner: OwnerLock,
 }
 
@@ -62,6 +66,7 @@ impl Controller {
             locks: Locks::default(),
             templates: Default::default(),
             live: OnceLock::new(),
+            sweep: Mutex::new(None),
             _owner: owner,
             core,
         };
@@ -72,6 +77,7 @@ impl Controller {
         c.volumes.compact_if_due();
         c.snapshots.compact_if_due();
         c.groups.compact_if_due();
+        c.start_lock_sweep();
         Ok(c)
     }
 
@@ -100,25 +106,35 @@ impl Controller {
         }
         self.recover_volumes()?;
         self.recover_snapshots()?;
-        self.sweep_volume_locks();
         Ok(())
     }
 
     /// Removes the lock files of volumes that are gone (a crash of a delete
-    /// between the record and the lock leaves one).
-    fn sweep_volume_locks(&self) {
-        let staged: std::collections::BTreeSet<_> = self.state.staged_ids().into_iter().collect();
-        for id in self.state.locked_ids() {
-            let known = self.volumes.contains(id)
-                || self.volumes.is_quarantined(&id.to_string())
-                || staged.contains(&id);
-            if known {
-                continue;
+    /// between the record and the lock leaves one) on a thread of its own: a
+    /// stale lock file harms nothing meanwhile, and listing one per volume is a
+    /// large part of a start with many volumes. Each file is removed only under
+    /// its lock, after the volume is found gone again, so a volume made or
+    /// staged since the listing keeps its lock.
+    fn start_lock_sweep(&self) {
+        let core = self.core.clone();
+        let volumes = self.volumes.clone();
+        let spawned = std::thread::Builder::new()
+            .name("lock-sweep".into())
+            .spawn(move || sweep_volume_locks(&core, &volumes));
+        match spawned {
+            Ok(h) => *self.sweep.lock().unwrap_or_else(|p| p.into_inner()) = Some(h),
+            Err(e) => {
+                tracing::warn!(error = %e, "no thread for the lock sweep; sweeping now");
+                sweep_volume_locks(&self.core, &self.volumes);
             }
-            // Taken first: an operation of the node may hold it right now.
-            if let Ok(lock) = self.state.lock_volume(id) {
-                let _ = lock.remove();
-            }
+        }
+    }
+
+    /// Waits until the start-up's background sweep has ended.
+    pub fn settle(&self) {
+        let running = self.sweep.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(h) = running {
+            let _ = h.join();
         }
     }
 
@@ -142,5 +158,60 @@ impl Controller {
             out.entry(s.pool).or_default().1 += 1;
         }
         out
+    }
+}
+
+fn sweep_volume_locks(core: &Core, volumes: &Store<VolumeRecord>) {
+    let gone = gone_volume_locks(core, volumes);
+    remove_volume_locks(core, volumes, &gone);
+}
+
+fn lock_is_known(volumes: &Store<VolumeRecord>, id: VolumeId) -> bool {
+    volumes.contains(id) || volumes.is_quarantined(&id.to_string())
+}
+
+/// The ids with a lock file and neither a record nor a staged mark.
+pub(crate) fn gone_volume_locks(core: &Core, volumes: &Store<VolumeRecord>) -> Vec<VolumeId> {
+    let staged: std::collections::BTreeSet<_> = core.state.staged_ids().into_iter().collect();
+    core.state
+        .locked_ids()
+        .into_iter()
+        .filter(|&id| !lock_is_known(volumes, id) && !staged.contains(&id))
+        .collect()
+}
+
+/// Removes the lock files of `gone`, each under its lock and only if its volume
+/// is still gone: it may have been made or staged since `gone` was listed.
+pub(crate) fn remove_volume_locks(core: &Core, volumes: &Store<VolumeRecord>, gone: &[VolumeId]) {
+    let mut removed = 0usize;
+    for &id in gone {
+        // An operation of this process or of the node's may hold it right now,
+        // and then the volume is not gone. A call of this process that meets
+        // the lock while the sweep holds it waits for it (`claim`, let go
+        // after the lock).
+        let Ok(Some((claim, lock))) = core.state.sweep_lock_volume(id) else {
+            continue;
+        };
+        if lock_is_known(volumes, id) || lock.is_staged() {
+            drop(lock);
+            drop(claim);
+            continue;
+        }
+        match lock.remove() {
+            Ok(()) => removed += 1,
+            Err(e) => {
+                tracing::warn!(volume.id = %id, error = %e, "lock file of a gone volume kept")
+            }
+        }
+        drop(claim);
+    }
+    if removed > 0 {
+        tracing::info!(removed, "removed the lock files of volumes that are gone");
+    }
+}
+
+impl Drop for Controller {
+    fn drop(&mut self) {
+        self.settle();
     }
 }

@@ -20,7 +20,9 @@
 //! An older layout kept every store at the top (`volumes/`, `node/*.json`, ...);
 //! each domain moves its own records once, when it first claims the new layout.
 
+use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
+use std::sync::{Arc, Condvar, Mutex};
 
 use serde::{Deserialize, Serialize};
 
@@ -50,6 +52,37 @@ impl Domain {
 #[derive(Debug, Clone)]
 pub struct StateDir {
     root: PathBuf,
+    sweep: Arc<SweepWatch>,
+}
+
+/// What the start-up sweep of lock files holds, so that a call finding a lock
+/// busy because of the sweep waits the moment it takes, rather than answering
+/// ABORTED as it does for another operation.
+#[derive(Debug, Default)]
+struct SweepWatch {
+    state: Mutex<Sweeping>,
+    released: Condvar,
+}
+
+#[derive(Debug, Default)]
+struct Sweeping {
+    /// The volume whose lock the sweep holds now.
+    now: Option<VolumeId>,
+    /// Every volume whose lock it has tried (only volumes found gone).
+    tried: BTreeSet<VolumeId>,
+}
+
+/// The sweep's claim on one volume's lock: released on drop.
+pub struct SweepClaim<'a> {
+    watch: &'a SweepWatch,
+}
+
+impl Drop for SweepClaim<'_> {
+    fn drop(&mut self) {
+        let mut st = self.watch.state.lock().unwrap_or_else(|p| p.into_inner());
+        st.now = None;
+        self.watch.released.notify_all();
+    }
 }
 
 /// A domain's claim on its part of the state: held for the life of the process.
@@ -72,6 +105,7 @@ impl StateDir {
     pub fn open(root: &Path) -> Result<StateDir> {
         let s = StateDir {
             root: root.to_path_buf(),
+            sweep: Arc::default(),
         };
         for dir in [s.locks_dir(), s.staged_dir(), s.frozen_dir()] {
             file::mkdir_p_mode(&dir, 0o700).context(|| format!("making {}", dir.display()))?;
@@ -150,18 +184,58 @@ impl StateDir {
     /// Takes a volume's lock, for the time of one operation; ABORTED when another
     /// operation, in this process or the other, holds it.
     pub fn lock_volume(&self, id: VolumeId) -> Result<VolumeLock> {
+        if let Some(lock) = self.try_lock_volume(id)? {
+            return Ok(lock);
+        }
+        if self.wait_for_sweep(id) {
+            if let Some(lock) = self.try_lock_volume(id)? {
+                return Ok(lock);
+            }
+        }
+        Err(Error::Aborted(format!(
+            "an operation on volume {id} is already in progress; retry later"
+        )))
+    }
+
+    fn try_lock_volume(&self, id: VolumeId) -> Result<Option<VolumeLock>> {
         let path = self.locks_dir().join(id.to_string());
-        let lock = LockFile::try_exclusive(&path)
-            .context(|| format!("locking volume {id}"))?
-            .ok_or_else(|| {
-                Error::Aborted(format!(
-                    "an operation on volume {id} is already in progress; retry later"
-                ))
-            })?;
-        Ok(VolumeLock {
+        let lock = LockFile::try_exclusive(&path).context(|| format!("locking volume {id}"))?;
+        Ok(lock.map(|lock| VolumeLock {
             lock,
             staged: self.staged_dir().join(id.to_string()),
-        })
+        }))
+    }
+
+    /// The start-up sweep's try of a gone volume's lock (None: an operation
+    /// holds it). A call that meets the lock meanwhile waits for the claim's end.
+    pub(crate) fn sweep_lock_volume(
+        &self,
+        id: VolumeId,
+    ) -> Result<Option<(SweepClaim<'_>, VolumeLock)>> {
+        {
+            let mut st = self.sweep.state.lock().unwrap_or_else(|p| p.into_inner());
+            st.now = Some(id);
+            st.tried.insert(id);
+        }
+        let claim = SweepClaim { watch: &self.sweep };
+        Ok(self.try_lock_volume(id)?.map(|lock| (claim, lock)))
+    }
+
+    /// Whether the sweep may have been what held `id`'s lock; waits (briefly:
+    /// the sweep holds a lock for a check and an unlink) until it lets it go.
+    fn wait_for_sweep(&self, id: VolumeId) -> bool {
+        let st = self.sweep.state.lock().unwrap_or_else(|p| p.into_inner());
+        if !st.tried.contains(&id) {
+            return false;
+        }
+        let (_st, _) = self
+            .sweep
+            .released
+            .wait_timeout_while(st, std::time::Duration::from_secs(1), |st| {
+                st.now == Some(id)
+            })
+            .unwrap_or_else(|p| p.into_inner());
+        true
     }
 
     /// Ids with a lock file (for the sweep of locks of volumes that are gone).

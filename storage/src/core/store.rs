@@ -85,6 +85,15 @@ pub struct Store<R: Record> {
     inner: Arc<Inner<R>>,
 }
 
+/// Another handle on the same store.
+impl<R: Record> Clone for Store<R> {
+    fn clone(&self) -> Self {
+        Store {
+            inner: self.inner.clone(),
+        }
+    }
+}
+
 struct Inner<R: Record> {
     dir: PathBuf,
     records: RwLock<BTreeMap<R::Id, R>>,

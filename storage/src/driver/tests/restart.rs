@@ -50,3 +50,89 @@ fn an_unreadable_record_is_set_aside_and_its_data_kept() {
     assert!(path.with_extension("corrupt").exists());
     assert_eq!(kind(w.c().get_volume(&id)), Kind::NotFound);
 }
+
+#[test]
+fn a_restart_removes_the_lock_files_of_gone_volumes_only() {
+    let mut w = World::new();
+    let live = w.create("pvc-live", ext4());
+    let staged = w.create("pvc-staged", ext4());
+    w.stage(&staged, &ext4()).unwrap();
+    let locks = w.state_dir().join("shared/locks");
+    // What a crash of a delete between its record and its lock leaves.
+    let gone = crate::ids::VolumeId::for_name("pvc-gone").to_string();
+    std::fs::write(locks.join(&gone), b"").unwrap();
+    // A lock a running operation holds is never taken from it.
+    let held = crate::ids::VolumeId::for_name("pvc-held").to_string();
+    let holder = csi_sys::flock::LockFile::try_exclusive(&locks.join(&held))
+        .unwrap()
+        .unwrap();
+    w.reopen();
+    w.c().settle();
+    let mut left: Vec<String> = std::fs::read_dir(&locks)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    left.sort();
+    let mut want = vec![live, staged, held];
+    want.sort();
+    assert_eq!(
+        left, want,
+        "only the gone volume's unheld lock file is removed"
+    );
+    drop(holder);
+}
+
+#[test]
+fn a_lock_listed_as_gone_is_kept_when_its_volume_is_made_before_the_sweep_takes_it() {
+    let w = World::new();
+    let locks = w.state_dir().join("shared/locks");
+    let id = crate::ids::VolumeId::for_name("pvc-late");
+    std::fs::write(locks.join(id.to_string()), b"").unwrap();
+    let c = w.c();
+    c.settle();
+    // Listed as gone, then made by a CreateVolume before the sweep gets to it.
+    let gone = crate::controller::gone_volume_locks(c, &c.volumes);
+    assert_eq!(gone, vec![id]);
+    let made = w.create("pvc-late", ext4());
+    assert_eq!(made, id.to_string());
+    crate::controller::remove_volume_locks(c, &c.volumes, &gone);
+    assert!(
+        locks.join(&made).exists(),
+        "the new volume keeps its lock file"
+    );
+    // Gone for real: removed.
+    w.c().delete_volume(&made).unwrap();
+    std::fs::write(locks.join(&made), b"").unwrap();
+    crate::controller::remove_volume_locks(c, &c.volumes, &gone);
+    assert!(!locks.join(&made).exists());
+}
+
+#[test]
+fn a_call_that_meets_a_lock_the_sweep_holds_waits_for_it_instead_of_aborting() {
+    let w = World::new();
+    let id = crate::ids::VolumeId::for_name("pvc-swept");
+    let c = w.c();
+    let released = std::sync::atomic::AtomicBool::new(false);
+    let (claim, lock) = c.state.sweep_lock_volume(id).unwrap().unwrap();
+    std::thread::scope(|s| {
+        let call = s.spawn(|| {
+            let made = w.create("pvc-swept", ext4());
+            (made, released.load(std::sync::atomic::Ordering::SeqCst))
+        });
+        std::thread::sleep(std::time::Duration::from_millis(200));
+        released.store(true, std::sync::atomic::Ordering::SeqCst);
+        drop(lock);
+        drop(claim);
+        let (made, after) = call.join().unwrap();
+        assert_eq!(made, id.to_string());
+        assert!(
+            after,
+            "the create went on only once the sweep let the lock go"
+        );
+    });
+    // Another operation's hold is still ABORTED at once.
+    let other = c.state.lock_volume(id).unwrap();
+    assert_eq!(kind(c.delete_volume(&id.to_string())), Kind::Aborted);
+    drop(other);
+}
