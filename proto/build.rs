@@ -6,6 +6,23 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("cargo:rerun-if-changed=csi.proto");
     println!("cargo:rerun-if-changed=pluginregistration.proto");
     let fds = protox::compile(["csi.proto", "pluginregistration.proto"], ["."])?;
+    // Every CSI method by its service, for code that names calls (metrics
+    // labels, the fuzzer) without a list of its own to keep up to date.
+    let mut rpcs = String::from(
+        "/// Every method of the CSI services as (service, method), in the order of\n\
+         /// `csi.proto`.\n\
+         pub const RPCS: &[(&str, &str)] = &[\n",
+    );
+    for file in fds.file.iter().filter(|f| f.package() == "csi.v1") {
+        for service in &file.service {
+            for method in &service.method {
+                rpcs += &format!("    ({:?}, {:?}),\n", service.name(), method.name());
+            }
+        }
+    }
+    rpcs += "];\n";
+    let out_dir = std::path::PathBuf::from(std::env::var("OUT_DIR")?);
+    std::fs::write(out_dir.join("csi_rpcs.rs"), rpcs)?;
     tonic_prost_build::configure()
         .build_server(true)
         .build_client(true)

@@ -33,6 +33,7 @@ use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::metrics::info::Info;
 use prometheus_client::registry::{Metric, Registry};
 
+use csi_proto::csi;
 use csi_storage::health::{PoolSeverity, Severity};
 use csi_storage::{Driver, System};
 
@@ -49,54 +50,6 @@ const BUCKETS: [f64; 15] = [
 fn new_histogram() -> Histogram {
     Histogram::new(BUCKETS.iter().copied())
 }
-
-/// The RPC names of CSI v1.13.0: a label value is one of these or "other", so a
-/// client sending made-up paths cannot grow the label set without bound.
-const CSI_SERVICES: [&str; 5] = [
-    "Identity",
-    "Controller",
-    "GroupController",
-    "Node",
-    "SnapshotMetadata",
-];
-const CSI_METHODS: &[&str] = &[
-    "GetPluginInfo",
-    "GetPluginCapabilities",
-    "Probe",
-    "CreateVolume",
-    "DeleteVolume",
-    "ControllerPublishVolume",
-    "ControllerUnpublishVolume",
-    "ValidateVolumeCapabilities",
-    "ListVolumes",
-    "GetCapacity",
-    "ControllerGetCapabilities",
-    "CreateSnapshot",
-    "DeleteSnapshot",
-    "ListSnapshots",
-    "GetSnapshot",
-    "ControllerExpandVolume",
-    "ControllerGetVolume",
-    "ControllerModifyVolume",
-    "ControllerListVolumeHealth",
-    "ControllerGetVolumeHealth",
-    "GroupControllerGetCapabilities",
-    "CreateVolumeGroupSnapshot",
-    "DeleteVolumeGroupSnapshot",
-    "GetVolumeGroupSnapshot",
-    "GetMetadataAllocated",
-    "GetMetadataDelta",
-    "NodeStageVolume",
-    "NodeUnstageVolume",
-    "NodePublishVolume",
-    "NodeUnpublishVolume",
-    "NodeGetVolumeStats",
-    "NodeExpandVolume",
-    "NodeGetCapabilities",
-    "NodeGetInfo",
-    "NodeGetVolumeHealth",
-    "NodeGetStorageHealth",
-];
 
 /// gRPC code names as the Go implementation (and so the CSI sidecars' own
 /// metrics) spell them.
@@ -124,7 +77,9 @@ fn code_name(code: u32) -> &'static str {
     CODE_NAMES.get(code as usize).copied().unwrap_or("Unknown")
 }
 
-/// (service, method) labels of a request path `/csi.v1.Service/Method`.
+/// (service, method) labels of a request path `/csi.v1.Service/Method`: each
+/// label is a name of CSI v1.13.0 (`csi::RPCS`) or "other", so a client sending
+/// made-up paths cannot grow the label set without bound.
 fn rpc_of(path: &str) -> (&'static str, &'static str) {
     let Some((service, method)) = path
         .strip_prefix("/csi.v1.")
@@ -132,8 +87,8 @@ fn rpc_of(path: &str) -> (&'static str, &'static str) {
     else {
         return ("other", "other");
     };
-    let service = CSI_SERVICES.iter().find(|s| **s == service);
-    let method = CSI_METHODS.iter().find(|m| **m == method);
+    let service = csi::RPCS.iter().find(|(s, _)| *s == service).map(|r| r.0);
+    let method = csi::RPCS.iter().find(|(_, m)| *m == method).map(|r| r.1);
     match (service, method) {
         (Some(s), Some(m)) => (s, m),
         (Some(s), None) => (s, "other"),

@@ -85,42 +85,15 @@ impl Dict {
     }
 }
 
-const RPCS: &[&str] = &[
-    "GetPluginInfo",
-    "GetPluginCapabilities",
-    "Probe",
-    "CreateVolume",
-    "DeleteVolume",
-    "ControllerPublishVolume",
-    "ControllerUnpublishVolume",
-    "ValidateVolumeCapabilities",
-    "ListVolumes",
-    "GetCapacity",
-    "ControllerGetCapabilities",
-    "CreateSnapshot",
-    "DeleteSnapshot",
-    "ListSnapshots",
-    "GetSnapshot",
-    "ControllerExpandVolume",
-    "ControllerGetVolume",
-    "ControllerModifyVolume",
-    "ControllerGetVolumeHealth",
-    "ControllerListVolumeHealth",
-    "GroupControllerGetCapabilities",
-    "CreateVolumeGroupSnapshot",
-    "DeleteVolumeGroupSnapshot",
-    "GetVolumeGroupSnapshot",
-    "NodeStageVolume",
-    "NodeUnstageVolume",
-    "NodePublishVolume",
-    "NodeUnpublishVolume",
-    "NodeGetVolumeStats",
-    "NodeExpandVolume",
-    "NodeGetCapabilities",
-    "NodeGetInfo",
-    "NodeGetVolumeHealth",
-    "NodeGetStorageHealth",
-];
+/// The methods the fuzzer calls: every CSI method but the streaming ones of
+/// SnapshotMetadata.
+static RPCS: std::sync::LazyLock<Vec<&str>> = std::sync::LazyLock::new(|| {
+    csi::RPCS
+        .iter()
+        .filter(|(service, _)| *service != "SnapshotMetadata")
+        .map(|(_, method)| *method)
+        .collect()
+});
 
 struct G<'a> {
     r: StdRng,

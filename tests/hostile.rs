@@ -252,6 +252,35 @@ macro_rules! call {
     };
 }
 
+/// A row's call of the controller service: `ctl!(create_volume(req))`.
+macro_rules! ctl {
+    ($method:ident($($arg:expr),*)) => {
+        call!(|e| e.c.controller.$method($($arg),*).await)
+    };
+}
+
+/// A row's call of the node service: `node!(node_stage_volume(req))`.
+macro_rules! node {
+    ($method:ident($($arg:expr),*)) => {
+        call!(|e| e.c.node.$method($($arg),*).await)
+    };
+}
+
+/// A row with nothing to undo.
+fn row(what: impl Into<String>, want: Want, call: Call) -> Row {
+    Row {
+        what: what.into(),
+        want,
+        call,
+        undo: None,
+    }
+}
+
+/// The capability of most rows: an ext4 mount for one writer.
+fn ext4() -> csi::VolumeCapability {
+    mount_cap("ext4", writer())
+}
+
 fn cap_with(fs: &str, flags: &[&str], group: &str) -> csi::VolumeCapability {
     csi::VolumeCapability {
         access_type: Some(volume_capability::AccessType::Mount(
@@ -269,14 +298,7 @@ fn cap_with(fs: &str, flags: &[&str], group: &str) -> csi::VolumeCapability {
 
 fn delete_undo(name: &'static str) -> Option<Call> {
     let id = csi_storage::ids::VolumeId::for_name(name).to_string();
-    Some(call!(|e| e
-        .c
-        .controller
-        .delete_volume(csi::DeleteVolumeRequest {
-            volume_id: id.clone(),
-            secrets: Default::default(),
-        })
-        .await))
+    Some(ctl!(delete_volume(delete_req(&id))))
 }
 
 fn rows(env: &Env) -> Vec<Row> {
@@ -300,11 +322,7 @@ fn rows(env: &Env) -> Vec<Row> {
         rows.push(Row {
             what: format!("CreateVolume name {name:?} (an opaque name)"),
             want: Contained,
-            call: call!(|e| e
-                .c
-                .controller
-                .create_volume(create_req(name, 64 * MIB, mount_cap("ext4", writer()), &[]))
-                .await),
+            call: ctl!(create_volume(create_req(name, 64 * MIB, ext4(), &[]))),
             undo: delete_undo(name),
         });
     }
@@ -315,36 +333,21 @@ fn rows(env: &Env) -> Vec<Row> {
         ("newline", "pvc\nx".to_string()),
     ] {
         let name2 = name.clone();
-        rows.push(Row {
-            what: format!("CreateVolume name {label}"),
-            want: INVALID,
-            call: call!(|e| e
-                .c
-                .controller
-                .create_volume(create_req(
-                    &name,
-                    64 * MIB,
-                    mount_cap("ext4", writer()),
-                    &[]
-                ))
-                .await),
-            undo: None,
-        });
+        rows.push(row(
+            format!("CreateVolume name {label}"),
+            INVALID,
+            ctl!(create_volume(create_req(&name, 64 * MIB, ext4(), &[]))),
+        ));
         let src = vol.clone();
-        rows.push(Row {
-            what: format!("CreateSnapshot name {label}"),
-            want: INVALID,
-            call: call!(|e| e
-                .c
-                .controller
-                .create_snapshot(csi::CreateSnapshotRequest {
-                    source_volume_id: src.clone(),
-                    name: name2.clone(),
-                    ..Default::default()
-                })
-                .await),
-            undo: None,
-        });
+        rows.push(row(
+            format!("CreateSnapshot name {label}"),
+            INVALID,
+            ctl!(create_snapshot(csi::CreateSnapshotRequest {
+                source_volume_id: src.clone(),
+                name: name2.clone(),
+                ..Default::default()
+            })),
+        ));
     }
     for id in [
         "../../../etc".to_string(),
@@ -359,79 +362,50 @@ fn rows(env: &Env) -> Vec<Row> {
         let short: String = id.chars().take(40).collect();
         // DeleteVolume and DeleteSnapshot of what does not exist succeed (spec).
         let i = id.clone();
-        rows.push(Row {
-            what: format!("DeleteVolume id {short:?}"),
-            want: Refused(&[Code::Ok, Code::NotFound]),
-            call: call!(|e| e
-                .c
-                .controller
-                .delete_volume(csi::DeleteVolumeRequest {
-                    volume_id: i.clone(),
-                    secrets: Default::default(),
-                })
-                .await),
-            undo: None,
-        });
+        rows.push(row(
+            format!("DeleteVolume id {short:?}"),
+            Refused(&[Code::Ok, Code::NotFound]),
+            ctl!(delete_volume(delete_req(&i))),
+        ));
         let i = id.clone();
-        rows.push(Row {
-            what: format!("DeleteSnapshot id {short:?}"),
-            want: Refused(&[Code::Ok, Code::NotFound]),
-            call: call!(|e| e
-                .c
-                .controller
-                .delete_snapshot(csi::DeleteSnapshotRequest {
-                    snapshot_id: i.clone(),
-                    secrets: Default::default(),
-                })
-                .await),
-            undo: None,
-        });
+        rows.push(row(
+            format!("DeleteSnapshot id {short:?}"),
+            Refused(&[Code::Ok, Code::NotFound]),
+            ctl!(delete_snapshot(delete_snapshot_req(&i))),
+        ));
         let (i, st) = (id.clone(), env.staging.clone());
-        rows.push(Row {
-            what: format!("NodeStageVolume id {short:?}"),
-            want: Refused(&[Code::NotFound, Code::InvalidArgument]),
-            call: call!(|e| e
-                .c
-                .node
-                .node_stage_volume(stage_req(&i, &st, mount_cap("ext4", writer())))
-                .await),
-            undo: None,
-        });
+        rows.push(row(
+            format!("NodeStageVolume id {short:?}"),
+            Refused(&[Code::NotFound, Code::InvalidArgument]),
+            node!(node_stage_volume(stage_req(&i, &st, ext4()))),
+        ));
         let (i, st, t) = (id.clone(), env.staging.clone(), pods.join("t-id"));
-        rows.push(Row {
-            what: format!("NodePublishVolume id {short:?}"),
-            want: Refused(&[Code::NotFound, Code::InvalidArgument]),
-            call: call!(|e| e
-                .c
-                .node
-                .node_publish_volume(publish_req(&i, &st, &t, mount_cap("ext4", writer()), false))
-                .await),
-            undo: None,
-        });
+        rows.push(row(
+            format!("NodePublishVolume id {short:?}"),
+            Refused(&[Code::NotFound, Code::InvalidArgument]),
+            node!(node_publish_volume(publish_req(&i, &st, &t, ext4(), false))),
+        ));
         let i = id.clone();
-        rows.push(Row {
-            what: format!("ControllerExpandVolume id {short:?}"),
-            want: Refused(&[Code::NotFound, Code::InvalidArgument]),
-            call: call!(|e| e
-                .c
-                .controller
-                .controller_expand_volume(csi::ControllerExpandVolumeRequest {
+        rows.push(row(
+            format!("ControllerExpandVolume id {short:?}"),
+            Refused(&[Code::NotFound, Code::InvalidArgument]),
+            ctl!(controller_expand_volume(
+                csi::ControllerExpandVolumeRequest {
                     volume_id: i.clone(),
                     capacity_range: Some(csi::CapacityRange {
                         required_bytes: 128 * MIB,
                         limit_bytes: 0,
                     }),
                     ..Default::default()
-                })
-                .await),
-            undo: None,
-        });
+                }
+            )),
+        ));
         let i = id.clone();
-        rows.push(Row {
-            what: format!("CreateVolume from snapshot id {short:?}"),
-            want: Refused(&[Code::NotFound, Code::InvalidArgument]),
-            call: call!(|e| {
-                let mut r = create_req("pvc-from-bad", 64 * MIB, mount_cap("ext4", writer()), &[]);
+        rows.push(row(
+            format!("CreateVolume from snapshot id {short:?}"),
+            Refused(&[Code::NotFound, Code::InvalidArgument]),
+            call!(|e| {
+                let mut r = create_req("pvc-from-bad", 64 * MIB, ext4(), &[]);
                 r.volume_content_source = Some(csi::VolumeContentSource {
                     r#type: Some(csi::volume_content_source::Type::Snapshot(
                         csi::volume_content_source::SnapshotSource {
@@ -441,8 +415,7 @@ fn rows(env: &Env) -> Vec<Row> {
                 });
                 e.c.controller.create_volume(r).await
             }),
-            undo: None,
-        });
+        ));
     }
 
     // ---- target and staging paths ----
@@ -488,86 +461,60 @@ fn rows(env: &Env) -> Vec<Row> {
     }
     for (t, want) in bad_targets.clone() {
         let (v, st, t2) = (vol.clone(), env.staging.clone(), t.clone());
-        rows.push(Row {
-            what: format!("NodePublishVolume target {t:?}"),
-            want: want.clone(),
-            call: call!(|e| e
-                .c
-                .node
-                .node_publish_volume(publish_req(
-                    &v,
-                    &st,
-                    &t2,
-                    mount_cap("ext4", writer()),
-                    false
-                ))
-                .await),
-            undo: None,
-        });
+        rows.push(row(
+            format!("NodePublishVolume target {t:?}"),
+            want.clone(),
+            node!(node_publish_volume(publish_req(
+                &v,
+                &st,
+                &t2,
+                ext4(),
+                false
+            ))),
+        ));
         if t == staging {
             continue;
         }
         let (v, t2) = (vol.clone(), t.clone());
-        rows.push(Row {
-            what: format!("NodeUnpublishVolume target {t:?}"),
-            want: Refused(&[Code::InvalidArgument, Code::NotFound]),
-            call: call!(|e| e.c.node.node_unpublish_volume(unpublish_req(&v, &t2)).await),
-            undo: None,
-        });
+        rows.push(row(
+            format!("NodeUnpublishVolume target {t:?}"),
+            Refused(&[Code::InvalidArgument, Code::NotFound]),
+            node!(node_unpublish_volume(unpublish_req(&v, &t2))),
+        ));
         let (v, t2) = (vol.clone(), t.clone());
-        rows.push(Row {
-            what: format!("NodeStageVolume staging {t:?}"),
-            // A second staging path for a staged volume is also refused.
-            want: Refused(&[Code::InvalidArgument, Code::FailedPrecondition]),
-            call: call!(|e| e
-                .c
-                .node
-                .node_stage_volume(stage_req(&v, &t2, mount_cap("ext4", writer())))
-                .await),
-            undo: None,
-        });
+        // A second staging path for a staged volume is also refused.
+        rows.push(row(
+            format!("NodeStageVolume staging {t:?}"),
+            Refused(&[Code::InvalidArgument, Code::FailedPrecondition]),
+            node!(node_stage_volume(stage_req(&v, &t2, ext4()))),
+        ));
         let (v, t2) = (vol.clone(), t.clone());
-        rows.push(Row {
-            what: format!("NodeUnstageVolume staging {t:?}"),
-            want: Refused(&[
+        rows.push(row(
+            format!("NodeUnstageVolume staging {t:?}"),
+            Refused(&[
                 Code::InvalidArgument,
                 Code::NotFound,
                 Code::FailedPrecondition,
             ]),
-            call: call!(|e| e.c.node.node_unstage_volume(unstage_req(&v, &t2)).await),
-            undo: None,
-        });
+            node!(node_unstage_volume(unstage_req(&v, &t2))),
+        ));
         let (v, t2) = (vol.clone(), t.clone());
-        rows.push(Row {
-            what: format!("NodeGetVolumeStats path {t:?}"),
-            want: Refused(&[Code::InvalidArgument, Code::NotFound]),
-            call: call!(|e| e
-                .c
-                .node
-                .node_get_volume_stats(csi::NodeGetVolumeStatsRequest {
-                    volume_id: v.clone(),
-                    volume_path: t2.clone(),
-                    staging_target_path: String::new(),
-                })
-                .await),
-            undo: None,
-        });
+        rows.push(row(
+            format!("NodeGetVolumeStats path {t:?}"),
+            Refused(&[Code::InvalidArgument, Code::NotFound]),
+            node!(node_get_volume_stats(stats_req(&v, &t2))),
+        ));
         let t2 = t.clone();
-        rows.push(Row {
-            what: format!("ephemeral NodePublishVolume target {t:?}"),
-            want: INVALID,
-            call: call!(|e| e
-                .c
-                .node
-                .node_publish_volume(ephemeral_req(
-                    "csi-hostile-eph",
-                    &t2,
-                    mount_cap("ext4", writer()),
-                    &[]
-                ))
-                .await),
-            undo: None,
-        });
+        rows.push(row(
+            format!("ephemeral NodePublishVolume target {t:?}"),
+            INVALID,
+            node!(node_publish_volume(ephemeral_req(
+                "csi-hostile-eph",
+                &t2,
+                ext4(),
+                &[]
+            ))),
+        ));
     }
 
     // ---- mount flags ----
@@ -593,38 +540,28 @@ fn rows(env: &Env) -> Vec<Row> {
     for (flags, readonly) in flag_sets {
         let (v, st, t) = (vol.clone(), env.staging.clone(), pods.join("flags"));
         let f2 = flags.clone();
-        rows.push(Row {
-            what: format!("NodePublishVolume mount_flags {flags:?} readonly={readonly}"),
-            want: INVALID,
-            call: call!(|e| e
-                .c
-                .node
-                .node_publish_volume(publish_req(
-                    &v,
-                    &st,
-                    &t,
-                    cap_with("ext4", &f2, ""),
-                    readonly
-                ))
-                .await),
-            undo: None,
-        });
+        rows.push(row(
+            format!("NodePublishVolume mount_flags {flags:?} readonly={readonly}"),
+            INVALID,
+            node!(node_publish_volume(publish_req(
+                &v,
+                &st,
+                &t,
+                cap_with("ext4", &f2, ""),
+                readonly
+            ))),
+        ));
         let f2 = flags.clone();
-        rows.push(Row {
-            what: format!("CreateVolume mount_flags {flags:?}"),
-            want: INVALID,
-            call: call!(|e| e
-                .c
-                .controller
-                .create_volume(create_req(
-                    "pvc-flags",
-                    64 * MIB,
-                    cap_with("ext4", &f2, ""),
-                    &[]
-                ))
-                .await),
-            undo: None,
-        });
+        rows.push(row(
+            format!("CreateVolume mount_flags {flags:?}"),
+            INVALID,
+            ctl!(create_volume(create_req(
+                "pvc-flags",
+                64 * MIB,
+                cap_with("ext4", &f2, ""),
+                &[]
+            ))),
+        ));
     }
 
     // ---- filesystem types the node cannot make, or not on a volume this small ----
@@ -637,37 +574,27 @@ fn rows(env: &Env) -> Vec<Row> {
         "btrfs",
     ] {
         let (v, st) = (env.fresh.clone(), env.staging.with_file_name("fresh"));
-        rows.push(Row {
-            what: format!("NodeStageVolume fs_type {fs:?} on a fresh 64 MiB volume"),
-            want: Refused(&[Code::InvalidArgument, Code::OutOfRange]),
-            call: call!(|e| e
-                .c
-                .node
-                .node_stage_volume(stage_req(&v, &st, cap_with(fs, &[], "")))
-                .await),
-            undo: None,
-        });
+        rows.push(row(
+            format!("NodeStageVolume fs_type {fs:?} on a fresh 64 MiB volume"),
+            Refused(&[Code::InvalidArgument, Code::OutOfRange]),
+            node!(node_stage_volume(stage_req(&v, &st, cap_with(fs, &[], "")))),
+        ));
         // An ephemeral volume's size is rounded up to its filesystem's minimum, as
         // CreateVolume's is, so xfs and btrfs on 64Mi are made (at 300/128 MiB).
         if fs == "xfs" || fs == "btrfs" {
             continue;
         }
         let t = pods.join("eph-fs");
-        rows.push(Row {
-            what: format!("ephemeral NodePublishVolume fs_type {fs:?} size=64Mi"),
-            want: Refused(&[Code::InvalidArgument, Code::OutOfRange]),
-            call: call!(|e| e
-                .c
-                .node
-                .node_publish_volume(ephemeral_req(
-                    "csi-hostile-fs",
-                    &t,
-                    cap_with(fs, &[], ""),
-                    &[("size", "64Mi")]
-                ))
-                .await),
-            undo: None,
-        });
+        rows.push(row(
+            format!("ephemeral NodePublishVolume fs_type {fs:?} size=64Mi"),
+            Refused(&[Code::InvalidArgument, Code::OutOfRange]),
+            node!(node_publish_volume(ephemeral_req(
+                "csi-hostile-fs",
+                &t,
+                cap_with(fs, &[], ""),
+                &[("size", "64Mi")]
+            ))),
+        ));
     }
 
     // ---- capacities ----
@@ -682,37 +609,33 @@ fn rows(env: &Env) -> Vec<Row> {
         (128 * MIB, 64 * MIB, INVALID),
         (i64::MAX - 4095, 0, OUT_OF_RANGE),
     ] {
-        rows.push(Row {
-            what: format!("CreateVolume capacity required={req} limit={lim}"),
+        rows.push(row(
+            format!("CreateVolume capacity required={req} limit={lim}"),
             want,
-            call: call!(|e| {
-                let mut r = create_req("pvc-cap", 0, mount_cap("ext4", writer()), &[]);
+            call!(|e| {
+                let mut r = create_req("pvc-cap", 0, ext4(), &[]);
                 r.capacity_range = Some(csi::CapacityRange {
                     required_bytes: req,
                     limit_bytes: lim,
                 });
                 e.c.controller.create_volume(r).await
             }),
-            undo: None,
-        });
+        ));
         let v = vol.clone();
-        rows.push(Row {
-            what: format!("ControllerExpandVolume capacity required={req} limit={lim}"),
-            want: Refused(&[Code::OutOfRange, Code::InvalidArgument]),
-            call: call!(|e| e
-                .c
-                .controller
-                .controller_expand_volume(csi::ControllerExpandVolumeRequest {
+        rows.push(row(
+            format!("ControllerExpandVolume capacity required={req} limit={lim}"),
+            Refused(&[Code::OutOfRange, Code::InvalidArgument]),
+            ctl!(controller_expand_volume(
+                csi::ControllerExpandVolumeRequest {
                     volume_id: v.clone(),
                     capacity_range: Some(csi::CapacityRange {
                         required_bytes: req,
                         limit_bytes: lim,
                     }),
                     ..Default::default()
-                })
-                .await),
-            undo: None,
-        });
+                }
+            )),
+        ));
     }
     for (req, lim) in [
         (i64::MAX, 0),
@@ -724,32 +647,27 @@ fn rows(env: &Env) -> Vec<Row> {
         (128 * MIB, 64 * MIB),
     ] {
         let (v, st) = (vol.clone(), staging.clone());
-        rows.push(Row {
-            what: format!("NodeExpandVolume capacity required={req} limit={lim}"),
-            want: Refused(&[Code::OutOfRange, Code::InvalidArgument]),
-            call: call!(|e| e
-                .c
-                .node
-                .node_expand_volume(csi::NodeExpandVolumeRequest {
-                    volume_id: v.clone(),
-                    volume_path: st.clone(),
-                    staging_target_path: st.clone(),
-                    capacity_range: Some(csi::CapacityRange {
-                        required_bytes: req,
-                        limit_bytes: lim,
-                    }),
-                    volume_capability: Some(mount_cap("ext4", writer())),
-                    ..Default::default()
-                })
-                .await),
-            undo: None,
-        });
+        rows.push(row(
+            format!("NodeExpandVolume capacity required={req} limit={lim}"),
+            Refused(&[Code::OutOfRange, Code::InvalidArgument]),
+            node!(node_expand_volume(csi::NodeExpandVolumeRequest {
+                volume_id: v.clone(),
+                volume_path: st.clone(),
+                staging_target_path: st.clone(),
+                capacity_range: Some(csi::CapacityRange {
+                    required_bytes: req,
+                    limit_bytes: lim,
+                }),
+                volume_capability: Some(ext4()),
+                ..Default::default()
+            })),
+        ));
     }
     rows.push(Row {
         what: "CreateVolume capacity limit=i64::MAX only".into(),
         want: Contained,
         call: call!(|e| {
-            let mut r = create_req("pvc-cap-limit", 0, mount_cap("ext4", writer()), &[]);
+            let mut r = create_req("pvc-cap-limit", 0, ext4(), &[]);
             r.capacity_range = Some(csi::CapacityRange {
                 required_bytes: 0,
                 limit_bytes: i64::MAX,
@@ -770,25 +688,20 @@ fn rows(env: &Env) -> Vec<Row> {
         "$(touch /tmp/pwned)",
     ] {
         let t = pods.join("eph-size");
-        rows.push(Row {
-            what: format!("ephemeral volumeAttributes size={size}"),
-            want: Refused(&[
+        rows.push(row(
+            format!("ephemeral volumeAttributes size={size}"),
+            Refused(&[
                 Code::InvalidArgument,
                 Code::OutOfRange,
                 Code::ResourceExhausted,
             ]),
-            call: call!(|e| e
-                .c
-                .node
-                .node_publish_volume(ephemeral_req(
-                    "csi-hostile-size",
-                    &t,
-                    mount_cap("ext4", writer()),
-                    &[("size", size)]
-                ))
-                .await),
-            undo: None,
-        });
+            node!(node_publish_volume(ephemeral_req(
+                "csi-hostile-size",
+                &t,
+                ext4(),
+                &[("size", size)]
+            ))),
+        ));
     }
 
     // ---- shell metacharacters ----
@@ -804,162 +717,121 @@ fn rows(env: &Env) -> Vec<Row> {
     ];
     for s in evil {
         for key in ["type", "kind", "fsType", "unknown"] {
-            rows.push(Row {
-                what: format!("CreateVolume parameter {key}={s:?}"),
-                want: INVALID,
-                call: call!(|e| e
-                    .c
-                    .controller
-                    .create_volume(create_req(
-                        "pvc-shell",
-                        64 * MIB,
-                        mount_cap("ext4", writer()),
-                        &[(key, s)]
-                    ))
-                    .await),
-                undo: None,
-            });
-        }
-        rows.push(Row {
-            what: format!("CreateVolume fs_type {s:?}"),
-            want: INVALID,
-            call: call!(|e| e
-                .c
-                .controller
-                .create_volume(create_req(
-                    "pvc-shell-fs",
+            rows.push(row(
+                format!("CreateVolume parameter {key}={s:?}"),
+                INVALID,
+                ctl!(create_volume(create_req(
+                    "pvc-shell",
                     64 * MIB,
-                    cap_with(s, &[], ""),
-                    &[]
-                ))
-                .await),
-            undo: None,
-        });
+                    ext4(),
+                    &[(key, s)]
+                ))),
+            ));
+        }
+        rows.push(row(
+            format!("CreateVolume fs_type {s:?}"),
+            INVALID,
+            ctl!(create_volume(create_req(
+                "pvc-shell-fs",
+                64 * MIB,
+                cap_with(s, &[], ""),
+                &[]
+            ))),
+        ));
         let (v, st, t) = (vol.clone(), env.staging.clone(), pods.join("shell"));
-        rows.push(Row {
-            what: format!("NodePublishVolume fs_type {s:?}"),
-            want: INVALID,
-            call: call!(|e| e
-                .c
-                .node
-                .node_publish_volume(publish_req(&v, &st, &t, cap_with(s, &[], ""), false))
-                .await),
-            undo: None,
-        });
+        rows.push(row(
+            format!("NodePublishVolume fs_type {s:?}"),
+            INVALID,
+            node!(node_publish_volume(publish_req(
+                &v,
+                &st,
+                &t,
+                cap_with(s, &[], ""),
+                false
+            ))),
+        ));
         let (v, st, t) = (vol.clone(), env.staging.clone(), pods.join("shell-group"));
-        rows.push(Row {
-            what: format!("NodePublishVolume volume_mount_group {s:?}"),
-            want: INVALID,
-            call: call!(|e| e
-                .c
-                .node
-                .node_publish_volume(publish_req(&v, &st, &t, cap_with("ext4", &[], s), false))
-                .await),
-            undo: None,
-        });
+        rows.push(row(
+            format!("NodePublishVolume volume_mount_group {s:?}"),
+            INVALID,
+            node!(node_publish_volume(publish_req(
+                &v,
+                &st,
+                &t,
+                cap_with("ext4", &[], s),
+                false
+            ))),
+        ));
         let v = vol.clone();
         // Snapshots take no parameters of their own: one they do not use is
         // ignored, never run or written anywhere.
         rows.push(Row {
             what: format!("CreateSnapshot parameter {s:?}"),
             want: Contained,
-            call: call!(|e| e
-                .c
-                .controller
-                .create_snapshot(csi::CreateSnapshotRequest {
-                    source_volume_id: v.clone(),
-                    name: "snap-shell".into(),
-                    parameters: [("x".into(), s.into())].into(),
-                    ..Default::default()
-                })
-                .await),
-            undo: Some(call!(|e| e
-                .c
-                .controller
-                .delete_snapshot(csi::DeleteSnapshotRequest {
-                    snapshot_id: csi_storage::ids::SnapshotId::for_name("snap-shell").to_string(),
-                    secrets: Default::default(),
-                })
-                .await)),
+            call: ctl!(create_snapshot(csi::CreateSnapshotRequest {
+                source_volume_id: v.clone(),
+                name: "snap-shell".into(),
+                parameters: [("x".into(), s.into())].into(),
+                ..Default::default()
+            })),
+            undo: Some(ctl!(delete_snapshot(delete_snapshot_req(
+                &csi_storage::ids::SnapshotId::for_name("snap-shell").to_string()
+            )))),
         });
         for key in ["readAheadKiB", "directIO", "unknown"] {
             let v = vol.clone();
-            rows.push(Row {
-                what: format!("ControllerModifyVolume {key}={s:?}"),
-                want: INVALID,
-                call: call!(|e| e
-                    .c
-                    .controller
-                    .controller_modify_volume(csi::ControllerModifyVolumeRequest {
+            rows.push(row(
+                format!("ControllerModifyVolume {key}={s:?}"),
+                INVALID,
+                ctl!(controller_modify_volume(
+                    csi::ControllerModifyVolumeRequest {
                         volume_id: v.clone(),
                         mutable_parameters: [(key.into(), s.into())].into(),
                         ..Default::default()
-                    })
-                    .await),
-                undo: None,
-            });
+                    }
+                )),
+            ));
         }
         let t = pods.join("eph-shell");
-        rows.push(Row {
-            what: format!("ephemeral volumeAttributes type={s:?}"),
-            want: INVALID,
-            call: call!(|e| e
-                .c
-                .node
-                .node_publish_volume(ephemeral_req(
-                    "csi-hostile-shell",
-                    &t,
-                    mount_cap("ext4", writer()),
-                    &[("type", s)]
-                ))
-                .await),
-            undo: None,
-        });
+        rows.push(row(
+            format!("ephemeral volumeAttributes type={s:?}"),
+            INVALID,
+            node!(node_publish_volume(ephemeral_req(
+                "csi-hostile-shell",
+                &t,
+                ext4(),
+                &[("type", s)]
+            ))),
+        ));
     }
     // Metacharacters where the driver accepts free text: a Kubernetes-prefixed
     // parameter (kept as opaque metadata) and a snapshot name.
     rows.push(Row {
         what: "CreateVolume csi.storage.k8s.io/pvc/name=$(touch /tmp/pwned)".into(),
         want: Contained,
-        call: call!(|e| e
-            .c
-            .controller
-            .create_volume(create_req(
-                "pvc-shell-k8s",
-                64 * MIB,
-                mount_cap("ext4", writer()),
-                &[(
-                    "csi.storage.k8s.io/pvc/name",
-                    "$(touch /tmp/pwned); rm -rf /"
-                )]
-            ))
-            .await),
+        call: ctl!(create_volume(create_req(
+            "pvc-shell-k8s",
+            64 * MIB,
+            ext4(),
+            &[(
+                "csi.storage.k8s.io/pvc/name",
+                "$(touch /tmp/pwned); rm -rf /"
+            )]
+        ))),
         undo: delete_undo("pvc-shell-k8s"),
     });
     let v = vol.clone();
     rows.push(Row {
         what: "CreateSnapshot name \"; rm -rf / $(touch /tmp/pwned)\"".into(),
         want: Contained,
-        call: call!(|e| e
-            .c
-            .controller
-            .create_snapshot(csi::CreateSnapshotRequest {
-                source_volume_id: v.clone(),
-                name: "; rm -rf / $(touch /tmp/pwned)".into(),
-                ..Default::default()
-            })
-            .await),
-        undo: Some(call!(|e| e
-            .c
-            .controller
-            .delete_snapshot(csi::DeleteSnapshotRequest {
-                snapshot_id: csi_storage::ids::SnapshotId::for_name(
-                    "; rm -rf / $(touch /tmp/pwned)"
-                )
-                .to_string(),
-                secrets: Default::default(),
-            })
-            .await)),
+        call: ctl!(create_snapshot(csi::CreateSnapshotRequest {
+            source_volume_id: v.clone(),
+            name: "; rm -rf / $(touch /tmp/pwned)".into(),
+            ..Default::default()
+        })),
+        undo: Some(ctl!(delete_snapshot(delete_snapshot_req(
+            &csi_storage::ids::SnapshotId::for_name("; rm -rf / $(touch /tmp/pwned)").to_string()
+        )))),
     });
     let _ = snap;
     rows
@@ -1091,7 +963,7 @@ async fn run_table(disturb: &mut dyn FnMut(usize, &Env)) -> (usize, Vec<(usize, 
     std::os::unix::fs::symlink(canary.path(), pods.join("link-to-canary")).unwrap();
     let driver = Driver::start(&pool, &[]);
     let mut c = driver.clients().await;
-    let cap = mount_cap("ext4", writer());
+    let cap = ext4();
     let vol = c.create("pvc-hostile", 64 * MIB, cap.clone(), &[]).await;
     c.node
         .node_stage_volume(stage_req(&vol, &staging, cap.clone()))

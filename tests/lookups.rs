@@ -9,7 +9,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use csi_storage::model::{Access, AccessMode, Capability, CapacityRange};
+use csi_storage::model::{AccessMode, Capability, CapacityRange};
 use csi_storage::node::{Publish, Stage};
 use csi_storage::volumes::{CreateVolume, MIB};
 use csi_storage::{Config, Driver, System};
@@ -118,14 +118,7 @@ impl Drop for Place {
 }
 
 fn ext4() -> Capability {
-    Capability {
-        access: Access::Mount {
-            fs_type: "ext4".into(),
-            mount_flags: vec![],
-            volume_mount_group: String::new(),
-        },
-        mode: AccessMode::SingleNodeWriter,
-    }
+    Capability::mount("ext4", AccessMode::SingleNodeWriter)
 }
 
 fn create(d: &Driver, name: &str) -> String {
@@ -133,10 +126,7 @@ fn create(d: &Driver, name: &str) -> String {
         .unwrap()
         .create_volume(CreateVolume {
             name: name.into(),
-            capacity: CapacityRange {
-                required: 64 * MIB as i64,
-                limit: 0,
-            },
+            capacity: CapacityRange::at_least(64 * MIB as i64),
             capabilities: vec![ext4()],
             ..Default::default()
         })

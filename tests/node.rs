@@ -22,6 +22,18 @@ const FAILPOINTS: &str = "EXAMPLE_CSI_FAILPOINTS";
 
 // ---------------------------------------------------------------- helpers
 
+/// Tests that need root, each one call: `name: call(args);`.
+macro_rules! root_cases {
+    ($($name:ident: $call:expr;)*) => {$(
+        #[tokio::test]
+        #[ignore = "needs root: loop devices and mounts"]
+        async fn $name() {
+            require_root();
+            $call.await;
+        }
+    )*};
+}
+
 struct Fx {
     pool: Pool,
     driver: Driver,
@@ -53,7 +65,9 @@ impl Drop for Fx {
     }
 }
 
+/// A pool of `pool_fs` and the driver on it, with `extra` flags; only for root.
 async fn fixture(pool_fs: &str, extra: &[&str]) -> Fx {
+    require_root();
     let pool = Pool::new(pool_fs);
     let driver = Driver::start(&pool, extra);
     let c = driver.clients().await;
@@ -99,11 +113,8 @@ impl Fx {
         staging: &Path,
         cap: &csi::VolumeCapability,
     ) -> Result<(), tonic::Status> {
-        self.c
-            .node
-            .node_stage_volume(stage_req(id, staging, cap.clone()))
-            .await
-            .map(drop)
+        let req = stage_req(id, staging, cap.clone());
+        self.c.node.node_stage_volume(req).await.map(drop)
     }
 
     async fn publish(
@@ -114,27 +125,18 @@ impl Fx {
         cap: &csi::VolumeCapability,
         ro: bool,
     ) -> Result<(), tonic::Status> {
-        self.c
-            .node
-            .node_publish_volume(publish_req(id, staging, target, cap.clone(), ro))
-            .await
-            .map(drop)
+        let req = publish_req(id, staging, target, cap.clone(), ro);
+        self.c.node.node_publish_volume(req).await.map(drop)
     }
 
     async fn unpublish(&mut self, id: &str, target: &Path) -> Result<(), tonic::Status> {
-        self.c
-            .node
-            .node_unpublish_volume(unpublish_req(id, target))
-            .await
-            .map(drop)
+        let req = unpublish_req(id, target);
+        self.c.node.node_unpublish_volume(req).await.map(drop)
     }
 
     async fn unstage(&mut self, id: &str, staging: &Path) -> Result<(), tonic::Status> {
-        self.c
-            .node
-            .node_unstage_volume(unstage_req(id, staging))
-            .await
-            .map(drop)
+        let req = unstage_req(id, staging);
+        self.c.node.node_unstage_volume(req).await.map(drop)
     }
 
     async fn stats(
@@ -142,13 +144,10 @@ impl Fx {
         id: &str,
         path: &Path,
     ) -> Result<csi::NodeGetVolumeStatsResponse, tonic::Status> {
+        let req = stats_req(id, path);
         self.c
             .node
-            .node_get_volume_stats(csi::NodeGetVolumeStatsRequest {
-                volume_id: id.to_string(),
-                volume_path: path.display().to_string(),
-                staging_target_path: String::new(),
-            })
+            .node_get_volume_stats(req)
             .await
             .map(|r| r.into_inner())
     }
@@ -159,6 +158,32 @@ impl Fx {
         self.unpublish(id, target).await.unwrap();
         self.unstage(id, staging).await.unwrap();
         self.delete(id).await;
+    }
+
+    /// CreateVolume of `name` with `cap`, which must succeed, and the paths a
+    /// kubelet would stage and publish it at (neither used yet).
+    async fn volume(&mut self, name: &str, size: i64, cap: csi::VolumeCapability) -> Vol {
+        self.volume_with(name, size, cap, &[]).await
+    }
+
+    /// `volume`, with StorageClass parameters.
+    async fn volume_with(
+        &mut self,
+        name: &str,
+        size: i64,
+        cap: csi::VolumeCapability,
+        params: &[(&str, &str)],
+    ) -> Vol {
+        let id = self.c.create(name, size, cap.clone(), params).await;
+        let staging = self.pool.scratch("staging");
+        (id, cap, staging, self.pool.scratch("pods").join("t"))
+    }
+
+    /// `volume`, then staged and published read-write, as a pod uses it.
+    async fn volume_in_use(&mut self, name: &str, size: i64, cap: csi::VolumeCapability) -> Vol {
+        let (id, cap, staging, target) = self.volume(name, size, cap).await;
+        self.c.stage_and_publish(&id, &staging, &target, &cap).await;
+        (id, cap, staging, target)
     }
 
     /// Loop devices of the volumes (the pool's own device is not below its mount).
@@ -185,13 +210,13 @@ impl Fx {
         self.reconnect().await;
     }
 
-    /// The call of one phase of a volume's life on the node.
+    /// The call of one phase of a volume's life on the node, with the volume's
+    /// staging and target paths.
     async fn run(
         &mut self,
         phase: Phase,
         id: &str,
-        staging: &Path,
-        target: &Path,
+        [staging, target]: [&Path; 2],
         cap: &csi::VolumeCapability,
         ro: bool,
     ) -> Result<(), tonic::Status> {
@@ -204,6 +229,10 @@ impl Fx {
     }
 }
 
+/// A volume made by a test: its id, its capability, and the staging and target
+/// paths it is used at.
+type Vol = (String, csi::VolumeCapability, PathBuf, PathBuf);
+
 fn code(r: Result<(), tonic::Status>) -> Code {
     match r {
         Ok(()) => Code::Ok,
@@ -214,6 +243,11 @@ fn code(r: Result<(), tonic::Status>) -> Code {
 /// How many mounts sit exactly at `p`.
 fn mount_count(p: &Path) -> usize {
     mounts_below(p).iter().filter(|m| m.as_path() == p).count()
+}
+
+/// The capability most tests use: an ext4 mount for one writer.
+fn ext4() -> csi::VolumeCapability {
+    mount_cap("ext4", writer())
 }
 
 fn cap_with(fs: &str, mode: Mode, flags: &[&str], group: &str) -> csi::VolumeCapability {
@@ -285,18 +319,11 @@ async fn round_trip(vol_fs: &str, size: i64) {
     let mut fx = fixture("xfs", &[]).await;
     let before_loops = fx.volume_loops();
     let before_mounts = fx.all_mounts();
-    let cap = mount_cap(vol_fs, writer());
-    let id =
-        fx.c.create(&format!("pvc-rt-{vol_fs}"), size, cap.clone(), &[])
-            .await;
-    let staging = fx.pool.scratch("staging");
-    let target = fx.pool.scratch("pods").join("target");
+    let name = format!("pvc-rt-{vol_fs}");
+    let (id, cap, staging, target) = fx.volume(&name, size, mount_cap(vol_fs, writer())).await;
     let data = pattern(3 * 1024 * 1024 + 17, 7);
     for round in 0..2 {
-        fx.stage(&id, &staging, &cap).await.unwrap();
-        fx.publish(&id, &staging, &target, &cap, false)
-            .await
-            .unwrap();
+        fx.c.stage_and_publish(&id, &staging, &target, &cap).await;
         let m = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
         let line = m
             .lines()
@@ -322,40 +349,17 @@ async fn round_trip(vol_fs: &str, size: i64) {
     assert_eq!(fx.all_mounts(), before_mounts);
 }
 
-#[tokio::test]
-#[ignore = "needs root: loop devices and mounts"]
-async fn root_round_trip_ext4() {
-    require_root();
-    round_trip("ext4", 64 * MIB).await;
-}
-
-#[tokio::test]
-#[ignore = "needs root: loop devices and mounts"]
-async fn root_round_trip_xfs() {
-    require_root();
-    round_trip("xfs", 300 * MIB).await;
-}
-
-#[tokio::test]
-#[ignore = "needs root: loop devices and mounts"]
-async fn root_round_trip_btrfs() {
-    require_root();
-    round_trip("btrfs", 128 * MIB).await;
+root_cases! {
+    root_round_trip_ext4: round_trip("ext4", 64 * MIB);
+    root_round_trip_xfs: round_trip("xfs", 300 * MIB);
+    root_round_trip_btrfs: round_trip("btrfs", 128 * MIB);
 }
 
 #[tokio::test]
 #[ignore = "needs root: loop devices and mounts"]
 async fn root_small_volume_refuses_writes_past_its_size() {
-    require_root();
     let mut fx = fixture("xfs", &[]).await;
-    let cap = mount_cap("ext4", writer());
-    let id = fx.c.create("pvc-full", 64 * MIB, cap.clone(), &[]).await;
-    let staging = fx.pool.scratch("staging");
-    let target = fx.pool.scratch("pods").join("t");
-    fx.stage(&id, &staging, &cap).await.unwrap();
-    fx.publish(&id, &staging, &target, &cap, false)
-        .await
-        .unwrap();
+    let (id, _, staging, target) = fx.volume_in_use("pvc-full", 64 * MIB, ext4()).await;
     let mut f = std::fs::File::create(target.join("big")).unwrap();
     let chunk = vec![0x5au8; 1024 * 1024];
     let mut written = 0u64;
@@ -381,15 +385,11 @@ async fn root_small_volume_refuses_writes_past_its_size() {
 #[tokio::test]
 #[ignore = "needs root: loop devices and mounts"]
 async fn root_read_only_publish_refuses_writes() {
-    require_root();
     let mut fx = fixture("xfs", &[]).await;
-    let cap = mount_cap("ext4", writer());
-    let id = fx.c.create("pvc-ro", 64 * MIB, cap.clone(), &[]).await;
-    let staging = fx.pool.scratch("staging");
+    let (id, cap, staging, _) = fx.volume("pvc-ro", 64 * MIB, ext4()).await;
     let rw = fx.pool.scratch("pods").join("rw");
     let ro = fx.pool.scratch("pods").join("ro");
-    fx.stage(&id, &staging, &cap).await.unwrap();
-    fx.publish(&id, &staging, &rw, &cap, false).await.unwrap();
+    fx.c.stage_and_publish(&id, &staging, &rw, &cap).await;
     write_synced(&rw.join("f"), b"written read-write");
     fx.unpublish(&id, &rw).await.unwrap();
     fx.publish(&id, &staging, &ro, &cap, true).await.unwrap();
@@ -413,11 +413,14 @@ async fn root_read_only_publish_refuses_writes() {
 #[tokio::test]
 #[ignore = "needs root: loop devices and mounts"]
 async fn root_block_publish_read_only_refuses_writes_and_rw_works() {
-    require_root();
     let mut fx = fixture("xfs", &[]).await;
-    let cap = block_cap(Mode::SingleNodeMultiWriter);
-    let id = fx.c.create("pvc-block", 64 * MIB, cap.clone(), &[]).await;
-    let staging = fx.pool.scratch("staging");
+    let (id, cap, staging, _) = fx
+        .volume(
+            "pvc-block",
+            64 * MIB,
+            block_cap(Mode::SingleNodeMultiWriter),
+        )
+        .await;
     let rw = fx.pool.scratch("pods").join("rw");
     let ro = fx.pool.scratch("pods").join("ro");
     fx.stage(&id, &staging, &cap).await.unwrap();
@@ -506,12 +509,8 @@ async fn root_block_publish_read_only_refuses_writes_and_rw_works() {
 #[tokio::test]
 #[ignore = "needs root: loop devices and mounts"]
 async fn root_publish_twice_is_one_mount_and_unpublish_twice_succeeds() {
-    require_root();
     let mut fx = fixture("xfs", &[]).await;
-    let cap = mount_cap("ext4", writer());
-    let id = fx.c.create("pvc-idem", 64 * MIB, cap.clone(), &[]).await;
-    let staging = fx.pool.scratch("staging");
-    let target = fx.pool.scratch("pods").join("t");
+    let (id, cap, staging, target) = fx.volume("pvc-idem", 64 * MIB, ext4()).await;
     fx.stage(&id, &staging, &cap).await.unwrap();
     fx.stage(&id, &staging, &cap).await.unwrap();
     assert_eq!(mount_count(&staging), 1, "stage twice gives one mount");
@@ -552,10 +551,8 @@ async fn root_publish_twice_is_one_mount_and_unpublish_twice_succeeds() {
 #[tokio::test]
 #[ignore = "needs root: loop devices and mounts"]
 async fn root_unpublish_never_does_not_touch_foreign_mounts() {
-    require_root();
     let mut fx = fixture("xfs", &[]).await;
-    let cap = mount_cap("ext4", writer());
-    let id = fx.c.create("pvc-foreign", 64 * MIB, cap.clone(), &[]).await;
+    let id = fx.c.create("pvc-foreign", 64 * MIB, ext4(), &[]).await;
     // A tmpfs that is not the volume's sits at the target.
     let target = fx.pool.scratch("pods").join("foreign");
     std::fs::create_dir(&target).unwrap();
@@ -570,7 +567,6 @@ async fn root_unpublish_never_does_not_touch_foreign_mounts() {
 #[tokio::test]
 #[ignore = "needs root: loop devices and mounts"]
 async fn root_volume_mount_group_gives_group_and_setgid() {
-    require_root();
     let mut fx = fixture("xfs", &[]).await;
     for fs in ["ext4", "xfs"] {
         let cap = cap_with(fs, writer(), &[], "4321");
@@ -580,10 +576,7 @@ async fn root_volume_mount_group_gives_group_and_setgid() {
                 .await;
         let staging = fx.pool.scratch(&format!("staging-{fs}"));
         let target = fx.pool.scratch("pods").join(fs);
-        fx.stage(&id, &staging, &cap).await.unwrap();
-        fx.publish(&id, &staging, &target, &cap, false)
-            .await
-            .unwrap();
+        fx.c.stage_and_publish(&id, &staging, &target, &cap).await;
         let m = std::fs::metadata(&target).unwrap();
         assert_eq!(m.gid(), 4321, "{fs}: the root belongs to the group");
         let mode = m.permissions().mode();
@@ -597,10 +590,7 @@ async fn root_volume_mount_group_gives_group_and_setgid() {
         fx.unstage(&id, &staging).await.unwrap();
         // A pod with another fsGroup: what the first one wrote is given to it.
         let other = cap_with(fs, writer(), &[], "4322");
-        fx.stage(&id, &staging, &other).await.unwrap();
-        fx.publish(&id, &staging, &target, &other, false)
-            .await
-            .unwrap();
+        fx.c.stage_and_publish(&id, &staging, &target, &other).await;
         for p in [&target, &target.join("sub"), &target.join("file")] {
             let m = std::fs::metadata(p).unwrap();
             assert_eq!(m.gid(), 4322, "{fs}: {} takes the new group", p.display());
@@ -642,16 +632,8 @@ fn df_figures(args: &[&str], path: &Path) -> (String, Vec<i64>) {
 #[tokio::test]
 #[ignore = "needs root: loop devices and mounts"]
 async fn root_stats_match_df_and_refuse_vanished_mounts() {
-    require_root();
     let mut fx = fixture("xfs", &[]).await;
-    let cap = mount_cap("ext4", writer());
-    let id = fx.c.create("pvc-stats", 64 * MIB, cap.clone(), &[]).await;
-    let staging = fx.pool.scratch("staging");
-    let target = fx.pool.scratch("pods").join("t");
-    fx.stage(&id, &staging, &cap).await.unwrap();
-    fx.publish(&id, &staging, &target, &cap, false)
-        .await
-        .unwrap();
+    let (id, _, staging, target) = fx.volume_in_use("pvc-stats", 64 * MIB, ext4()).await;
     write_synced(&target.join("some"), &pattern(5 * 1024 * 1024, 1));
     for i in 0..20 {
         write_synced(&target.join(format!("f{i}")), b"i");
@@ -735,19 +717,17 @@ fn qgroup_show(subvolume: &Path) -> (u64, Option<u64>) {
 #[tokio::test]
 #[ignore = "needs root: loop devices and mounts"]
 async fn root_stats_of_a_btrfs_dir_volume_are_its_qgroup() {
-    require_root();
     let mut fx = fixture("btrfs", &[]).await;
-    let cap = mount_cap("", writer());
-    let id =
-        fx.c.create("pvc-qgroup", 64 * MIB, cap.clone(), &[("kind", "dir")])
-            .await;
+    let (id, cap, staging, target) = fx
+        .volume_with(
+            "pvc-qgroup",
+            64 * MIB,
+            mount_cap("", writer()),
+            &[("kind", "dir")],
+        )
+        .await;
     let subvolume = fx.pool.path.join("volumes").join(&id);
-    let staging = fx.pool.scratch("staging");
-    let target = fx.pool.scratch("pods").join("t");
-    fx.stage(&id, &staging, &cap).await.unwrap();
-    fx.publish(&id, &staging, &target, &cap, false)
-        .await
-        .unwrap();
+    fx.c.stage_and_publish(&id, &staging, &target, &cap).await;
     for (i, mib) in [0usize, 5, 20].into_iter().enumerate() {
         if mib > 0 {
             write_synced(&target.join(format!("f{i}")), &pattern(mib << 20, i as u8));
@@ -825,16 +805,10 @@ async fn node_expand(
 
 async fn online_expand(vol_fs: &str, size: i64) {
     let mut fx = fixture("xfs", &[]).await;
-    let cap = mount_cap(vol_fs, writer());
-    let id =
-        fx.c.create(&format!("pvc-grow-{vol_fs}"), size, cap.clone(), &[])
-            .await;
-    let staging = fx.pool.scratch("staging");
-    let target = fx.pool.scratch("pods").join("t");
-    fx.stage(&id, &staging, &cap).await.unwrap();
-    fx.publish(&id, &staging, &target, &cap, false)
-        .await
-        .unwrap();
+    let name = format!("pvc-grow-{vol_fs}");
+    let (id, cap, staging, target) = fx
+        .volume_in_use(&name, size, mount_cap(vol_fs, writer()))
+        .await;
     let data = pattern(1024 * 1024, 9);
     write_synced(&target.join("keep"), &data);
     let before = fs_bytes(&target);
@@ -856,35 +830,16 @@ async fn online_expand(vol_fs: &str, size: i64) {
     assert!(fx.volume_loops().is_empty());
 }
 
-#[tokio::test]
-#[ignore = "needs root: loop devices and mounts"]
-async fn root_node_expand_grows_xfs_online() {
-    require_root();
-    online_expand("xfs", 300 * MIB).await;
-}
-
-#[tokio::test]
-#[ignore = "needs root: loop devices and mounts"]
-async fn root_node_expand_grows_btrfs_online() {
-    require_root();
-    online_expand("btrfs", 128 * MIB).await;
+root_cases! {
+    root_node_expand_grows_xfs_online: online_expand("xfs", 300 * MIB);
+    root_node_expand_grows_btrfs_online: online_expand("btrfs", 128 * MIB);
 }
 
 #[tokio::test]
 #[ignore = "needs root: loop devices and mounts"]
 async fn root_node_expand_ext4_grows_online_or_at_next_stage() {
-    require_root();
     let mut fx = fixture("xfs", &[]).await;
-    let cap = mount_cap("ext4", writer());
-    let id =
-        fx.c.create("pvc-grow-ext4", 64 * MIB, cap.clone(), &[])
-            .await;
-    let staging = fx.pool.scratch("staging");
-    let target = fx.pool.scratch("pods").join("t");
-    fx.stage(&id, &staging, &cap).await.unwrap();
-    fx.publish(&id, &staging, &target, &cap, false)
-        .await
-        .unwrap();
+    let (id, cap, staging, target) = fx.volume_in_use("pvc-grow-ext4", 64 * MIB, ext4()).await;
     let data = pattern(1024 * 1024, 11);
     write_synced(&target.join("keep"), &data);
     let before = fs_bytes(&target);
@@ -947,10 +902,7 @@ async fn expand_to_present_size(pool_fs: &str, kinds: &[(&str, i64)]) {
                 .await;
         let staging = fx.pool.scratch(&format!("staging-{kind}"));
         let target = fx.pool.scratch("pods").join(kind);
-        fx.stage(&id, &staging, &cap).await.unwrap();
-        fx.publish(&id, &staging, &target, &cap, false)
-            .await
-            .unwrap();
+        fx.c.stage_and_publish(&id, &staging, &target, &cap).await;
         let data = pattern(1024 * 1024, 3);
         let before = if kind == "block" {
             0
@@ -982,25 +934,12 @@ async fn expand_to_present_size(pool_fs: &str, kinds: &[(&str, i64)]) {
     assert!(fx.volume_loops().is_empty());
 }
 
-#[tokio::test]
-#[ignore = "needs root: loop devices and mounts"]
-async fn root_node_expand_to_the_present_size_is_a_no_op_btrfs_pool() {
-    require_root();
-    let kinds = [
-        ("ext4", 64 * MIB),
-        ("xfs", 300 * MIB),
-        ("btrfs", 128 * MIB),
-        ("block", 64 * MIB),
-        ("dir", 64 * MIB),
-    ];
-    expand_to_present_size("btrfs", &kinds).await;
-}
-
-#[tokio::test]
-#[ignore = "needs root: loop devices and mounts"]
-async fn root_node_expand_to_the_present_size_is_a_no_op_xfs_pool_dir() {
-    require_root();
-    expand_to_present_size("xfs", &[("dir", 64 * MIB)]).await;
+root_cases! {
+    root_node_expand_to_the_present_size_is_a_no_op_btrfs_pool: expand_to_present_size(
+        "btrfs",
+        &[("ext4", 64 * MIB), ("xfs", 300 * MIB), ("btrfs", 128 * MIB), ("block", 64 * MIB), ("dir", 64 * MIB)],
+    );
+    root_node_expand_to_the_present_size_is_a_no_op_xfs_pool_dir: expand_to_present_size("xfs", &[("dir", 64 * MIB)]);
 }
 
 /// The kernel resizes no btrfs to less than 256 MiB: an expansion of a 128 MiB
@@ -1009,13 +948,10 @@ async fn root_node_expand_to_the_present_size_is_a_no_op_xfs_pool_dir() {
 #[tokio::test]
 #[ignore = "needs root: loop devices and mounts"]
 async fn root_btrfs_below_256_mib_says_it_cannot_grow_and_still_stages() {
-    require_root();
     let mut fx = fixture("xfs", &[]).await;
-    let cap = mount_cap("btrfs", writer());
-    let id =
-        fx.c.create("pvc-small-btrfs", 128 * MIB, cap.clone(), &[])
-            .await;
-    let staging = fx.pool.scratch("staging");
+    let (id, cap, staging, _) = fx
+        .volume("pvc-small-btrfs", 128 * MIB, mount_cap("btrfs", writer()))
+        .await;
     fx.stage(&id, &staging, &cap).await.unwrap();
     let before = fs_bytes(&staging);
     controller_expand(&mut fx, &id, 200 * MIB).await;
@@ -1043,7 +979,6 @@ async fn root_btrfs_below_256_mib_says_it_cannot_grow_and_still_stages() {
 #[tokio::test]
 #[ignore = "needs root: loop devices and mounts"]
 async fn root_expand_while_unstaged_completes_at_stage() {
-    require_root();
     let mut fx = fixture("xfs", &[]).await;
     for (fs, size) in [("xfs", 300 * MIB), ("btrfs", 128 * MIB)] {
         let cap = mount_cap(fs, writer());
@@ -1072,7 +1007,6 @@ async fn root_expand_while_unstaged_completes_at_stage() {
 #[tokio::test]
 #[ignore = "needs root: loop devices and mounts"]
 async fn root_ephemeral_inline_volume_lives_and_dies_with_the_pod() {
-    require_root();
     let mut fx = fixture("xfs", &[]).await;
     let mounts_before = fx.all_mounts();
     let target = fx.pool.scratch("pods").join("inline");
@@ -1118,7 +1052,6 @@ async fn root_ephemeral_inline_volume_lives_and_dies_with_the_pod() {
 #[tokio::test]
 #[ignore = "needs root: loop devices and mounts"]
 async fn root_single_writer_refuses_second_writer_multi_writer_allows() {
-    require_root();
     let mut fx = fixture("xfs", &[]).await;
     let single = mount_cap("ext4", Mode::SingleNodeSingleWriter);
     let id =
@@ -1127,8 +1060,7 @@ async fn root_single_writer_refuses_second_writer_multi_writer_allows() {
     let staging = fx.pool.scratch("staging-single");
     let a = fx.pool.scratch("pods").join("a");
     let b = fx.pool.scratch("pods").join("b");
-    fx.stage(&id, &staging, &single).await.unwrap();
-    fx.publish(&id, &staging, &a, &single, false).await.unwrap();
+    fx.c.stage_and_publish(&id, &staging, &a, &single).await;
     let r = fx.publish(&id, &staging, &b, &single, false).await;
     assert_eq!(code(r), Code::FailedPrecondition);
     assert_eq!(mount_count(&b), 0, "a refused publish changes nothing");
@@ -1140,8 +1072,7 @@ async fn root_single_writer_refuses_second_writer_multi_writer_allows() {
     let multi = mount_cap("ext4", Mode::SingleNodeMultiWriter);
     let id = fx.c.create("pvc-multi", 64 * MIB, multi.clone(), &[]).await;
     let staging = fx.pool.scratch("staging-multi");
-    fx.stage(&id, &staging, &multi).await.unwrap();
-    fx.publish(&id, &staging, &a, &multi, false).await.unwrap();
+    fx.c.stage_and_publish(&id, &staging, &a, &multi).await;
     fx.publish(&id, &staging, &b, &multi, false).await.unwrap();
     write_synced(&a.join("shared"), b"seen from b");
     assert_eq!(std::fs::read(b.join("shared")).unwrap(), b"seen from b");
@@ -1161,11 +1092,8 @@ async fn root_single_writer_refuses_second_writer_multi_writer_allows() {
 #[tokio::test]
 #[ignore = "needs root: loop devices and mounts"]
 async fn root_validation_refuses_bad_paths_and_capabilities() {
-    require_root();
     let mut fx = fixture("btrfs", &[]).await;
-    let cap = mount_cap("ext4", writer());
-    let id = fx.c.create("pvc-valid", 64 * MIB, cap.clone(), &[]).await;
-    let staging = fx.pool.scratch("staging");
+    let (id, cap, staging, target) = fx.volume("pvc-valid", 64 * MIB, ext4()).await;
     let mounts_before = fx.all_mounts();
     fx.stage(&id, &staging, &cap).await.unwrap();
     let state_target = fx.driver.state.join("evil");
@@ -1224,7 +1152,6 @@ async fn root_validation_refuses_bad_paths_and_capabilities() {
         .next()
         .is_none());
     // Missing pieces.
-    let target = fx.pool.scratch("pods").join("t");
     let mut req = publish_req(&id, &staging, &target, cap.clone(), false);
     req.volume_capability = None;
     assert_eq!(
@@ -1293,7 +1220,6 @@ async fn root_validation_refuses_bad_paths_and_capabilities() {
 #[tokio::test]
 #[ignore = "needs root: loop devices and mounts"]
 async fn root_concurrent_calls_on_one_volume_abort_others_proceed() {
-    require_root();
     let mut fx = fixture("xfs", &[]).await;
     let cap = mount_cap("xfs", writer());
     let id = fx.c.create("pvc-conc", 300 * MIB, cap.clone(), &[]).await;
@@ -1361,13 +1287,11 @@ async fn crash_at(point: &str, phase: Phase, kind: Kind) {
     let loops_before = fx.volume_loops();
     let mounts_before = fx.all_mounts();
     let cap = match kind {
-        Kind::Mount => mount_cap("ext4", writer()),
+        Kind::Mount => ext4(),
         _ => block_cap(writer()),
     };
     let ro = kind == Kind::BlockRo;
-    let id = fx.c.create("pvc-crash", 64 * MIB, cap.clone(), &[]).await;
-    let staging = fx.pool.scratch("staging");
-    let target = fx.pool.scratch("pods").join("t");
+    let (id, cap, staging, target) = fx.volume("pvc-crash", 64 * MIB, cap).await;
     let data = pattern(256 * 1024, 5);
     let write = |t: &Path| {
         if kind == Kind::Mount {
@@ -1405,7 +1329,7 @@ async fn crash_at(point: &str, phase: Phase, kind: Kind) {
     fx.respawn(&[(FAILPOINTS, point)]).await;
     let r = tokio::time::timeout(
         Duration::from_secs(60),
-        fx.run(phase, &id, &staging, &target, &cap, ro),
+        fx.run(phase, &id, [&staging, &target], &cap, ro),
     )
     .await;
     assert!(
@@ -1424,10 +1348,10 @@ async fn crash_at(point: &str, phase: Phase, kind: Kind) {
         .contains(&format!("failpoint {point} reached")));
     // The retry after the restart.
     fx.respawn(&[]).await;
-    let retry = fx.run(phase, &id, &staging, &target, &cap, ro).await;
+    let retry = fx.run(phase, &id, [&staging, &target], &cap, ro).await;
     retry.unwrap_or_else(|e| panic!("{point}: retry failed: {e:?}\n{}", fx.driver.log_text()));
     // A second retry changes nothing.
-    let again = fx.run(phase, &id, &staging, &target, &cap, ro).await;
+    let again = fx.run(phase, &id, [&staging, &target], &cap, ro).await;
     again.unwrap_or_else(|e| panic!("{point}: second retry failed: {e:?}"));
     let block = kind != Kind::Mount;
     let staged_loops = loops_before.len() + 1;
@@ -1489,35 +1413,24 @@ async fn crash_at(point: &str, phase: Phase, kind: Kind) {
     assert_eq!(fx.all_mounts(), mounts_before, "{point}: mounts leaked");
 }
 
-macro_rules! crash_tests {
-    ($($name:ident: $point:expr, $phase:expr, $kind:expr;)*) => {$(
-        #[tokio::test]
-        #[ignore = "needs root: loop devices and mounts"]
-        async fn $name() {
-            require_root();
-            crash_at($point, $phase, $kind).await;
-        }
-    )*};
-}
-
-crash_tests! {
-    root_crash_stage_after_intent: "stage.after-intent", Phase::Stage, Kind::Mount;
-    root_crash_stage_after_attach: "stage.after-attach", Phase::Stage, Kind::Mount;
-    root_crash_stage_after_mkfs: "stage.after-mkfs", Phase::Stage, Kind::Mount;
-    root_crash_stage_after_mount: "stage.after-mount", Phase::Stage, Kind::Mount;
-    root_crash_stage_after_commit: "stage.after-commit", Phase::Stage, Kind::Mount;
-    root_crash_stage_block_after_attach: "stage.after-attach", Phase::Stage, Kind::Block;
-    root_crash_publish_after_intent: "publish.after-intent", Phase::Publish, Kind::Mount;
-    root_crash_publish_after_mount: "publish.after-mount", Phase::Publish, Kind::Mount;
-    root_crash_publish_block_after_intent: "publish.after-intent", Phase::Publish, Kind::Block;
-    root_crash_publish_block_ro_after_intent: "publish.after-intent", Phase::Publish, Kind::BlockRo;
-    root_crash_publish_block_ro_after_mount: "publish.after-mount", Phase::Publish, Kind::BlockRo;
-    root_crash_unpublish_after_unmount: "unpublish.after-unmount", Phase::Unpublish, Kind::Mount;
-    root_crash_unpublish_after_commit: "unpublish.after-commit", Phase::Unpublish, Kind::Mount;
-    root_crash_unpublish_block_ro_after_unmount: "unpublish.after-unmount", Phase::Unpublish, Kind::BlockRo;
-    root_crash_unstage_after_unmount: "unstage.after-unmount", Phase::Unstage, Kind::Mount;
-    root_crash_unstage_after_detach: "unstage.after-detach", Phase::Unstage, Kind::Mount;
-    root_crash_unstage_block_after_detach: "unstage.after-detach", Phase::Unstage, Kind::Block;
+root_cases! {
+    root_crash_stage_after_intent: crash_at("stage.after-intent", Phase::Stage, Kind::Mount);
+    root_crash_stage_after_attach: crash_at("stage.after-attach", Phase::Stage, Kind::Mount);
+    root_crash_stage_after_mkfs: crash_at("stage.after-mkfs", Phase::Stage, Kind::Mount);
+    root_crash_stage_after_mount: crash_at("stage.after-mount", Phase::Stage, Kind::Mount);
+    root_crash_stage_after_commit: crash_at("stage.after-commit", Phase::Stage, Kind::Mount);
+    root_crash_stage_block_after_attach: crash_at("stage.after-attach", Phase::Stage, Kind::Block);
+    root_crash_publish_after_intent: crash_at("publish.after-intent", Phase::Publish, Kind::Mount);
+    root_crash_publish_after_mount: crash_at("publish.after-mount", Phase::Publish, Kind::Mount);
+    root_crash_publish_block_after_intent: crash_at("publish.after-intent", Phase::Publish, Kind::Block);
+    root_crash_publish_block_ro_after_intent: crash_at("publish.after-intent", Phase::Publish, Kind::BlockRo);
+    root_crash_publish_block_ro_after_mount: crash_at("publish.after-mount", Phase::Publish, Kind::BlockRo);
+    root_crash_unpublish_after_unmount: crash_at("unpublish.after-unmount", Phase::Unpublish, Kind::Mount);
+    root_crash_unpublish_after_commit: crash_at("unpublish.after-commit", Phase::Unpublish, Kind::Mount);
+    root_crash_unpublish_block_ro_after_unmount: crash_at("unpublish.after-unmount", Phase::Unpublish, Kind::BlockRo);
+    root_crash_unstage_after_unmount: crash_at("unstage.after-unmount", Phase::Unstage, Kind::Mount);
+    root_crash_unstage_after_detach: crash_at("unstage.after-detach", Phase::Unstage, Kind::Mount);
+    root_crash_unstage_block_after_detach: crash_at("unstage.after-detach", Phase::Unstage, Kind::Block);
 }
 
 // ---------------------------------------------------------------- reboot
@@ -1541,17 +1454,11 @@ async fn simulate_reboot(fx: &mut Fx, paths: &[&Path]) {
 async fn reboot(vol_fs: &str, size: i64) {
     let mut fx = fixture("xfs", &[]).await;
     let mounts_before = fx.all_mounts();
-    let cap = mount_cap(vol_fs, writer());
-    let id =
-        fx.c.create(&format!("pvc-reboot-{vol_fs}"), size, cap.clone(), &[])
-            .await;
-    let staging = fx.pool.scratch("staging");
-    let target = fx.pool.scratch("pods").join("t");
+    let name = format!("pvc-reboot-{vol_fs}");
+    let (id, cap, staging, target) = fx
+        .volume_in_use(&name, size, mount_cap(vol_fs, writer()))
+        .await;
     let data = pattern(2 * 1024 * 1024 + 5, 13);
-    fx.stage(&id, &staging, &cap).await.unwrap();
-    fx.publish(&id, &staging, &target, &cap, false)
-        .await
-        .unwrap();
     write_synced(&target.join("d"), &data);
     simulate_reboot(&mut fx, &[&target, &staging]).await;
     // Health before kubelet's retries: both mounts are gone.
@@ -1568,10 +1475,7 @@ async fn reboot(vol_fs: &str, size: i64) {
             ),
         ]
     );
-    fx.stage(&id, &staging, &cap).await.unwrap();
-    fx.publish(&id, &staging, &target, &cap, false)
-        .await
-        .unwrap();
+    fx.c.stage_and_publish(&id, &staging, &target, &cap).await;
     assert!(
         std::fs::read(target.join("d")).unwrap() == data,
         "data intact"
@@ -1584,41 +1488,22 @@ async fn reboot(vol_fs: &str, size: i64) {
     assert_eq!(fx.all_mounts(), mounts_before);
 }
 
-#[tokio::test]
-#[ignore = "needs root: loop devices and mounts"]
-async fn root_reboot_ext4_data_intact() {
-    require_root();
-    reboot("ext4", 64 * MIB).await;
-}
-
-#[tokio::test]
-#[ignore = "needs root: loop devices and mounts"]
-async fn root_reboot_xfs_data_intact() {
-    require_root();
-    reboot("xfs", 300 * MIB).await;
-}
-
-#[tokio::test]
-#[ignore = "needs root: loop devices and mounts"]
-async fn root_reboot_btrfs_data_intact() {
-    require_root();
-    reboot("btrfs", 128 * MIB).await;
+root_cases! {
+    root_reboot_ext4_data_intact: reboot("ext4", 64 * MIB);
+    root_reboot_xfs_data_intact: reboot("xfs", 300 * MIB);
+    root_reboot_btrfs_data_intact: reboot("btrfs", 128 * MIB);
 }
 
 #[tokio::test]
 #[ignore = "needs root: loop devices and mounts"]
 async fn root_reboot_block_volumes_come_back() {
-    require_root();
     let mut fx = fixture("xfs", &[]).await;
-    let cap = block_cap(writer());
-    let id =
-        fx.c.create("pvc-reboot-block", 64 * MIB, cap.clone(), &[])
-            .await;
-    let staging = fx.pool.scratch("staging");
+    let (id, cap, staging, _) = fx
+        .volume("pvc-reboot-block", 64 * MIB, block_cap(writer()))
+        .await;
     let rw = fx.pool.scratch("pods").join("rw");
     let ro = fx.pool.scratch("pods").join("ro");
-    fx.stage(&id, &staging, &cap).await.unwrap();
-    fx.publish(&id, &staging, &rw, &cap, false).await.unwrap();
+    fx.c.stage_and_publish(&id, &staging, &rw, &cap).await;
     fx.publish(&id, &staging, &ro, &cap, true).await.unwrap();
     let data = pattern(64 * 1024, 21);
     {
@@ -1627,8 +1512,7 @@ async fn root_reboot_block_volumes_come_back() {
         f.sync_all().unwrap();
     }
     simulate_reboot(&mut fx, &[&rw, &ro]).await;
-    fx.stage(&id, &staging, &cap).await.unwrap();
-    fx.publish(&id, &staging, &rw, &cap, false).await.unwrap();
+    fx.c.stage_and_publish(&id, &staging, &rw, &cap).await;
     fx.publish(&id, &staging, &ro, &cap, true).await.unwrap();
     assert_eq!(fx.volume_loops().len(), 2, "{:?}", fx.volume_loops());
     let mut back = vec![0u8; data.len()];
@@ -1650,17 +1534,9 @@ async fn root_reboot_block_volumes_come_back() {
 #[tokio::test]
 #[ignore = "needs root: loop devices and mounts"]
 async fn root_unpublish_unstage_succeed_when_mounts_vanished() {
-    require_root();
     let mut fx = fixture("xfs", &[]).await;
     let mounts_before = fx.all_mounts();
-    let cap = mount_cap("ext4", writer());
-    let id = fx.c.create("pvc-vanish", 64 * MIB, cap.clone(), &[]).await;
-    let staging = fx.pool.scratch("staging");
-    let target = fx.pool.scratch("pods").join("t");
-    fx.stage(&id, &staging, &cap).await.unwrap();
-    fx.publish(&id, &staging, &target, &cap, false)
-        .await
-        .unwrap();
+    let (id, cap, staging, target) = fx.volume_in_use("pvc-vanish", 64 * MIB, ext4()).await;
     // Without a restart: the mounts vanish under a running driver.
     umount(&target);
     umount(&staging);
@@ -1669,10 +1545,7 @@ async fn root_unpublish_unstage_succeed_when_mounts_vanished() {
     fx.unstage(&id, &staging).await.unwrap();
     assert!(fx.volume_loops().is_empty(), "the loop device is detached");
     // And after a reboot with the devices gone too.
-    fx.stage(&id, &staging, &cap).await.unwrap();
-    fx.publish(&id, &staging, &target, &cap, false)
-        .await
-        .unwrap();
+    fx.c.stage_and_publish(&id, &staging, &target, &cap).await;
     simulate_reboot(&mut fx, &[&target, &staging]).await;
     fx.remove(&id, &staging, &target).await;
     assert!(fx.volume_loops().is_empty());
@@ -1684,7 +1557,6 @@ async fn root_unpublish_unstage_succeed_when_mounts_vanished() {
 #[tokio::test]
 #[ignore = "needs root: loop devices and mounts"]
 async fn root_node_info_and_capabilities() {
-    require_root();
     let mut fx = fixture("xfs", &["--max-volumes-per-node=7"]).await;
     let info =
         fx.c.node
@@ -1699,30 +1571,26 @@ async fn root_node_info_and_capabilities() {
         topo.get("topology.example.csi/node").map(String::as_str),
         Some("test-node")
     );
-    use csi::node_service_capability::rpc::Type as T;
-    let caps: Vec<i32> =
+    // The capabilities by their names in the CSI spec.
+    use csi::node_service_capability::{rpc::Type, Type::Rpc};
+    let resp =
         fx.c.node
-            .node_get_capabilities(csi::NodeGetCapabilitiesRequest {})
-            .await
-            .unwrap()
-            .into_inner()
-            .capabilities
-            .into_iter()
-            .filter_map(|c| match c.r#type {
-                Some(csi::node_service_capability::Type::Rpc(r)) => Some(r.r#type),
-                _ => None,
-            })
-            .collect();
-    for t in [
-        T::StageUnstageVolume,
-        T::GetVolumeStats,
-        T::ExpandVolume,
-        T::SingleNodeMultiWriter,
-        T::VolumeMountGroup,
-        T::GetVolumeHealth,
-        T::GetStorageHealth,
-    ] {
-        assert!(caps.contains(&(t as i32)), "{t:?} advertised");
+            .node_get_capabilities(csi::NodeGetCapabilitiesRequest {});
+    let caps: Vec<&str> = resp
+        .await
+        .unwrap()
+        .into_inner()
+        .capabilities
+        .into_iter()
+        .filter_map(|c| match c.r#type {
+            Some(Rpc(r)) => Type::try_from(r.r#type).ok().map(|t| t.as_str_name()),
+            _ => None,
+        })
+        .collect();
+    let expected = "STAGE_UNSTAGE_VOLUME GET_VOLUME_STATS EXPAND_VOLUME SINGLE_NODE_MULTI_WRITER \
+                    VOLUME_MOUNT_GROUP GET_VOLUME_HEALTH GET_STORAGE_HEALTH";
+    for t in expected.split_whitespace() {
+        assert!(caps.contains(&t), "{t} advertised: {caps:?}");
     }
 }
 
@@ -1773,42 +1641,18 @@ async fn ephemeral_crash(point: &str, during_publish: bool) {
     assert_eq!(fx.all_mounts(), mounts_before, "{point}");
 }
 
-#[tokio::test]
-#[ignore = "needs root: loop devices and mounts"]
-async fn root_crash_ephemeral_after_create() {
-    require_root();
-    ephemeral_crash("ephemeral.after-create", true).await;
-}
-
-#[tokio::test]
-#[ignore = "needs root: loop devices and mounts"]
-async fn root_crash_ephemeral_publish_after_mount() {
-    require_root();
-    ephemeral_crash("stage.after-mount", true).await;
-}
-
-#[tokio::test]
-#[ignore = "needs root: loop devices and mounts"]
-async fn root_crash_ephemeral_after_unstage() {
-    require_root();
-    ephemeral_crash("ephemeral.after-unstage", false).await;
-}
-
-#[tokio::test]
-#[ignore = "needs root: loop devices and mounts"]
-async fn root_crash_ephemeral_unpublish_after_unmount() {
-    require_root();
-    ephemeral_crash("unpublish.after-unmount", false).await;
+root_cases! {
+    root_crash_ephemeral_after_create: ephemeral_crash("ephemeral.after-create", true);
+    root_crash_ephemeral_publish_after_mount: ephemeral_crash("stage.after-mount", true);
+    root_crash_ephemeral_after_unstage: ephemeral_crash("ephemeral.after-unstage", false);
+    root_crash_ephemeral_unpublish_after_unmount: ephemeral_crash("unpublish.after-unmount", false);
 }
 
 #[tokio::test]
 #[ignore = "needs root: loop devices and mounts"]
 async fn root_start_reports_loop_devices_and_mounts_no_volume_accounts_for() {
-    require_root();
     let mut fx = fixture("xfs", &[]).await;
-    let cap = mount_cap("ext4", writer());
-    let id = fx.c.create("pvc-orphan", 64 * MIB, cap.clone(), &[]).await;
-    let staging = fx.pool.scratch("staging");
+    let (id, cap, staging, _) = fx.volume("pvc-orphan", 64 * MIB, ext4()).await;
     fx.stage(&id, &staging, &cap).await.unwrap();
     // The driver forgets the volume was staged (its node state is lost) while
     // the device and mount stay: the next start reports both.

@@ -243,14 +243,7 @@ fn vid(name: &str) -> String {
 }
 
 fn cap() -> Capability {
-    Capability {
-        access: Access::Mount {
-            fs_type: "ext4".into(),
-            mount_flags: vec![],
-            volume_mount_group: String::new(),
-        },
-        mode: AccessMode::SingleNodeWriter,
-    }
+    Capability::mount("ext4", AccessMode::SingleNodeWriter)
 }
 
 fn params(kv: &[(&str, &str)]) -> BTreeMap<String, String> {
@@ -265,10 +258,7 @@ fn create(name: &'static str, source: Option<ContentSource>) -> Step {
             .unwrap()
             .create_volume(CreateVolume {
                 name: name.into(),
-                capacity: CapacityRange {
-                    required: 64 * MIB as i64,
-                    limit: 0,
-                },
+                capacity: CapacityRange::at_least(64 * MIB as i64),
                 capabilities: vec![cap()],
                 mutable_parameters: params(&[("readAheadKiB", "512")]),
                 source,

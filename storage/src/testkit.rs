@@ -123,10 +123,7 @@ impl World {
             .c()
             .create_volume(CreateVolume {
                 name: name.into(),
-                capacity: CapacityRange {
-                    required: 64 * MIB as i64,
-                    limit: 0,
-                },
+                capacity: CapacityRange::at_least(64 * MIB as i64),
                 capabilities: vec![cap],
                 ..Default::default()
             })
@@ -181,14 +178,7 @@ impl World {
 }
 
 pub(crate) fn mount_cap(fs: &str, mode: AccessMode) -> Capability {
-    Capability {
-        access: Access::Mount {
-            fs_type: fs.into(),
-            mount_flags: vec![],
-            volume_mount_group: String::new(),
-        },
-        mode,
-    }
+    Capability::mount(fs, mode)
 }
 
 pub(crate) fn ext4() -> Capability {

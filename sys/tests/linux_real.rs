@@ -9,8 +9,8 @@ use std::path::Path;
 use std::time::Duration;
 
 use common::{
-    image, mountpoint, mounts_of_this_test, no_other_mounts, require_root, Attached,
-    LoopMountedPool, Mounted, MIB,
+    formatted, image, mounted, mountpoint, mounts_of_this_test, no_other_mounts, require_root,
+    root_scratch, Attached, LoopMountedPool, Mounted, MIB,
 };
 use csi_sys::linux::{LinuxFilesystems, LinuxLoops, LinuxMounter};
 use csi_sys::{file, mountinfo, Filesystems, LoopOptions, Loops, MountOptions, Mounter};
@@ -26,9 +26,7 @@ fn sysfs(dev: &Path, attr: &str) -> String {
 #[test]
 #[ignore = "needs root: loop devices and mounts"]
 fn root_loop_attach_find_resize_flags_detach() {
-    require_root();
-    let _mounts = mounts_of_this_test();
-    let tmp = tempfile::tempdir().unwrap();
+    let (_mounts, tmp) = root_scratch();
     let img = image(tmp.path(), "vol.img", 64 * MIB);
     let loops = LinuxLoops::default();
     let real = std::fs::canonicalize(&img).unwrap();
@@ -75,9 +73,7 @@ fn root_loop_attach_find_resize_flags_detach() {
 #[test]
 #[ignore = "needs root: loop devices and mounts"]
 fn root_loop_attach_read_only_and_direct_io() {
-    require_root();
-    let _mounts = mounts_of_this_test();
-    let tmp = tempfile::tempdir().unwrap();
+    let (_mounts, tmp) = root_scratch();
     let img = image(tmp.path(), "ro.img", 16 * MIB);
     let a = Attached::new(
         &img,
@@ -111,9 +107,7 @@ fn root_loop_attach_read_only_and_direct_io() {
 #[test]
 #[ignore = "needs root: loop devices and mounts"]
 fn root_loop_concurrent_attaches_get_distinct_devices() {
-    require_root();
-    let _mounts = mounts_of_this_test();
-    let tmp = tempfile::tempdir().unwrap();
+    let (_mounts, tmp) = root_scratch();
     let images: Vec<_> = (0..4)
         .map(|i| image(tmp.path(), &format!("c{i}.img"), 8 * MIB))
         .collect();
@@ -139,18 +133,9 @@ fn root_loop_concurrent_attaches_get_distinct_devices() {
 #[test]
 #[ignore = "needs root: loop devices and mounts"]
 fn root_loop_detach_of_mounted_device_is_busy() {
-    require_root();
-    let _mounts = mounts_of_this_test();
-    let tmp = tempfile::tempdir().unwrap();
-    let img = image(tmp.path(), "busy.img", 32 * MIB);
-    let a = Attached::new(&img, LoopOptions::default());
-    let fs = LinuxFilesystems::default();
-    fs.mkfs(a.path(), "ext4").unwrap();
-    let mnt = mountpoint(tmp.path(), "m");
-    LinuxMounter
-        .mount(a.path(), &mnt, "ext4", &MountOptions::default())
-        .unwrap();
-    let m = Mounted::guard(&mnt);
+    let (_mounts, tmp) = root_scratch();
+    let (img, a) = formatted(tmp.path(), "busy.img", 32 * MIB, "ext4");
+    let (_, m) = mounted(a.path(), tmp.path(), "m", "ext4");
     let err = LinuxLoops::default().detach(a.path()).unwrap_err();
     assert!(err.is_busy(), "{err:?}");
     // Still attached and still mounted.
@@ -163,9 +148,7 @@ fn root_loop_detach_of_mounted_device_is_busy() {
 
 /// mkfs, probe, size, check, mount, bind read-only, unmount, for one fstype.
 fn mkfs_mount_bind_cycle(fstype: &str, size: u64, data_flag: &str) {
-    require_root();
-    let _mounts = mounts_of_this_test();
-    let tmp = tempfile::tempdir().unwrap();
+    let (_mounts, tmp) = root_scratch();
     let img = image(tmp.path(), "vol.img", size);
     let a = Attached::new(&img, LoopOptions::default());
     let fs = LinuxFilesystems::default();
@@ -260,9 +243,7 @@ fn root_btrfs_mkfs_probe_mount_bind() {
 #[test]
 #[ignore = "needs root: loop devices and mounts"]
 fn root_mount_errors_are_clear() {
-    require_root();
-    let _mounts = mounts_of_this_test();
-    let tmp = tempfile::tempdir().unwrap();
+    let (_mounts, tmp) = root_scratch();
     let img = image(tmp.path(), "empty.img", 16 * MIB);
     let a = Attached::new(&img, LoopOptions::default());
     let mnt = mountpoint(tmp.path(), "m");
@@ -298,18 +279,10 @@ fn root_mount_errors_are_clear() {
 #[test]
 #[ignore = "needs root: loop devices and mounts"]
 fn root_grow_xfs_online() {
-    require_root();
-    let _mounts = mounts_of_this_test();
-    let tmp = tempfile::tempdir().unwrap();
-    let img = image(tmp.path(), "x.img", 320 * MIB);
-    let a = Attached::new(&img, LoopOptions::default());
+    let (_mounts, tmp) = root_scratch();
+    let (img, a) = formatted(tmp.path(), "x.img", 320 * MIB, "xfs");
     let fs = LinuxFilesystems::default();
-    fs.mkfs(a.path(), "xfs").unwrap();
-    let mnt = mountpoint(tmp.path(), "m");
-    LinuxMounter
-        .mount(a.path(), &mnt, "xfs", &MountOptions::default())
-        .unwrap();
-    let _m = Mounted::guard(&mnt);
+    let (mnt, _m) = mounted(a.path(), tmp.path(), "m", "xfs");
     let before = fs.stats(&mnt).unwrap().total_bytes;
     assert!(fs.grow(a.path(), None, "xfs").unwrap_err().is_unsupported());
 
@@ -327,18 +300,10 @@ fn root_grow_xfs_online() {
 #[test]
 #[ignore = "needs root: loop devices and mounts"]
 fn root_grow_btrfs_online() {
-    require_root();
-    let _mounts = mounts_of_this_test();
-    let tmp = tempfile::tempdir().unwrap();
-    let img = image(tmp.path(), "b.img", 256 * MIB);
-    let a = Attached::new(&img, LoopOptions::default());
+    let (_mounts, tmp) = root_scratch();
+    let (img, a) = formatted(tmp.path(), "b.img", 256 * MIB, "btrfs");
     let fs = LinuxFilesystems::default();
-    fs.mkfs(a.path(), "btrfs").unwrap();
-    let mnt = mountpoint(tmp.path(), "m");
-    LinuxMounter
-        .mount(a.path(), &mnt, "btrfs", &MountOptions::default())
-        .unwrap();
-    let _m = Mounted::guard(&mnt);
+    let (mnt, _m) = mounted(a.path(), tmp.path(), "m", "btrfs");
     file::grow(&img, 384 * MIB).unwrap();
     LinuxLoops::default().refresh_capacity(a.path()).unwrap();
     fs.grow(a.path(), Some(&mnt), "btrfs").unwrap();
@@ -351,13 +316,9 @@ fn root_grow_btrfs_online() {
 #[test]
 #[ignore = "needs root: loop devices and mounts"]
 fn root_grow_ext4_offline() {
-    require_root();
-    let _mounts = mounts_of_this_test();
-    let tmp = tempfile::tempdir().unwrap();
-    let img = image(tmp.path(), "e.img", 64 * MIB);
-    let a = Attached::new(&img, LoopOptions::default());
+    let (_mounts, tmp) = root_scratch();
+    let (img, a) = formatted(tmp.path(), "e.img", 64 * MIB, "ext4");
     let fs = LinuxFilesystems::default();
-    fs.mkfs(a.path(), "ext4").unwrap();
     // Mount and write once, so the grow works on a used filesystem.
     let mnt = mountpoint(tmp.path(), "m");
     LinuxMounter
@@ -386,18 +347,10 @@ fn root_grow_ext4_offline() {
 #[test]
 #[ignore = "needs root: loop devices and mounts"]
 fn root_grow_ext4_online_succeeds_or_reports_permission_denied() {
-    require_root();
-    let _mounts = mounts_of_this_test();
-    let tmp = tempfile::tempdir().unwrap();
-    let img = image(tmp.path(), "e.img", 64 * MIB);
-    let a = Attached::new(&img, LoopOptions::default());
+    let (_mounts, tmp) = root_scratch();
+    let (img, a) = formatted(tmp.path(), "e.img", 64 * MIB, "ext4");
     let fs = LinuxFilesystems::default();
-    fs.mkfs(a.path(), "ext4").unwrap();
-    let mnt = mountpoint(tmp.path(), "m");
-    LinuxMounter
-        .mount(a.path(), &mnt, "ext4", &MountOptions::default())
-        .unwrap();
-    let _m = Mounted::guard(&mnt);
+    let (mnt, _m) = mounted(a.path(), tmp.path(), "m", "ext4");
     file::grow(&img, 128 * MIB).unwrap();
     LinuxLoops::default().refresh_capacity(a.path()).unwrap();
     match fs.grow(a.path(), Some(&mnt), "ext4") {
@@ -413,18 +366,10 @@ fn root_grow_ext4_online_succeeds_or_reports_permission_denied() {
 #[test]
 #[ignore = "needs root: loop devices and mounts"]
 fn root_freeze_blocks_writes_until_thaw() {
-    require_root();
-    let _mounts = mounts_of_this_test();
-    let tmp = tempfile::tempdir().unwrap();
-    let img = image(tmp.path(), "f.img", 64 * MIB);
-    let a = Attached::new(&img, LoopOptions::default());
+    let (_mounts, tmp) = root_scratch();
+    let (_, a) = formatted(tmp.path(), "f.img", 64 * MIB, "ext4");
     let fs = LinuxFilesystems::default();
-    fs.mkfs(a.path(), "ext4").unwrap();
-    let mnt = mountpoint(tmp.path(), "m");
-    LinuxMounter
-        .mount(a.path(), &mnt, "ext4", &MountOptions::default())
-        .unwrap();
-    let _m = Mounted::guard(&mnt);
+    let (mnt, _m) = mounted(a.path(), tmp.path(), "m", "ext4");
 
     // A path that is not a mount point is refused, never the filesystem holding it.
     let sub = mnt.join("sub");
@@ -472,11 +417,7 @@ fn root_reflink_clone_of_xfs_image_mounts_beside_its_source() {
 
     let src = Attached::new(&img, LoopOptions::default());
     fs.mkfs(src.path(), "xfs").unwrap();
-    let m1 = mountpoint(tmp.path(), "src");
-    LinuxMounter
-        .mount(src.path(), &m1, "xfs", &MountOptions::default())
-        .unwrap();
-    let _g1 = Mounted::guard(&m1);
+    let (m1, _g1) = mounted(src.path(), tmp.path(), "src", "xfs");
     std::fs::write(m1.join("file"), vec![3u8; 4 << 20]).unwrap();
 
     fs.freeze(&m1).unwrap();
@@ -535,9 +476,7 @@ fn root_fs_type_names() {
 #[test]
 #[ignore = "needs root: loop devices and mounts"]
 fn root_loop_found_after_the_attaching_mount_is_gone() {
-    require_root();
-    let _mounts = mounts_of_this_test();
-    let tmp = tempfile::tempdir().unwrap();
+    let (_mounts, tmp) = root_scratch();
     let pool = tmp.path().join("pool");
     let other = tmp.path().join("other");
     let view = tmp.path().join("view");
@@ -641,9 +580,7 @@ fn root_loop_detach_when_mounted_only_in_another_namespace() {
 #[test]
 #[ignore = "needs root: loop devices and mounts"]
 fn root_loop_read_ahead_through_the_device() {
-    require_root();
-    let _mounts = mounts_of_this_test();
-    let tmp = tempfile::tempdir().unwrap();
+    let (_mounts, tmp) = root_scratch();
     let img = image(tmp.path(), "ra.img", 16 * MIB);
     let a = Attached::new(&img, LoopOptions::default());
     let loops = LinuxLoops::default();

@@ -517,6 +517,15 @@ pub fn unpublish_req(id: &str, target: impl AsRef<Path>) -> csi::NodeUnpublishVo
     }
 }
 
+/// NodeGetVolumeStats of a volume at a path where it is published or staged.
+pub fn stats_req(id: &str, path: impl AsRef<Path>) -> csi::NodeGetVolumeStatsRequest {
+    csi::NodeGetVolumeStatsRequest {
+        volume_id: id.to_string(),
+        volume_path: path.as_ref().display().to_string(),
+        staging_target_path: String::new(),
+    }
+}
+
 /// The volume context key that makes a NodePublishVolume an ephemeral inline
 /// volume.
 pub const EPHEMERAL_KEY: &str = "csi.storage.k8s.io/ephemeral";
@@ -630,6 +639,13 @@ pub async fn create_volume_id(
 pub fn delete_req(id: &str) -> csi::DeleteVolumeRequest {
     csi::DeleteVolumeRequest {
         volume_id: id.to_string(),
+        ..Default::default()
+    }
+}
+
+pub fn delete_snapshot_req(id: &str) -> csi::DeleteSnapshotRequest {
+    csi::DeleteSnapshotRequest {
+        snapshot_id: id.to_string(),
         ..Default::default()
     }
 }

@@ -85,6 +85,19 @@ pub struct Capability {
 }
 
 impl Capability {
+    /// A mount of `fs_type` (empty: the driver's default) without mount flags or
+    /// a volume mount group.
+    pub fn mount(fs_type: &str, mode: AccessMode) -> Self {
+        Capability {
+            access: Access::Mount {
+                fs_type: fs_type.into(),
+                mount_flags: vec![],
+                volume_mount_group: String::new(),
+            },
+            mode,
+        }
+    }
+
     pub fn is_block(&self) -> bool {
         matches!(self.access, Access::Block)
     }
@@ -155,6 +168,11 @@ pub struct CapacityRange {
 }
 
 impl CapacityRange {
+    /// At least `required` bytes, with no upper limit.
+    pub fn at_least(required: i64) -> Self {
+        CapacityRange { required, limit: 0 }
+    }
+
     pub fn validate(&self) -> Result<()> {
         if self.required < 0 || self.limit < 0 {
             return Err(Error::invalid("capacity_range bytes must not be negative"));

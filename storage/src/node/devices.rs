@@ -276,10 +276,7 @@ mod tests {
             let id = c
                 .create_volume(CreateVolume {
                     name: name.into(),
-                    capacity: CapacityRange {
-                        required: 64 * MIB as i64,
-                        limit: 0,
-                    },
+                    capacity: CapacityRange::at_least(64 * MIB as i64),
                     capabilities: vec![cap.clone()],
                     ..Default::default()
                 })

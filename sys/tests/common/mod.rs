@@ -8,7 +8,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use csi_sys::linux::{LinuxFilesystems, LinuxLoops, LinuxMounter};
-use csi_sys::{Filesystems, LoopDevice, LoopOptions, Loops, Mounter};
+use csi_sys::{Filesystems, LoopDevice, LoopOptions, Loops, MountOptions, Mounter};
 
 pub const MIB: u64 = 1 << 20;
 
@@ -182,4 +182,34 @@ pub fn mountpoint(dir: &Path, name: &str) -> PathBuf {
     let p = dir.join(name);
     std::fs::create_dir_all(&p).expect("mkdir");
     p
+}
+
+/// The start of a `root_*` test that mounts: the root check, this test's share
+/// of the mounts (see `mounts_of_this_test`), and a temporary folder.
+pub fn root_scratch() -> (std::sync::RwLockReadGuard<'static, ()>, tempfile::TempDir) {
+    require_root();
+    let mounts = mounts_of_this_test();
+    (mounts, tempfile::tempdir().expect("tempdir"))
+}
+
+/// A sparse image of `size` bytes in `dir`, attached to a loop device and made a
+/// filesystem of `fstype`, both by the code under test.
+pub fn formatted(dir: &Path, name: &str, size: u64, fstype: &str) -> (PathBuf, Attached) {
+    let img = image(dir, name, size);
+    let a = Attached::new(&img, LoopOptions::default());
+    LinuxFilesystems::default()
+        .mkfs(a.path(), fstype)
+        .expect("mkfs");
+    (img, a)
+}
+
+/// `device`'s `fstype` mounted without options by the code under test at the
+/// folder `name` in `dir`: the mount point, and its guard.
+pub fn mounted(device: &Path, dir: &Path, name: &str, fstype: &str) -> (PathBuf, Mounted) {
+    let mnt = mountpoint(dir, name);
+    LinuxMounter
+        .mount(device, &mnt, fstype, &MountOptions::default())
+        .expect("mount");
+    let guard = Mounted::guard(&mnt);
+    (mnt, guard)
 }

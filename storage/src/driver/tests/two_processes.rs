@@ -80,10 +80,7 @@ fn the_controller_does_not_delete_a_volume_the_node_has_staged() {
         .c()
         .create_volume(CreateVolume {
             name: "pvc-dir".into(),
-            capacity: CapacityRange {
-                required: 64 * MIB as i64,
-                limit: 0,
-            },
+            capacity: CapacityRange::at_least(64 * MIB as i64),
             capabilities: vec![mount_cap("", AccessMode::SingleNodeWriter)],
             parameters: BTreeMap::from([("kind".to_string(), "dir".to_string())]),
             ..Default::default()
