@@ -13,8 +13,11 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use common::*;
-use csi_proto::csi::{self, volume_capability::access_mode::Mode};
+use csi_proto::csi::{
+    self, controller_client::ControllerClient, volume_capability::access_mode::Mode,
+};
 use csi_storage::ids::VolumeId;
+use tonic::transport::Channel;
 use tonic::Code;
 
 fn vid(name: &str) -> String {
@@ -523,16 +526,7 @@ async fn orphans_removed(fs: &str) {
         create_req("keep", 16 * MIB, mount_cap("ext4", writer()), &[]),
     )
     .await;
-    let keep_dir = must_create(
-        &mut c.controller,
-        create_req(
-            "keep-dir",
-            16 * MIB,
-            mount_cap("", writer()),
-            &[("kind", "dir")],
-        ),
-    )
-    .await;
+    let keep_dir = c.create_dir("keep-dir", 16 * MIB).await;
     drop(c);
     let t = std::time::Instant::now();
     d.stop();
@@ -559,7 +553,7 @@ async fn orphans_removed(fs: &str) {
     let mut c = d.clients().await;
     let mut exp = Expected::default();
     exp.add(&keep.volume_id, "image", 16 * MIB, fs == "btrfs");
-    exp.add(&keep_dir.volume_id, "dir", 16 * MIB, fs == "btrfs");
+    exp.add(&keep_dir, "dir", 16 * MIB, fs == "btrfs");
     verify(&format!("{fs} orphans"), &mut c, &pool, &d, &exp).await;
     assert!(!orphan_img.exists() && !orphan_dir.exists() && !state_tmp.exists());
     let log = d.log_text();
@@ -567,7 +561,7 @@ async fn orphans_removed(fs: &str) {
         log.contains(&orphan_img.display().to_string()),
         "the removal is logged:\n{log}"
     );
-    for id in [&keep.volume_id, &keep_dir.volume_id] {
+    for id in [&keep.volume_id, &keep_dir] {
         c.controller.delete_volume(delete_req(id)).await.unwrap();
     }
     assert!(names(&vols).is_empty());
@@ -592,53 +586,22 @@ async fn root_32_clients_on_100_names() {
     let c = d.clients().await;
     let names: Vec<String> = (0..100).map(|i| format!("pvc-conc-{i:03}")).collect();
     let started = std::time::Instant::now();
-    let mut tasks = Vec::new();
-    for t in 0..32 {
-        let mut ctl = c.controller.clone();
-        let names = names.clone();
-        tasks.push(tokio::spawn(async move {
-            let mut errors = Vec::new();
-            let mut aborted = 0u32;
-            // All clients walk the names in the same order (half of them backwards),
-            // so that they collide on the same name at the same time.
-            for k in 0..names.len() {
-                let name = if t % 2 == 0 {
-                    &names[k]
-                } else {
-                    &names[names.len() - 1 - k]
-                };
-                loop {
-                    let r = ctl
-                        .create_volume(create_req(name, 16 * MIB, mount_cap("ext4", writer()), &[]))
-                        .await;
-                    match r {
-                        Ok(v) => {
-                            let v = v.into_inner().volume.unwrap();
-                            if v.volume_id != vid(name) {
-                                errors.push(format!("{name}: id {}", v.volume_id));
-                            }
-                            break;
-                        }
-                        Err(s) if s.code() == Code::Aborted => {
-                            aborted += 1;
-                            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-                        }
-                        Err(s) => {
-                            errors.push(format!("{name}: {:?} {}", s.code(), s.message()));
-                            break;
-                        }
-                    }
-                }
-            }
-            (errors, aborted)
-        }));
-    }
-    let mut aborted = 0;
-    for t in tasks {
-        let (errors, a) = t.await.unwrap();
-        assert!(errors.is_empty(), "errors other than ABORTED: {errors:?}");
-        aborted += a;
-    }
+    let (errors, aborted) = on_32_clients(&c, &names, |mut ctl, name| async move {
+        let v = ctl
+            .create_volume(create_req(
+                &name,
+                16 * MIB,
+                mount_cap("ext4", writer()),
+                &[],
+            ))
+            .await?
+            .into_inner()
+            .volume
+            .unwrap();
+        Ok((v.volume_id != vid(&name)).then(|| format!("{name}: id {}", v.volume_id)))
+    })
+    .await;
+    assert!(errors.is_empty(), "errors other than ABORTED: {errors:?}");
     eprintln!(
         "32 clients x 100 names created in {:?} ({aborted} ABORTED answers)",
         started.elapsed()
@@ -652,34 +615,13 @@ async fn root_32_clients_on_100_names() {
     assert_eq!(names_in(&pool).len(), 100);
 
     let started = std::time::Instant::now();
-    let mut tasks = Vec::new();
-    for t in 0..32 {
-        let mut ctl = c.controller.clone();
-        let names = names.clone();
-        tasks.push(tokio::spawn(async move {
-            let mut errors = Vec::new();
-            for k in 0..names.len() {
-                let id = vid(&names[if t % 2 == 0 { k } else { names.len() - 1 - k }]);
-                loop {
-                    match ctl.delete_volume(delete_req(&id)).await {
-                        Ok(_) => break,
-                        Err(s) if s.code() == Code::Aborted => {
-                            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
-                        }
-                        Err(s) => {
-                            errors.push(format!("{id}: {:?} {}", s.code(), s.message()));
-                            break;
-                        }
-                    }
-                }
-            }
-            errors
-        }));
-    }
-    for t in tasks {
-        let errors = t.await.unwrap();
-        assert!(errors.is_empty(), "errors other than ABORTED: {errors:?}");
-    }
+    let ids: Vec<String> = names.iter().map(|n| vid(n)).collect();
+    let (errors, _) = on_32_clients(&c, &ids, |mut ctl, id| async move {
+        ctl.delete_volume(delete_req(&id)).await?;
+        Ok(None)
+    })
+    .await;
+    assert!(errors.is_empty(), "errors other than ABORTED: {errors:?}");
     eprintln!("deleted concurrently in {:?}", started.elapsed());
     assert!(list_all(&mut cc, 0).await.is_empty());
     assert!(names_in(&pool).is_empty(), "the pool is empty");
@@ -690,6 +632,56 @@ async fn root_32_clients_on_100_names() {
             .is_empty(),
         "no records left"
     );
+}
+
+/// Makes `call` for every key from 32 clients at once, all walking the keys in
+/// the same order (half of them backwards) so that they collide on the same key
+/// at the same time; a call answered ABORTED is made again. Gives what went wrong
+/// otherwise (an error, or what `call` found wrong in an answer) and the number of
+/// ABORTED answers.
+async fn on_32_clients<F, Fut>(c: &Clients, keys: &[String], call: F) -> (Vec<String>, u32)
+where
+    F: Fn(ControllerClient<Channel>, String) -> Fut + Clone + Send + 'static,
+    Fut: std::future::Future<Output = Result<Option<String>, tonic::Status>> + Send,
+{
+    let mut tasks = Vec::new();
+    for t in 0..32 {
+        let ctl = c.controller.clone();
+        let keys = keys.to_vec();
+        let call = call.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut errors = Vec::new();
+            let mut aborted = 0u32;
+            for k in 0..keys.len() {
+                let key = &keys[if t % 2 == 0 { k } else { keys.len() - 1 - k }];
+                loop {
+                    match call(ctl.clone(), key.clone()).await {
+                        Ok(wrong) => {
+                            errors.extend(wrong);
+                            break;
+                        }
+                        Err(s) if s.code() == Code::Aborted => {
+                            aborted += 1;
+                            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+                        }
+                        Err(s) => {
+                            errors.push(format!("{key}: {:?} {}", s.code(), s.message()));
+                            break;
+                        }
+                    }
+                }
+            }
+            (errors, aborted)
+        }));
+    }
+    let mut errors = Vec::new();
+    let mut aborted = 0;
+    for t in tasks {
+        let (e, a) = t.await.unwrap();
+        errors.extend(e);
+        aborted += a;
+    }
+    (errors, aborted)
 }
 
 fn names_in(pool: &Pool) -> BTreeSet<String> {
@@ -1495,20 +1487,11 @@ async fn root_names_capacity_health_expand_list_modify() {
 
     // A plain directory on xfs: the size is recorded (not enforced), and survives a
     // restart.
-    let dir = must_create(
-        &mut c.controller,
-        create_req(
-            "plain",
-            10 * MIB,
-            mount_cap("", writer()),
-            &[("kind", "dir")],
-        ),
-    )
-    .await;
-    assert!(pool.path.join("volumes").join(&dir.volume_id).is_dir());
+    let dir = c.create_dir("plain", 10 * MIB).await;
+    assert!(pool.path.join("volumes").join(&dir).is_dir());
     let r = c
         .controller
-        .controller_expand_volume(expand_req(&dir.volume_id, 20 * MIB))
+        .controller_expand_volume(expand_req(&dir, 20 * MIB))
         .await
         .unwrap()
         .into_inner();
@@ -1518,7 +1501,7 @@ async fn root_names_capacity_health_expand_list_modify() {
     c = d.clients().await;
     let got = c
         .controller
-        .controller_get_volume(get_req(&dir.volume_id))
+        .controller_get_volume(get_req(&dir))
         .await
         .unwrap()
         .into_inner();
@@ -1629,13 +1612,8 @@ async fn root_btrfs_dir_volume_expansion_raises_the_qgroup_limit() {
     let pool = Pool::new("btrfs");
     let d = Driver::start(&pool, &[]);
     let mut c = d.clients().await;
+    let id = c.create_dir("subvol", 64 * MIB).await;
     let cap = mount_cap("", writer());
-    let v = must_create(
-        &mut c.controller,
-        create_req("subvol", 64 * MIB, cap.clone(), &[("kind", "dir")]),
-    )
-    .await;
-    let id = v.volume_id;
     let path = pool.path.join("volumes").join(&id);
     assert_eq!(qgroup_limit(&path), 64 * MIB as u64);
     let staging = pool.scratch("staging");

@@ -228,6 +228,13 @@ impl Clients {
             .volume_id
     }
 
+    /// CreateVolume of a `kind=dir` volume (a directory, or a btrfs subvolume)
+    /// for a read-write mount, which must succeed; the new volume's id.
+    pub async fn create_dir(&mut self, name: &str, size: i64) -> String {
+        self.create(name, size, mount_cap("", writer()), &[("kind", "dir")])
+            .await
+    }
+
     /// NodeStageVolume then a read-write NodePublishVolume, as kubelet readies a
     /// volume for a pod; both must succeed.
     pub async fn stage_and_publish(
