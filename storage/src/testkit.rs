@@ -138,6 +138,16 @@ impl World {
             .path
     }
 
+    /// Puts a `fs_type` filesystem on the image of volume `id`, as a previous life
+    /// of the volume left it: `short_by` bytes smaller than the image (0: all of
+    /// it). Gives the image and its size.
+    pub(crate) fn format_image(&self, id: &str, fs_type: &str, short_by: u64) -> (PathBuf, u64) {
+        let image = self.image(id);
+        let size = std::fs::metadata(&image).unwrap().len();
+        self.fake.set_filesystem(&image, fs_type, size - short_by);
+        (image, size)
+    }
+
     pub(crate) fn stage(&self, id: &str, cap: &Capability) -> Result<()> {
         self.n().node_stage(Stage {
             volume_id: id.into(),

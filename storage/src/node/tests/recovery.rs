@@ -97,9 +97,7 @@ fn a_staged_volume_is_no_orphan() {
 fn a_stage_refused_for_its_fs_type_changes_nothing() {
     let w = World::new();
     let id = w.create("pvc-a", ext4());
-    let image = w.image(&id);
-    let size = std::fs::metadata(&image).unwrap().len();
-    w.fake.set_filesystem(&image, "ext4", size);
+    w.format_image(&id, "ext4", 0);
     let err = w.stage(&id, &mount_cap("xfs", AccessMode::SingleNodeWriter));
     assert_eq!(kind(err), Kind::InvalidArgument);
     assert!(w.fake.loops().is_empty(), "no loop device is left attached");

@@ -109,10 +109,8 @@ fn unstage_refuses_while_a_target_is_still_published() {
 fn a_filesystem_already_on_the_device_is_never_reformatted() {
     let w = World::new();
     let id = w.create("pvc-a", ext4());
-    let image = w.image(&id);
-    let size = std::fs::metadata(&image).unwrap().len();
     // A previous life of this volume made the filesystem.
-    w.fake.set_filesystem(&image, "ext4", size);
+    let (image, _) = w.format_image(&id, "ext4", 0);
 
     // A request for another filesystem is refused, and nothing is formatted.
     let err = w.stage(&id, &mount_cap("xfs", AccessMode::SingleNodeWriter));
@@ -134,10 +132,8 @@ fn a_filesystem_already_on_the_device_is_never_reformatted() {
 fn a_filesystem_smaller_than_its_device_is_grown_not_remade() {
     let w = World::new();
     let id = w.create("pvc-a", ext4());
-    let image = w.image(&id);
-    let size = std::fs::metadata(&image).unwrap().len();
     // The controller grew the image while the volume was not staged.
-    w.fake.set_filesystem(&image, "ext4", size - 16 * MIB);
+    let (image, size) = w.format_image(&id, "ext4", 16 * MIB);
     w.stage(&id, &ext4()).unwrap();
     let c = w.fake.counters();
     assert_eq!((c.mkfs, c.grow), (0, 1));
