@@ -888,6 +888,11 @@ def main():
     version = crate_version()
     validator = SchemaValidator(args.versions or ["1.35", "1.37"], r)
 
+    def each_overlay(check, *args):
+        """Runs check(name, docs, *args) on every rendered overlay."""
+        for n, docs in rendered.items():
+            check(n, docs, *args)
+
     examples = {}
     for p in sorted(Path(args.examples).glob("*.yaml")):
         examples[p.name] = load_file(p)
@@ -914,16 +919,14 @@ def main():
               "Bidirectional mount propagation only in a privileged container",
               "readOnlyRootFilesystem: true on every sidecar",
               "cpu and memory requests and limits on every container")
-    for n, docs in rendered.items():
-        check_security(n, docs, r)
+    each_overlay(check_security, r)
 
     r.section("images",
               "every image pinned to a version (no latest, no missing tag)",
               f"the driver's image is {DRIVER_IMAGE_REPO}:v{version} (version of Cargo.toml)",
               f"sidecars from {SIDECAR_REGISTRY}, one tag per sidecar across all overlays")
     seen = {}
-    for n, docs in rendered.items():
-        check_images(n, docs, version, r, seen)
+    each_overlay(check_images, version, r, seen)
 
     r.section("wiring inside each pod",
               "every sidecar's --csi-address is the socket of the driver's --endpoint (same volume, same file)",
@@ -939,16 +942,14 @@ def main():
               "--enable-capacity: NAMESPACE and POD_NAME",
               "node plugin: system-node-critical, tolerates all taints, kubelet dirs Bidirectional, "
               "/dev, pools on hostPath")
-    for n, docs in rendered.items():
-        check_pods(n, docs, r)
+    each_overlay(check_pods, r)
 
     r.section("CSIDriver and flags across each overlay",
               "podInfoOnMount, fsGroupPolicy File, Persistent+Ephemeral, requiresRepublish false",
               "attachRequired agrees with --enable-attach and with external-attacher being deployed",
               "storageCapacity agrees with --enable-capacity",
               "with node-deployment provisioning, every driver has --disable-controller-expansion")
-    for n, docs in rendered.items():
-        check_overlay_flags(n, docs, r)
+    each_overlay(check_overlay_flags, r)
 
     r.section("RBAC",
               "bindings refer to existing roles and ServiceAccounts; no wildcards; no secrets",
@@ -956,8 +957,7 @@ def main():
               "(from the sidecars' published rbac.yaml), Leases for leader election, "
               "CSIStorageCapacity for capacity tracking",
               "a pod with no API-using sidecar has no rules and mounts no token")
-    for n, docs in rendered.items():
-        check_rbac(n, docs, r)
+    each_overlay(check_rbac, r)
 
     r.section("examples",
               f"StorageClasses: provisioner {DRIVER_NAME}, WaitForFirstConsumer, known parameters; "
