@@ -11,6 +11,7 @@ use csi_proto::csi::{
     self, controller_client::ControllerClient, identity_client::IdentityClient,
     node_client::NodeClient, volume_capability,
 };
+use csi_storage::model::AccessMode;
 use csi_storage::size::parse_size;
 use serde_json::{json, Map, Value};
 use tonic::transport::Channel;
@@ -54,17 +55,6 @@ pub struct Access {
     /// Mount flag (repeatable).
     #[arg(long = "mount-flag")]
     pub mount_flags: Vec<String>,
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum AccessMode {
-    SingleNodeWriter,
-    SingleNodeReaderOnly,
-    SingleNodeSingleWriter,
-    SingleNodeMultiWriter,
-    MultiNodeReaderOnly,
-    MultiNodeSingleWriter,
-    MultiNodeMultiWriter,
 }
 
 #[derive(Debug, Subcommand)]
@@ -301,6 +291,7 @@ impl Access {
             AccessMode::MultiNodeReaderOnly => Mode::MultiNodeReaderOnly,
             AccessMode::MultiNodeSingleWriter => Mode::MultiNodeSingleWriter,
             AccessMode::MultiNodeMultiWriter => Mode::MultiNodeMultiWriter,
+            AccessMode::Unknown => Mode::Unknown,
         };
         csi::VolumeCapability {
             access_type: Some(access_type),

@@ -37,6 +37,7 @@ pub const FILESYSTEMS: [&str; 3] = ["ext4", "xfs", "btrfs"];
 /// The CSI access modes. MULTI_NODE modes are parsed so that they can be refused with
 /// a clear message, and so that ValidateVolumeCapabilities can answer "not confirmed".
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 #[serde(rename_all = "snake_case")]
 pub enum AccessMode {
     SingleNodeWriter,
@@ -46,6 +47,7 @@ pub enum AccessMode {
     MultiNodeReaderOnly,
     MultiNodeSingleWriter,
     MultiNodeMultiWriter,
+    #[cfg_attr(feature = "clap", value(skip))]
     Unknown,
 }
 
