@@ -47,10 +47,7 @@ fn delete_req(id: &str) -> csi::DeleteVolumeRequest {
 fn expand_req(id: &str, size: i64) -> csi::ControllerExpandVolumeRequest {
     csi::ControllerExpandVolumeRequest {
         volume_id: id.to_string(),
-        capacity_range: Some(csi::CapacityRange {
-            required_bytes: size,
-            limit_bytes: 0,
-        }),
+        capacity_range: csi_glue::capacity_at_least(size),
         ..Default::default()
     }
 }

@@ -233,6 +233,16 @@ pub fn capacity(r: Option<&csi::CapacityRange>) -> CapacityRange {
     .unwrap_or_default()
 }
 
+/// What a request sends for at least `bytes` and no limit: the wire form of
+/// `CapacityRange::at_least`, for those that build requests (the client, the
+/// bench, the tests).
+pub fn capacity_at_least(bytes: i64) -> Option<csi::CapacityRange> {
+    Some(csi::CapacityRange {
+        required_bytes: bytes,
+        limit_bytes: 0,
+    })
+}
+
 pub fn map(m: &std::collections::HashMap<String, String>) -> BTreeMap<String, String> {
     m.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
 }

@@ -153,10 +153,7 @@ pub(super) async fn expand_volume(s: &mut Services, a: &ExpandVolume) -> Result<
     let r = ctl
         .controller_expand_volume(csi::ControllerExpandVolumeRequest {
             volume_id: volume_id.clone(),
-            capacity_range: Some(csi::CapacityRange {
-                required_bytes: *size,
-                limit_bytes: 0,
-            }),
+            capacity_range: csi_glue::capacity_at_least(*size),
             volume_capability: Some(access.capability()),
             ..Default::default()
         })
@@ -181,10 +178,7 @@ pub(super) async fn node_expand(s: &mut Services, a: &NodeExpand) -> Result<Valu
             volume_id: volume_id.clone(),
             volume_path: path.clone(),
             staging_target_path: staging.clone(),
-            capacity_range: Some(csi::CapacityRange {
-                required_bytes: *size,
-                limit_bytes: 0,
-            }),
+            capacity_range: csi_glue::capacity_at_least(*size),
             ..Default::default()
         })
         .await?

@@ -464,10 +464,7 @@ pub fn create_req(
 ) -> csi::CreateVolumeRequest {
     csi::CreateVolumeRequest {
         name: name.to_string(),
-        capacity_range: Some(csi::CapacityRange {
-            required_bytes: size,
-            limit_bytes: 0,
-        }),
+        capacity_range: csi_glue::capacity_at_least(size),
         volume_capabilities: vec![cap],
         parameters: params
             .iter()
