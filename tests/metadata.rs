@@ -252,22 +252,13 @@ async fn snapshot(fx: &mut Fixture, name: &str, vol: &str) -> String {
 
 async fn delete_snapshot(fx: &mut Fixture, id: &str) {
     fx.c.controller
-        .delete_snapshot(csi::DeleteSnapshotRequest {
-            snapshot_id: id.to_string(),
-            secrets: Default::default(),
-        })
+        .delete_snapshot(delete_snapshot_req(id))
         .await
         .unwrap();
 }
 
 async fn delete_volume(fx: &mut Fixture, id: &str) {
-    fx.c.controller
-        .delete_volume(csi::DeleteVolumeRequest {
-            volume_id: id.to_string(),
-            secrets: Default::default(),
-        })
-        .await
-        .unwrap();
+    fx.c.controller.delete_volume(delete_req(id)).await.unwrap();
 }
 
 /// The whole scenario on one pool filesystem; `method` is the log line that
