@@ -124,6 +124,27 @@ fn is_transient(s: &Status) -> bool {
     )
 }
 
+/// `retry` of one call of the controller's (`ctl`) or the node's (`node`) client
+/// with `req`, cloned for each attempt; gives the answer.
+macro_rules! retried {
+    ($s:expr, $what:literal, ctl.$method:ident($req:expr)) => {{
+        let req = $req;
+        $s.retry($what, |mut c, _| {
+            let req = req.clone();
+            async move { c.$method(req).await.map(|r| r.into_inner()) }
+        })
+        .await
+    }};
+    ($s:expr, $what:literal, node.$method:ident($req:expr)) => {{
+        let req = $req;
+        $s.retry($what, |_, mut c| {
+            let req = req.clone();
+            async move { c.$method(req).await.map(|r| r.into_inner()) }
+        })
+        .await
+    }};
+}
+
 impl Client {
     async fn connect_to(socket: &str) -> Option<Channel> {
         for _ in 0..200 {
@@ -207,20 +228,12 @@ impl Client {
             req.volume_content_source = Some(src);
             // A clone or restore is at least as big as its source: ask for the
             // biggest size a source may have.
-            req.capacity_range = Some(csi::CapacityRange {
-                required_bytes: 256 * MIB,
-                limit_bytes: 0,
-            });
+            req.capacity_range = csi_glue::capacity_at_least(256 * MIB);
             256 * MIB
         } else {
             64 * MIB
         };
-        let v = self
-            .retry("CreateVolume", |mut c, _| {
-                let req = req.clone();
-                async move { c.create_volume(req).await.map(|r| r.into_inner()) }
-            })
-            .await
+        let v = retried!(self, "CreateVolume", ctl.create_volume(req))
             .volume
             .expect("volume");
         assert_eq!(v.volume_id, VolumeId::for_name(&name).to_string());
@@ -237,57 +250,41 @@ impl Client {
     }
 
     async fn stage(&mut self, n: &str) {
-        let id = self.vols[n].id.clone();
-        let req = stage_req(&id, self.staging(n), cap());
-        self.retry("NodeStageVolume", |_, mut c| {
-            let req = req.clone();
-            async move { c.node_stage_volume(req).await.map(drop) }
-        })
-        .await;
+        let req = stage_req(&self.vols[n].id, self.staging(n), cap());
+        retried!(self, "NodeStageVolume", node.node_stage_volume(req));
         self.vols.get_mut(n).unwrap().staged = true;
     }
 
     async fn publish(&mut self, n: &str) {
-        let id = self.vols[n].id.clone();
-        let req = publish_req(&id, self.staging(n), self.target(n), cap(), false);
-        self.retry("NodePublishVolume", |_, mut c| {
-            let req = req.clone();
-            async move { c.node_publish_volume(req).await.map(drop) }
-        })
-        .await;
+        let req = publish_req(
+            &self.vols[n].id,
+            self.staging(n),
+            self.target(n),
+            cap(),
+            false,
+        );
+        retried!(self, "NodePublishVolume", node.node_publish_volume(req));
         self.vols.get_mut(n).unwrap().published = true;
     }
 
     async fn unpublish(&mut self, n: &str) {
         let req = unpublish_req(&self.vols[n].id, self.target(n));
-        self.retry("NodeUnpublishVolume", |_, mut c| {
-            let req = req.clone();
-            async move { c.node_unpublish_volume(req).await.map(drop) }
-        })
-        .await;
+        retried!(self, "NodeUnpublishVolume", node.node_unpublish_volume(req));
         self.vols.get_mut(n).unwrap().published = false;
     }
 
     async fn unstage(&mut self, n: &str) {
         let req = unstage_req(&self.vols[n].id, self.staging(n));
-        self.retry("NodeUnstageVolume", |_, mut c| {
-            let req = req.clone();
-            async move { c.node_unstage_volume(req).await.map(drop) }
-        })
-        .await;
+        retried!(self, "NodeUnstageVolume", node.node_unstage_volume(req));
         self.vols.get_mut(n).unwrap().staged = false;
     }
 
     async fn delete(&mut self, n: &str) {
-        let req = csi::DeleteVolumeRequest {
-            volume_id: self.vols[n].id.clone(),
-            secrets: Default::default(),
-        };
-        self.retry("DeleteVolume", |mut c, _| {
-            let req = req.clone();
-            async move { c.delete_volume(req).await.map(drop) }
-        })
-        .await;
+        retried!(
+            self,
+            "DeleteVolume",
+            ctl.delete_volume(delete_req(&self.vols[n].id))
+        );
         self.vols.remove(n);
     }
 
@@ -295,19 +292,13 @@ impl Client {
         self.seq += 1;
         let name = format!("soak-c{}-s{}", self.k, self.seq);
         let v = self.vols[n].clone();
-        let req = csi::CreateSnapshotRequest {
-            source_volume_id: v.id.clone(),
-            name: name.clone(),
-            ..Default::default()
-        };
-        let s = self
-            .retry("CreateSnapshot", |mut c, _| {
-                let req = req.clone();
-                async move { c.create_snapshot(req).await.map(|r| r.into_inner()) }
-            })
-            .await
-            .snapshot
-            .expect("snapshot");
+        let s = retried!(
+            self,
+            "CreateSnapshot",
+            ctl.create_snapshot(snapshot_req(&name, &v.id))
+        )
+        .snapshot
+        .expect("snapshot");
         assert_eq!(s.snapshot_id, SnapshotId::for_name(&name).to_string());
         self.snaps.insert(
             name,
@@ -319,15 +310,8 @@ impl Client {
     }
 
     async fn delete_snapshot(&mut self, n: &str) {
-        let req = csi::DeleteSnapshotRequest {
-            snapshot_id: self.snaps[n].id.clone(),
-            secrets: Default::default(),
-        };
-        self.retry("DeleteSnapshot", |mut c, _| {
-            let req = req.clone();
-            async move { c.delete_snapshot(req).await.map(drop) }
-        })
-        .await;
+        let req = delete_snapshot_req(&self.snaps[n].id);
+        retried!(self, "DeleteSnapshot", ctl.delete_snapshot(req));
         self.snaps.remove(n);
     }
 
@@ -336,23 +320,15 @@ impl Client {
         let want = (v.size + 64 * MIB).min(256 * MIB);
         let req = csi::ControllerExpandVolumeRequest {
             volume_id: v.id.clone(),
-            capacity_range: Some(csi::CapacityRange {
-                required_bytes: want,
-                limit_bytes: 0,
-            }),
+            capacity_range: csi_glue::capacity_at_least(want),
             volume_capability: Some(cap()),
             ..Default::default()
         };
-        let r = self
-            .retry("ControllerExpandVolume", |mut c, _| {
-                let req = req.clone();
-                async move {
-                    c.controller_expand_volume(req)
-                        .await
-                        .map(|r| r.into_inner())
-                }
-            })
-            .await;
+        let r = retried!(
+            self,
+            "ControllerExpandVolume",
+            ctl.controller_expand_volume(req)
+        );
         assert!(r.capacity_bytes >= want);
         self.vols.get_mut(n).unwrap().size = r.capacity_bytes;
     }
