@@ -68,24 +68,11 @@ fn get_req(id: &str) -> csi::ControllerGetVolumeRequest {
 
 /// Every volume ListVolumes reports, paging with `max` entries: (id, capacity).
 async fn list_all(c: &mut Clients, max: i32) -> Vec<(String, i64)> {
-    let mut out = Vec::new();
-    let mut token = String::new();
-    loop {
-        let r = c
-            .controller
-            .list_volumes(list_req(max, &token))
-            .await
-            .unwrap()
-            .into_inner();
-        for e in r.entries {
-            let v = e.volume.unwrap();
-            out.push((v.volume_id, v.capacity_bytes));
-        }
-        if r.next_token.is_empty() {
-            return out;
-        }
-        token = r.next_token;
-    }
+    all_volumes(&c.controller, max)
+        .await
+        .into_iter()
+        .map(|v| (v.volume_id, v.capacity_bytes))
+        .collect()
 }
 
 /// The value of the extended attribute `name` on `path`, if set.

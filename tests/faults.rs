@@ -504,57 +504,23 @@ impl Ctx {
 
     async fn list_volumes(&mut self) -> BTreeMap<String, i64> {
         let mut out = BTreeMap::new();
-        let mut token = String::new();
-        loop {
-            let r = self
-                .c
-                .controller
-                .list_volumes(csi::ListVolumesRequest {
-                    max_entries: 3,
-                    starting_token: token,
-                })
-                .await
-                .unwrap()
-                .into_inner();
-            for e in r.entries {
-                let v = e.volume.unwrap();
-                assert!(
-                    out.insert(v.volume_id.clone(), v.capacity_bytes).is_none(),
-                    "[{}] ListVolumes lists {} twice",
-                    self.fp,
-                    v.volume_id
-                );
-            }
-            if r.next_token.is_empty() {
-                return out;
-            }
-            token = r.next_token;
+        for v in all_volumes(&self.c.controller, 3).await {
+            assert!(
+                out.insert(v.volume_id.clone(), v.capacity_bytes).is_none(),
+                "[{}] ListVolumes lists {} twice",
+                self.fp,
+                v.volume_id
+            );
         }
+        out
     }
 
     async fn list_snapshots(&mut self) -> BTreeSet<String> {
-        let mut out = BTreeSet::new();
-        let mut token = String::new();
-        loop {
-            let r = self
-                .c
-                .controller
-                .list_snapshots(csi::ListSnapshotsRequest {
-                    max_entries: 3,
-                    starting_token: token,
-                    ..Default::default()
-                })
-                .await
-                .unwrap()
-                .into_inner();
-            for e in r.entries {
-                out.insert(e.snapshot.unwrap().snapshot_id);
-            }
-            if r.next_token.is_empty() {
-                return out;
-            }
-            token = r.next_token;
-        }
+        all_snapshots(&self.c.controller, 3)
+            .await
+            .into_iter()
+            .map(|s| s.snapshot_id)
+            .collect()
     }
 
     /// The invariants listed at the top of this file, checked against the model

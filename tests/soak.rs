@@ -638,49 +638,12 @@ async fn leaks(pool: &Pool, driver: &Driver, clients: &[Client]) -> Vec<String> 
     let snap_ids: BTreeSet<String> = snaps.iter().map(|s| s.id.clone()).collect();
 
     // The driver's view.
-    let mut c = driver.clients().await;
-    let mut listed = BTreeSet::new();
-    let mut token = String::new();
-    loop {
-        let r = c
-            .controller
-            .list_volumes(csi::ListVolumesRequest {
-                max_entries: 100,
-                starting_token: token,
-            })
-            .await
-            .unwrap()
-            .into_inner();
-        listed.extend(r.entries.into_iter().map(|e| e.volume.unwrap().volume_id));
-        if r.next_token.is_empty() {
-            break;
-        }
-        token = r.next_token;
-    }
+    let c = driver.clients().await;
+    let listed = all_volumes(&c.controller, 100).await;
+    let listed = listed.into_iter().map(|v| v.volume_id).collect();
     diff(&mut out, "ListVolumes", listed, vol_ids.clone());
-    let mut listed = BTreeSet::new();
-    let mut token = String::new();
-    loop {
-        let r = c
-            .controller
-            .list_snapshots(csi::ListSnapshotsRequest {
-                max_entries: 100,
-                starting_token: token,
-                ..Default::default()
-            })
-            .await
-            .unwrap()
-            .into_inner();
-        listed.extend(
-            r.entries
-                .into_iter()
-                .map(|e| e.snapshot.unwrap().snapshot_id),
-        );
-        if r.next_token.is_empty() {
-            break;
-        }
-        token = r.next_token;
-    }
+    let listed = all_snapshots(&c.controller, 100).await;
+    let listed = listed.into_iter().map(|s| s.snapshot_id).collect();
     diff(&mut out, "ListSnapshots", listed, snap_ids.clone());
 
     // The pool and the state dir.

@@ -640,6 +640,56 @@ pub async fn create_volume_id(
         .volume_id
 }
 
+/// Every entry of a paged List call, asking page after page until no next token
+/// is given: `page(client, token)` asks for the page at `token` and gives its
+/// entries and the next token.
+pub async fn all_pages<T, F, Fut>(c: &ControllerClient<Channel>, mut page: F) -> Vec<T>
+where
+    F: FnMut(ControllerClient<Channel>, String) -> Fut,
+    Fut: std::future::Future<Output = (Vec<T>, String)>,
+{
+    let mut out = Vec::new();
+    let mut token = String::new();
+    loop {
+        let (entries, next) = page(c.clone(), token).await;
+        out.extend(entries);
+        if next.is_empty() {
+            return out;
+        }
+        token = next;
+    }
+}
+
+/// Every volume ListVolumes reports, in pages of `max` entries (0: as many as
+/// the driver gives), in the order listed; a failed call fails the test.
+pub async fn all_volumes(c: &ControllerClient<Channel>, max: i32) -> Vec<csi::Volume> {
+    all_pages(c, |mut c, starting_token| async move {
+        let req = csi::ListVolumesRequest {
+            max_entries: max,
+            starting_token,
+        };
+        let r = c.list_volumes(req).await.unwrap().into_inner();
+        let volumes = r.entries.into_iter().map(|e| e.volume.unwrap());
+        (volumes.collect(), r.next_token)
+    })
+    .await
+}
+
+/// Every snapshot ListSnapshots reports, as `all_volumes` lists volumes.
+pub async fn all_snapshots(c: &ControllerClient<Channel>, max: i32) -> Vec<csi::Snapshot> {
+    all_pages(c, |mut c, starting_token| async move {
+        let req = csi::ListSnapshotsRequest {
+            max_entries: max,
+            starting_token,
+            ..Default::default()
+        };
+        let r = c.list_snapshots(req).await.unwrap().into_inner();
+        let snapshots = r.entries.into_iter().map(|e| e.snapshot.unwrap());
+        (snapshots.collect(), r.next_token)
+    })
+    .await
+}
+
 pub fn delete_req(id: &str) -> csi::DeleteVolumeRequest {
     csi::DeleteVolumeRequest {
         volume_id: id.to_string(),
