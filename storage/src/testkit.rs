@@ -131,6 +131,13 @@ impl World {
         info.record.id.to_string()
     }
 
+    /// Creates an image volume for ext4 (as `create`) and stages it; returns its id.
+    pub(crate) fn create_staged(&self, name: &str) -> String {
+        let id = self.create(name, ext4());
+        self.stage(&id, &ext4()).unwrap();
+        id
+    }
+
     pub(crate) fn image(&self, id: &str) -> PathBuf {
         self.n()
             .locate(VolumeId::parse(id).unwrap())

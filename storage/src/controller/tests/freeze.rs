@@ -11,8 +11,7 @@ use crate::testkit::*;
 #[test]
 fn a_snapshot_of_a_staged_image_freezes_and_thaws() {
     let w = World::new();
-    let id = w.create("pvc-a", ext4());
-    w.stage(&id, &ext4()).unwrap();
+    let id = w.create_staged("pvc-a");
     let snap = w
         .c()
         .create_snapshot("snap-1", &id, &BTreeMap::new())
@@ -41,8 +40,7 @@ fn a_snapshot_of_an_unstaged_image_freezes_nothing() {
 #[test]
 fn a_failed_snapshot_copy_still_thaws() {
     let w = World::new();
-    let id = w.create("pvc-a", ext4());
-    w.stage(&id, &ext4()).unwrap();
+    let id = w.create_staged("pvc-a");
     // The copy cannot create its destination: something is in its way.
     let sid = SnapshotId::for_name("snap-1");
     let blocker = w
@@ -75,8 +73,7 @@ fn a_failed_snapshot_copy_still_thaws() {
 #[test]
 fn a_failed_freeze_copies_nothing_and_leaves_nothing_frozen() {
     let w = World::new();
-    let id = w.create("pvc-a", ext4());
-    w.stage(&id, &ext4()).unwrap();
+    let id = w.create_staged("pvc-a");
     w.fake.fail_next(FakeOp::Freeze, eio("freeze"));
     let err = w.c().create_snapshot("snap-1", &id, &BTreeMap::new());
     assert_eq!(kind(err), Kind::System);
@@ -88,8 +85,7 @@ fn a_failed_freeze_copies_nothing_and_leaves_nothing_frozen() {
 #[test]
 fn a_failed_thaw_keeps_the_marker_and_the_next_start_thaws() {
     let mut w = World::new();
-    let id = w.create("pvc-a", ext4());
-    w.stage(&id, &ext4()).unwrap();
+    let id = w.create_staged("pvc-a");
     // Every try fails (the thaw is tried four times).
     for _ in 0..4 {
         w.fake.fail_next(FakeOp::Thaw, eio("thaw"));
@@ -114,8 +110,7 @@ fn a_failed_thaw_keeps_the_marker_and_the_next_start_thaws() {
 #[test]
 fn a_call_whose_caller_left_undoes_its_intent_and_freezes_nothing() {
     let w = World::new();
-    let id = w.create("pvc-a", ext4());
-    w.stage(&id, &ext4()).unwrap();
+    let id = w.create_staged("pvc-a");
     let token = crate::cancel::Token::new();
     token.cancel();
     let err = token.run(|| w.c().create_snapshot("snap-1", &id, &BTreeMap::new()));
@@ -132,8 +127,7 @@ fn a_call_whose_caller_left_undoes_its_intent_and_freezes_nothing() {
 #[test]
 fn a_thaw_that_fails_once_is_tried_again() {
     let w = World::new();
-    let id = w.create("pvc-a", ext4());
-    w.stage(&id, &ext4()).unwrap();
+    let id = w.create_staged("pvc-a");
     w.fake.fail_next(FakeOp::Thaw, eio("thaw"));
     w.c()
         .create_snapshot("snap-1", &id, &BTreeMap::new())
@@ -151,8 +145,7 @@ fn a_thaw_that_fails_once_is_tried_again() {
 #[test]
 fn a_freeze_marker_left_by_a_crash_is_thawed_at_open() {
     let mut w = World::new();
-    let id = w.create("pvc-a", ext4());
-    w.stage(&id, &ext4()).unwrap();
+    let id = w.create_staged("pvc-a");
     // A crash between freeze and thaw: frozen, and the marker written before it.
     w.sys.fs.freeze(&w.staging()).unwrap();
     let dir = w.state_dir().join("shared/frozen");

@@ -81,8 +81,7 @@ fn delete_of_an_id_that_is_no_uuid_succeeds_and_touches_nothing() {
 #[test]
 fn delete_of_a_staged_volume_is_refused_until_unstaged() {
     let w = World::new();
-    let id = w.create("pvc-a", ext4());
-    w.stage(&id, &ext4()).unwrap();
+    let id = w.create_staged("pvc-a");
     assert_eq!(kind(w.c().delete_volume(&id)), Kind::FailedPrecondition);
     assert_eq!(w.pool_files("volumes").len(), 1);
     w.n()

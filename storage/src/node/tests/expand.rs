@@ -53,8 +53,7 @@ fn node_expand_to_the_size_a_volume_has_grows_nothing() {
 #[test]
 fn node_expand_grows_what_is_smaller_and_refuses_a_btrfs_below_256_mib() {
     let w = World::new();
-    let id = w.create("pvc-a", ext4());
-    w.stage(&id, &ext4()).unwrap();
+    let id = w.create_staged("pvc-a");
     assert_eq!(node_expand(&w, &id, 96 * MIB).unwrap(), 96 * MIB);
     assert_eq!(w.fake.counters().grow, 1);
     assert_eq!(node_expand(&w, &id, 96 * MIB).unwrap(), 96 * MIB);

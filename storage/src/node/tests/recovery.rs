@@ -13,8 +13,7 @@ use crate::volumes::MIB;
 /// Stages and publishes a volume, then forgets the node record, as if the state
 /// dir had been lost; returns the id and the target.
 fn orphaned(w: &World) -> (String, PathBuf) {
-    let id = w.create("pvc-a", ext4());
-    w.stage(&id, &ext4()).unwrap();
+    let id = w.create_staged("pvc-a");
     let t = w.target("t1");
     w.publish(&id, &t, &ext4(), false).unwrap();
     w.n()
@@ -81,8 +80,7 @@ fn orphan_mounts_and_loop_devices_are_cleaned_when_asked() {
 #[test]
 fn a_staged_volume_is_no_orphan() {
     let mut w = World::with(|c| c.cleanup_orphans = true);
-    let id = w.create("pvc-a", ext4());
-    w.stage(&id, &ext4()).unwrap();
+    let id = w.create_staged("pvc-a");
     w.publish(&id, &w.target("t1"), &ext4(), false).unwrap();
     let before = w.fake.counters();
     w.reopen_with(|c| c.cleanup_orphans = true);

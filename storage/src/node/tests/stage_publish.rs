@@ -15,8 +15,7 @@ use crate::volumes::MIB;
 #[test]
 fn second_publish_to_the_same_target_mounts_once() {
     let w = World::new();
-    let id = w.create("pvc-a", ext4());
-    w.stage(&id, &ext4()).unwrap();
+    let id = w.create_staged("pvc-a");
     let t = w.target("t1");
     w.publish(&id, &t, &ext4(), false).unwrap();
     w.publish(&id, &t, &ext4(), false).unwrap();
@@ -30,8 +29,7 @@ fn second_publish_to_the_same_target_mounts_once() {
 #[test]
 fn second_stage_mounts_once_and_formats_once() {
     let w = World::new();
-    let id = w.create("pvc-a", ext4());
-    w.stage(&id, &ext4()).unwrap();
+    let id = w.create_staged("pvc-a");
     w.stage(&id, &ext4()).unwrap();
     let c = w.fake.counters();
     assert_eq!((c.attach, c.mkfs, c.mount), (1, 1, 1));
@@ -41,8 +39,7 @@ fn second_stage_mounts_once_and_formats_once() {
 #[test]
 fn unpublish_of_a_path_not_mounted_succeeds_without_unmounting() {
     let w = World::new();
-    let id = w.create("pvc-a", ext4());
-    w.stage(&id, &ext4()).unwrap();
+    let id = w.create_staged("pvc-a");
     let t = w.target("never-published");
     w.n().node_unpublish(&id, &t.display().to_string()).unwrap();
     // Twice: unpublish is idempotent.
@@ -58,8 +55,7 @@ fn unpublish_of_a_path_not_mounted_succeeds_without_unmounting() {
 #[test]
 fn unpublish_unmounts_a_published_target_and_removes_it() {
     let w = World::new();
-    let id = w.create("pvc-a", ext4());
-    w.stage(&id, &ext4()).unwrap();
+    let id = w.create_staged("pvc-a");
     let t = w.target("t1");
     w.publish(&id, &t, &ext4(), false).unwrap();
     w.n().node_unpublish(&id, &t.display().to_string()).unwrap();
@@ -72,8 +68,7 @@ fn unpublish_unmounts_a_published_target_and_removes_it() {
 #[test]
 fn unstage_skips_an_unmounted_staging_path_and_detaches_the_loop_device() {
     let w = World::new();
-    let id = w.create("pvc-a", ext4());
-    w.stage(&id, &ext4()).unwrap();
+    let id = w.create_staged("pvc-a");
     // Someone (a reboot, an admin) unmounted the staging path behind our back.
     w.sys.mounter.unmount(&w.staging()).unwrap();
     let before = w.fake.counters();
@@ -95,8 +90,7 @@ fn unstage_skips_an_unmounted_staging_path_and_detaches_the_loop_device() {
 #[test]
 fn unstage_refuses_while_a_target_is_still_published() {
     let w = World::new();
-    let id = w.create("pvc-a", ext4());
-    w.stage(&id, &ext4()).unwrap();
+    let id = w.create_staged("pvc-a");
     let t = w.target("t1");
     w.publish(&id, &t, &ext4(), false).unwrap();
     let err = w.n().node_unstage(&id, &w.staging().display().to_string());
@@ -183,8 +177,7 @@ fn a_read_only_loop_device_is_not_reused_for_staging() {
 #[test]
 fn something_else_mounted_at_a_target_is_left_alone() {
     let w = World::new();
-    let id = w.create("pvc-a", ext4());
-    w.stage(&id, &ext4()).unwrap();
+    let id = w.create_staged("pvc-a");
     let t = w.target("foreign");
     std::fs::create_dir(&t).unwrap();
     w.fake.set_filesystem(Path::new("/dev/vdz"), "xfs", 1 << 30);
@@ -266,8 +259,7 @@ fn single_node_single_writer_refuses_a_second_writer() {
 #[test]
 fn single_node_writer_allows_two_writers() {
     let w = World::new();
-    let id = w.create("pvc-a", ext4());
-    w.stage(&id, &ext4()).unwrap();
+    let id = w.create_staged("pvc-a");
     w.publish(&id, &w.target("t1"), &ext4(), false).unwrap();
     w.publish(&id, &w.target("t2"), &ext4(), false).unwrap();
     assert_eq!(w.fake.counters().bind, 2);
@@ -302,8 +294,7 @@ fn a_failed_first_stage_is_undone_and_a_retry_completes() {
 #[test]
 fn a_failed_bind_at_publish_is_retried_to_one_mount() {
     let w = World::new();
-    let id = w.create("pvc-a", ext4());
-    w.stage(&id, &ext4()).unwrap();
+    let id = w.create_staged("pvc-a");
     let t = w.target("t1");
     w.fake.fail_next(FakeOp::Bind, eio("bind"));
     assert_eq!(kind(w.publish(&id, &t, &ext4(), false)), Kind::System);
@@ -315,8 +306,7 @@ fn a_failed_bind_at_publish_is_retried_to_one_mount() {
 #[test]
 fn a_failed_detach_at_unstage_keeps_the_record_for_the_retry() {
     let w = World::new();
-    let id = w.create("pvc-a", ext4());
-    w.stage(&id, &ext4()).unwrap();
+    let id = w.create_staged("pvc-a");
     w.fake.fail_next(FakeOp::Detach, eio("detach"));
     let staging = w.staging().display().to_string();
     assert_eq!(kind(w.n().node_unstage(&id, &staging)), Kind::System);
@@ -340,8 +330,7 @@ fn publish_before_stage_is_failed_precondition() {
 #[test]
 fn paths_inside_the_driver_or_the_system_are_refused() {
     let w = World::new();
-    let id = w.create("pvc-a", ext4());
-    w.stage(&id, &ext4()).unwrap();
+    let id = w.create_staged("pvc-a");
     let inside_pool = w.tmp.path().join("pool").join("x");
     let inside_state = w.state_dir().join("x");
     for bad in [
