@@ -44,15 +44,8 @@ impl Fx {
     /// Stages and publishes a volume.
     async fn use_again(&mut self, v: &InUse, cap: csi::VolumeCapability) {
         self.c
-            .node
-            .node_stage_volume(stage_req(&v.id, &v.staging, cap.clone()))
-            .await
-            .unwrap();
-        self.c
-            .node
-            .node_publish_volume(publish_req(&v.id, &v.staging, &v.target, cap, false))
-            .await
-            .unwrap();
+            .stage_and_publish(&v.id, &v.staging, &v.target, &cap)
+            .await;
     }
 
     /// Creates a volume, stages and publishes it.
@@ -74,15 +67,8 @@ impl Fx {
 
     async fn unuse(&mut self, v: &InUse) {
         self.c
-            .node
-            .node_unpublish_volume(unpublish_req(&v.id, &v.target))
-            .await
-            .unwrap();
-        self.c
-            .node
-            .node_unstage_volume(unstage_req(&v.id, &v.staging))
-            .await
-            .unwrap();
+            .unpublish_and_unstage(&v.id, &v.target, &v.staging)
+            .await;
     }
 
     async fn node(&mut self, id: &str) -> Vec<(H, String)> {
