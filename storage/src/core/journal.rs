@@ -199,10 +199,8 @@ pub(crate) struct Scan<'a> {
     pub blind: bool,
 }
 
-/// Reads a file's frames. `journal`: its end may be a batch cut short, which is
-/// dropped whole (a snapshot is written whole, so any damage in it is damage, and
-/// it must end with an end frame).
-pub(crate) fn scan(b: &[u8], journal: bool) -> Scan<'_> {
+/// The frames of a file in order, whole or damaged.
+fn frames(b: &[u8]) -> Vec<Item<'_>> {
     let mut items = Vec::new();
     let mut at = 0;
     while at < b.len() {
@@ -230,6 +228,14 @@ pub(crate) fn scan(b: &[u8], journal: bool) -> Scan<'_> {
             }
         }
     }
+    items
+}
+
+/// Reads a file's frames. `journal`: its end may be a batch cut short, which is
+/// dropped whole (a snapshot is written whole, so any damage in it is damage, and
+/// it must end with an end frame).
+pub(crate) fn scan(b: &[u8], journal: bool) -> Scan<'_> {
+    let items = frames(b);
     let mut out = Scan::default();
     // The end of the last whole batch, and the entries up to it.
     let mut committed = (0, 0);

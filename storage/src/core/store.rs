@@ -243,6 +243,97 @@ fn scan_files(bufs: &[(String, Vec<u8>)]) -> Vec<(String, bool, journal::Scan<'_
         .collect()
 }
 
+/// Removes what a compaction that finished left behind (files older than
+/// generation `from`), and records of the older layout a finished conversion
+/// had not removed yet.
+fn remove_stale(dir: &Path, listing: &Listing, from: u64) -> Result<()> {
+    let stale = listing
+        .snapshots
+        .range(..from)
+        .map(|g| snapshot_name(*g))
+        .chain(listing.logs.range(..from).map(|g| log_name(*g)))
+        .chain(listing.legacy.iter().cloned());
+    for name in stale {
+        file::remove_file_if_exists(&dir.join(&name)).context(|| format!("removing {name}"))?;
+    }
+    Ok(())
+}
+
+/// Opens the newest journal `newest` (cut back to its last whole batch when
+/// `torn` says where that ends; `len` is its length), or makes journal `from`
+/// when there is none. Returns it with its generation and durable length.
+fn open_journal(
+    dir: &Path,
+    newest: Option<u64>,
+    from: u64,
+    len: u64,
+    torn: Option<u64>,
+) -> Result<(AppendFile, u64, u64)> {
+    let Some(g) = newest else {
+        let path = dir.join(log_name(from));
+        let f = AppendFile::create(&path).context(|| format!("making {}", path.display()))?;
+        return Ok((f, from, 0));
+    };
+    let path = dir.join(log_name(g));
+    let f = AppendFile::open(&path).context(|| format!("opening {}", path.display()))?;
+    match torn {
+        Some(valid) => {
+            tracing::info!(path = %path.display(), bytes = len - valid,
+                "cut an unacknowledged write off the journal");
+            f.truncate(valid)
+                .context(|| format!("truncating {}", path.display()))?;
+            Ok((f, g, valid))
+        }
+        None => Ok((f, g, len)),
+    }
+}
+
+impl Replay {
+    /// What the scanned files say besides their entries; sets damaged files
+    /// aside. Also returns where the newest journal's last whole batch ends,
+    /// when a torn write follows it.
+    fn tally(
+        dir: &Path,
+        bufs: &[(String, Vec<u8>)],
+        scans: &[(String, bool, journal::Scan<'_>)],
+    ) -> (Replay, Option<u64>) {
+        let mut replay = Replay::default();
+        let mut torn = None;
+        for (i, (name, is_log, scan)) in scans.iter().enumerate() {
+            if !scan.damage.is_empty() {
+                set_aside(dir, name, &bufs[i].1, &scan.damage);
+            }
+            if *is_log && i + 1 == scans.len() && scan.valid_len < bufs[i].1.len() {
+                torn = Some(scan.valid_len as u64);
+            }
+            replay.blind |= scan.blind;
+            if *is_log {
+                replay.logged += scan.entries.len() as u64;
+                let last = scan.entries.iter().map(|e| e.batch).max();
+                replay.last_batch = replay.last_batch.max(last.unwrap_or(0));
+            }
+        }
+        (replay, torn)
+    }
+
+    /// Files set aside earlier: their damaged entries stay quarantined.
+    fn note_set_aside(&mut self, dir: &Path, corrupt: &[String]) {
+        for name in corrupt {
+            let Ok(bytes) = std::fs::read(dir.join(name)) else {
+                continue;
+            };
+            let scan = journal::scan(&bytes, name.starts_with("log."));
+            self.blind |= scan.blind;
+            self.unreadable.extend(
+                scan.entries
+                    .iter()
+                    .filter(|e| e.kind == Kind::Unreadable)
+                    .map(|e| e.id.to_string()),
+            );
+        }
+    }
+}
+
 impl<R: Record> Store<R> {
     /// Opens (making it if needed) the store in `dir` and loads every record;
     /// converts a store of the older layout first.
@@ -263,18 +354,7 @@ impl<R: Record> Store<R> {
         }
         let base = listing.snapshots.iter().next_back().copied();
         let from = base.unwrap_or(0);
-        // What a compaction that finished left behind, and records of the older
-        // layout a finished conversion had not removed yet.
-        let mut stale: Vec<String> = listing
-            .snapshots
-            .range(..from)
-            .map(|g| snapshot_name(*g))
-            .chain(listing.logs.range(..from).map(|g| log_name(*g)))
-            .collect();
-        stale.extend(listing.legacy.iter().cloned());
-        for name in &stale {
-            file::remove_file_if_exists(&dir.join(name)).context(|| format!("removing {name}"))?;
-        }
+        remove_stale(dir, &listing, from)?;
         let logs: Vec<u64> = listing.logs.range(from..).copied().collect();
 
         let started = std::time::Instant::now();
@@ -282,44 +362,13 @@ impl<R: Record> Store<R> {
         let read = started.elapsed();
         let scans = scan_files(&bufs);
         let scanned = started.elapsed();
-        let mut replay = Replay::default();
-        let mut torn = None;
         let snapshot_entries = scans
             .iter()
             .filter(|(_, is_log, _)| !is_log)
             .map(|(_, _, scan)| scan.entries.len() as u64)
             .sum();
-        for (i, (name, is_log, scan)) in scans.iter().enumerate() {
-            if !scan.damage.is_empty() {
-                set_aside(dir, name, &bufs[i].1, &scan.damage);
-            }
-            if *is_log && i + 1 == scans.len() && scan.valid_len < bufs[i].1.len() {
-                torn = Some(scan.valid_len as u64);
-            }
-            replay.blind |= scan.blind;
-            if *is_log {
-                replay.logged += scan.entries.len() as u64;
-                let last = scan.entries.iter().map(|e| e.batch).max();
-                replay.last_batch = replay.last_batch.max(last.unwrap_or(0));
-            }
-        }
-        // Files set aside earlier: their damaged entries stay quarantined.
-        let mut old_copies = Vec::new();
-        for name in &listing.corrupt {
-            if let Ok(bytes) = std::fs::read(dir.join(name)) {
-                old_copies.push((name.starts_with("log."), bytes));
-            }
-        }
-        for (is_log, bytes) in &old_copies {
-            let scan = journal::scan(bytes, *is_log);
-            replay.blind |= scan.blind;
-            replay.unreadable.extend(
-                scan.entries
-                    .iter()
-                    .filter(|e| e.kind == Kind::Unreadable)
-                    .map(|e| e.id.to_string()),
-            );
-        }
+        let (mut replay, torn) = Replay::tally(dir, &bufs, &scans);
+        replay.note_set_aside(dir, &listing.corrupt);
         let loaded = Loaded::<R>::from_scans(&scans);
         tracing::debug!(dir = %dir.display(), records = loaded.records.len(),
             read_ms = read.as_secs_f64() * 1e3, scanned_ms = scanned.as_secs_f64() * 1e3,
@@ -346,30 +395,8 @@ impl<R: Record> Store<R> {
         }
 
         let logged = replay.logged;
-        let (file, gen, len) = match logs.last() {
-            Some(&g) => {
-                let path = dir.join(log_name(g));
-                let f =
-                    AppendFile::open(&path).context(|| format!("opening {}", path.display()))?;
-                let len = bufs.last().map_or(0, |b| b.1.len()) as u64;
-                match torn {
-                    Some(valid) => {
-                        tracing::info!(path = %path.display(), bytes = len - valid,
-                            "cut an unacknowledged write off the journal");
-                        f.truncate(valid)
-                            .context(|| format!("truncating {}", path.display()))?;
-                        (f, g, valid)
-                    }
-                    None => (f, g, len),
-                }
-            }
-            None => {
-                let path = dir.join(log_name(from));
-                let f =
-                    AppendFile::create(&path).context(|| format!("making {}", path.display()))?;
-                (f, from, 0)
-            }
-        };
+        let last_len = bufs.last().map_or(0, |b| b.1.len()) as u64;
+        let (file, gen, len) = open_journal(dir, logs.last().copied(), from, last_len, torn)?;
         let born = born.into_iter().collect();
         let (blind, next_batch) = (replay.blind, replay.last_batch + 1);
         drop(scans);
