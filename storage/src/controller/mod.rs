@@ -187,14 +187,11 @@ pub(crate) fn remove_volume_locks(core: &Core, volumes: &Store<VolumeRecord>, go
     for &id in gone {
         // An operation of this process or of the node's may hold it right now,
         // and then the volume is not gone. A call of this process that meets
-        // the lock while the sweep holds it waits for it (`claim`, let go
-        // after the lock).
-        let Ok(Some((claim, lock))) = core.state.sweep_lock_volume(id) else {
+        // the lock while the sweep holds it waits for it.
+        let Ok(Some(lock)) = core.state.sweep_lock_volume(id) else {
             continue;
         };
         if lock_is_known(volumes, id) || lock.is_staged() {
-            drop(lock);
-            drop(claim);
             continue;
         }
         match lock.remove() {
@@ -203,7 +200,6 @@ pub(crate) fn remove_volume_locks(core: &Core, volumes: &Store<VolumeRecord>, go
                 tracing::warn!(volume.id = %id, error = %e, "lock file of a gone volume kept")
             }
         }
-        drop(claim);
     }
     if removed > 0 {
         tracing::info!(removed, "removed the lock files of volumes that are gone");

@@ -73,8 +73,27 @@ struct Sweeping {
 }
 
 /// The sweep's claim on one volume's lock: released on drop.
-pub struct SweepClaim<'a> {
+struct SweepClaim<'a> {
     watch: &'a SweepWatch,
+}
+
+/// A volume's lock the start-up sweep holds. The lock goes before the claim
+/// (fields drop in order), so a call waiting on the claim finds the lock free.
+pub struct SweptLock<'a> {
+    lock: VolumeLock,
+    _claim: SweepClaim<'a>,
+}
+
+impl SweptLock<'_> {
+    pub fn is_staged(&self) -> bool {
+        self.lock.is_staged()
+    }
+
+    /// Removes the lock file of a volume that is gone.
+    pub fn remove(self) -> Result<()> {
+        let SweptLock { lock, _claim } = self;
+        lock.remove()
+    }
 }
 
 impl Drop for SweepClaim<'_> {
@@ -208,17 +227,17 @@ impl StateDir {
 
     /// The start-up sweep's try of a gone volume's lock (None: an operation
     /// holds it). A call that meets the lock meanwhile waits for the claim's end.
-    pub(crate) fn sweep_lock_volume(
-        &self,
-        id: VolumeId,
-    ) -> Result<Option<(SweepClaim<'_>, VolumeLock)>> {
+    pub(crate) fn sweep_lock_volume(&self, id: VolumeId) -> Result<Option<SweptLock<'_>>> {
         {
             let mut st = self.sweep.state.lock().unwrap_or_else(|p| p.into_inner());
             st.now = Some(id);
             st.tried.insert(id);
         }
         let claim = SweepClaim { watch: &self.sweep };
-        Ok(self.try_lock_volume(id)?.map(|lock| (claim, lock)))
+        Ok(self.try_lock_volume(id)?.map(|lock| SweptLock {
+            lock,
+            _claim: claim,
+        }))
     }
 
     /// Whether the sweep may have been what held `id`'s lock; waits (briefly:

@@ -114,7 +114,7 @@ fn a_call_that_meets_a_lock_the_sweep_holds_waits_for_it_instead_of_aborting() {
     let id = crate::ids::VolumeId::for_name("pvc-swept");
     let c = w.c();
     let released = std::sync::atomic::AtomicBool::new(false);
-    let (claim, lock) = c.state.sweep_lock_volume(id).unwrap().unwrap();
+    let swept = c.state.sweep_lock_volume(id).unwrap().unwrap();
     std::thread::scope(|s| {
         let call = s.spawn(|| {
             let made = w.create("pvc-swept", ext4());
@@ -122,8 +122,7 @@ fn a_call_that_meets_a_lock_the_sweep_holds_waits_for_it_instead_of_aborting() {
         });
         std::thread::sleep(std::time::Duration::from_millis(200));
         released.store(true, std::sync::atomic::Ordering::SeqCst);
-        drop(lock);
-        drop(claim);
+        drop(swept);
         let (made, after) = call.join().unwrap();
         assert_eq!(made, id.to_string());
         assert!(
