@@ -315,8 +315,35 @@ impl Driver {
         for (k, v) in &self.envs {
             cmd.env(k, v);
         }
+        // Its own process group, so that a crash takes the processes it was
+        // starting with it (see `reap_group`).
+        std::os::unix::process::CommandExt::process_group(&mut cmd, 0);
         self.child = Some(cmd.spawn().expect("start csi-driver"));
         self.wait_ready();
+    }
+
+    /// After the driver process ended: kills what is left of its process group
+    /// and waits until no process holds its socket. A child it was starting
+    /// when it died (cloned, not yet exec'd) holds copies of all its
+    /// descriptors, the listening socket and the state lock among them, until
+    /// it execs; a restart in that window would find the old socket still
+    /// accepting (and resetting what it accepted when the child execs) and the
+    /// state still locked. A crashed container loses all its processes at once;
+    /// this makes the tests' crash the same.
+    fn reap_group(&self, pid: u32) {
+        let _ = nix::sys::signal::killpg(
+            nix::unistd::Pid::from_raw(pid as i32),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while std::os::unix::net::UnixStream::connect(&self.socket).is_ok() {
+            if Instant::now() > deadline {
+                // Not a panic: this also runs in Drop, maybe while unwinding.
+                eprintln!("the socket of a dead driver still accepts after 10 s");
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        }
     }
 
     /// Waits until the socket answers, or the process exits.
@@ -349,7 +376,9 @@ impl Driver {
         while Instant::now() < deadline {
             if let Some(c) = self.child.as_mut() {
                 if let Ok(Some(status)) = c.try_wait() {
+                    let pid = c.id();
                     self.child = None;
+                    self.reap_group(pid);
                     return Some(status);
                 }
             } else {
@@ -373,6 +402,7 @@ impl Driver {
         if let Some(mut c) = self.child.take() {
             let _ = c.kill();
             let _ = c.wait();
+            self.reap_group(c.id());
         }
     }
 
