@@ -11,9 +11,11 @@
 //! caller's entry joins the next batch, and one caller (the leader) writes the
 //! whole batch and syncs it once for everyone in it (group commit). When the
 //! journal outgrows the snapshot a background thread moves writes to a new
-//! journal, then folds the old snapshot and journals, read back from disk, into a
-//! new snapshot (temporary file, fsync, rename, directory fsync), so no caller
-//! waits for it. Start-up reads one snapshot and one journal.
+//! journal, then writes the records in memory (each durable already) into a new
+//! snapshot (temporary file, fsync, rename, directory fsync) a chunk at a time,
+//! so no caller waits for it and neither the old files nor a copy of the records
+//! is held meanwhile; the new journal's replay settles any record changed while
+//! it was written. Start-up reads one snapshot and one journal.
 //!
 //! A damaged entry is not a lost record: the file is kept as `<file>.corrupt`,
 //! the entry's id (or, when even that is lost, every id) is quarantined, so the
@@ -109,7 +111,13 @@ struct Inner<R: Record> {
     tuning: Tuning,
     #[cfg(test)]
     gate: (Mutex<bool>, Condvar),
+    /// Called after each chunk a compaction writes, with its number.
+    #[cfg(test)]
+    chunk_hook: ChunkHook,
 }
+
+#[cfg(test)]
+type ChunkHook = Mutex<Option<Box<dyn FnMut(usize) + Send>>>;
 
 struct Log<R: Record> {
     file: Arc<AppendFile>,
@@ -131,6 +139,9 @@ struct Log<R: Record> {
     /// A write failed and could not be undone: nothing more is written.
     broken: Option<String>,
     batches: u64,
+    /// The records each journal made (its generation, the id), until a
+    /// compaction folds that journal: what the barrier is given.
+    born: Vec<(u64, R::Id)>,
 }
 
 enum Op<R: Record> {
@@ -397,7 +408,8 @@ impl<R: Record> Store<R> {
         let logged = replay.logged;
         let last_len = bufs.last().map_or(0, |b| b.1.len()) as u64;
         let (file, gen, len) = open_journal(dir, logs.last().copied(), from, last_len, torn)?;
-        let born = born.into_iter().collect();
+        let born: Vec<R::Id> = born.into_iter().collect();
+        let journal_born = born.iter().map(|id| (gen, *id)).collect();
         let (blind, next_batch) = (replay.blind, replay.last_batch + 1);
         drop(scans);
         drop(bufs);
@@ -422,6 +434,7 @@ impl<R: Record> Store<R> {
                     snapshot_entries,
                     broken: None,
                     batches: 0,
+                    born: journal_born,
                 }),
                 changed: Condvar::new(),
                 barrier: OnceLock::new(),
@@ -429,6 +442,8 @@ impl<R: Record> Store<R> {
                 tuning,
                 #[cfg(test)]
                 gate: (Mutex::new(true), Condvar::new()),
+                #[cfg(test)]
+                chunk_hook: Mutex::new(None),
             }),
         })
     }
@@ -612,6 +627,7 @@ impl<R: Record> Inner<R> {
             self.changed.notify_all();
         }
         let batch = std::mem::take(&mut st.queue);
+        let batch_gen = st.gen;
         let number = st.next_batch;
         st.next_batch += 1;
         let (file, offset) = (st.file.clone(), st.len);
@@ -651,7 +667,10 @@ impl<R: Record> Inner<R> {
                 for p in batch {
                     match p.op {
                         Op::Put(r) => {
-                            map.insert(r.id(), r);
+                            let id = r.id();
+                            if map.insert(id, r).is_none() {
+                                st.born.push((batch_gen, id));
+                            }
                         }
                         Op::Remove(id) => {
                             map.remove(&id);
@@ -761,37 +780,26 @@ impl<R: Record> Inner<R> {
         let listing = Listing::read(&self.dir)?;
         let logs: Vec<u64> = listing.logs.range(base..gen).copied().collect();
         let base_file = listing.snapshots.contains(&base).then_some(base);
-        let bufs = read_files(&self.dir, base_file, &logs)?;
-        let scans = scan_files(&bufs);
-        let mut merged: BTreeMap<&str, &[u8]> = BTreeMap::new();
-        let mut born = BTreeSet::new();
-        for (_, is_log, scan) in &scans {
-            for e in &scan.entries {
-                match e.kind {
-                    Kind::Put => {
-                        if merged.insert(e.id, e.payload).is_none() && *is_log {
-                            born.insert(e.id);
-                        }
-                    }
-                    Kind::Remove | Kind::Unreadable => {
-                        merged.remove(e.id);
-                        born.remove(e.id);
-                    }
-                    Kind::End => {}
-                }
-            }
-        }
+        let born: Vec<String> = {
+            let st = self.lock();
+            let map = self.read();
+            st.born
+                .iter()
+                .filter(|(g, id)| *g < gen && map.contains_key(id))
+                .map(|(_, id)| id.to_string())
+                .collect()
+        };
         if let Some(barrier) = self.barrier.get() {
-            let ids: Vec<String> = born.iter().map(|s| s.to_string()).collect();
-            barrier(&ids)?;
+            barrier(&born)?;
         }
         let snap = self.dir.join(snapshot_name(gen));
-        write_snapshot(&snap, merged.iter().map(|(id, p)| Ok((*id, *p))))?;
+        let written = self.write_snapshot_of_memory(&snap)?;
         failpoint::hit("store.compact.after-snapshot");
         {
             let mut st = self.lock();
             st.snapshot = gen;
-            st.snapshot_entries = merged.len() as u64;
+            st.snapshot_entries = written;
+            st.born.retain(|(g, _)| *g >= gen);
         }
         for name in base_file
             .map(snapshot_name)
@@ -802,6 +810,60 @@ impl<R: Record> Inner<R> {
             let _ = file::remove_file_if_exists(&self.dir.join(name));
         }
         Ok(())
+    }
+}
+
+impl<R: Record> Inner<R> {
+    /// Writes every record in memory into a new snapshot at `path`, a few hundred
+    /// at a time under the read lock, so that neither the files it replaces nor
+    /// a copy of the records is held, and a writer waits for one chunk at most.
+    /// Each record in memory is durable already (a batch is applied once
+    /// synced). Changes made meanwhile may or may not be in it: they are all in
+    /// the journal the snapshot comes before, whose replay makes each record what
+    /// its last entry says, whichever the snapshot holds. Returns how many
+    /// records it holds.
+    fn write_snapshot_of_memory(&self, path: &Path) -> Result<u64> {
+        const CHUNK: usize = 512;
+        let mut written = 0u64;
+        file::write_atomic_with(path, |w| {
+            let mut buf = Vec::new();
+            let mut after: Option<R::Id> = None;
+            #[cfg(test)]
+            let mut chunks = 0;
+            loop {
+                buf.clear();
+                let mut last = None;
+                {
+                    let map = self.read();
+                    let chunk = match after {
+                        Some(a) => map.range((Bound::Excluded(a), Bound::Unbounded)),
+                        None => map.range(..),
+                    };
+                    for (id, record) in chunk.take(CHUNK) {
+                        let payload = serde_json::to_vec(record).map_err(std::io::Error::other)?;
+                        journal::encode(&mut buf, 0, false, Kind::Put, &id.to_string(), &payload);
+                        last = Some(*id);
+                        written += 1;
+                    }
+                }
+                let Some(last) = last else { break };
+                w.write_all(&buf)?;
+                after = Some(last);
+                #[cfg(test)]
+                if let Some(hook) = self.chunk_hook.lock().unwrap().as_mut() {
+                    hook(chunks);
+                }
+                #[cfg(test)]
+                {
+                    chunks += 1;
+                }
+            }
+            buf.clear();
+            journal::encode(&mut buf, 0, true, Kind::End, "", b"");
+            w.write_all(&buf)
+        })
+        .context(|| format!("writing {}", path.display()))?;
+        Ok(written)
     }
 }
 
@@ -1200,6 +1262,108 @@ mod tests {
             model.insert(i, v.clone());
             s.put(&rec(i, &v))
         }
+    }
+
+    /// A compaction writes the records in memory a chunk at a time: changes
+    /// made between two chunks (a record of a written chunk changed, one of a
+    /// later chunk removed, records made on both sides) are in memory and in
+    /// the new journal, and a reopen reads back exactly what memory held.
+    #[test]
+    fn changes_between_the_chunks_of_a_compaction_are_kept() {
+        let tmp = tempfile::tempdir().unwrap();
+        let s = Store::<Rec>::open_with(
+            tmp.path(),
+            Tuning {
+                compact_at: u64::MAX,
+                inline: true,
+            },
+        )
+        .unwrap();
+        let mut model = BTreeMap::new();
+        for i in 0..2000 {
+            let v = format!("v{i}");
+            s.put(&rec(i * 2, &v)).unwrap();
+            model.insert(i * 2, v);
+        }
+        let during = s.clone();
+        let hooked = Arc::new(Mutex::new(0));
+        let calls = hooked.clone();
+        *s.inner.chunk_hook.lock().unwrap() = Some(Box::new(move |chunk| {
+            *calls.lock().unwrap() += 1;
+            if chunk == 0 {
+                during.put(&rec(10, "changed after its chunk")).unwrap();
+                during.remove(Tid(3000)).unwrap();
+                during.put(&rec(11, "made behind the writer")).unwrap();
+                during.put(&rec(3001, "made ahead of the writer")).unwrap();
+            }
+        }));
+        s.inner.lock().compacting = true;
+        s.inner.run_compaction();
+        assert!(
+            *hooked.lock().unwrap() >= 4,
+            "2000 records are several chunks"
+        );
+        model.insert(10, "changed after its chunk".into());
+        model.remove(&3000);
+        model.insert(11, "made behind the writer".into());
+        model.insert(3001, "made ahead of the writer".into());
+        assert_eq!(contents(&s), model);
+        *s.inner.chunk_hook.lock().unwrap() = None;
+        drop(s);
+        let files = names(tmp.path());
+        assert!(
+            files.contains("snapshot.1") && files.contains("log.1"),
+            "{files:?}"
+        );
+        assert!(!files.contains("log.0"), "{files:?}");
+        assert_eq!(contents(&open(tmp.path())), model);
+    }
+
+    /// The barrier is given the records the folded journals made and that still
+    /// exist: not those they only changed, not those removed since; after a
+    /// reopen too, where the journal it appends to was made before it.
+    #[test]
+    fn the_barrier_is_given_what_the_folded_journals_made() {
+        let tmp = tempfile::tempdir().unwrap();
+        let tuning = Tuning {
+            compact_at: u64::MAX,
+            inline: true,
+        };
+        let s = Store::<Rec>::open_with(tmp.path(), tuning).unwrap();
+        for i in 0..10 {
+            s.put(&rec(i, "first")).unwrap();
+        }
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let into = seen.clone();
+        s.set_compaction_barrier(Box::new(move |ids: &[String]| {
+            into.lock().unwrap().push(ids.to_vec());
+            Ok(())
+        }));
+        s.inner.lock().compacting = true;
+        s.inner.run_compaction();
+        let made: Vec<String> = (0..10).map(|i| Tid(i).to_string()).collect();
+        assert_eq!(seen.lock().unwrap().pop(), Some(made));
+        // In journal 1: 0 changed, 1 removed, 20 and 21 made, 21 removed.
+        s.put(&rec(0, "second")).unwrap();
+        s.remove(Tid(1)).unwrap();
+        s.put(&rec(20, "new")).unwrap();
+        s.put(&rec(21, "gone")).unwrap();
+        s.remove(Tid(21)).unwrap();
+        drop(s);
+        // Reopened: what journal 1 made is known from it.
+        let s = Store::<Rec>::open_with(tmp.path(), tuning).unwrap();
+        let into = seen.clone();
+        s.set_compaction_barrier(Box::new(move |ids: &[String]| {
+            into.lock().unwrap().push(ids.to_vec());
+            Ok(())
+        }));
+        s.put(&rec(30, "after the reopen")).unwrap();
+        s.inner.lock().compacting = true;
+        s.inner.run_compaction();
+        assert_eq!(
+            seen.lock().unwrap().pop(),
+            Some(vec![Tid(20).to_string(), Tid(30).to_string()])
+        );
     }
 
     #[test]
