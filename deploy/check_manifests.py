@@ -673,6 +673,12 @@ def check_rbac(name, docs, r):
                     r.check(allows(local, "storage.k8s.io", "csistoragecapacities", "create")
                             and allows(local, "", "pods", "get"),
                             f"{name}: {w}/{c['name']} may manage CSIStorageCapacity in {ns}")
+                    # The owner is found by walking up from the pod: each
+                    # level above the pod's owner needs a get of that owner.
+                    level = int(flag(c, "--capacity-ownerref-level", "1"))
+                    if d["kind"] == "Deployment" and level >= 2:
+                        r.check(allows(local, "apps", "replicasets", "get"),
+                                f"{name}: {w}/{c['name']} may get its ReplicaSet to find the Deployment owning its capacity objects")
         if not api_users:
             r.check(not cluster and not local,
                     f"{name}: {w} (no sidecar that uses the API) has no RBAC rules")

@@ -44,6 +44,7 @@ export PATH="$PATH:/usr/local/go/bin:$HOME/go/bin:/usr/sbin:/sbin:$HOME/.cargo/b
 
 FLAVORS=()
 SUITE=0
+NODE_VOLUME_LIMIT=""
 SCENARIOS=1
 SINGLE_NODE=0
 INSTALLER=kustomize
@@ -202,6 +203,24 @@ render() {
         # kustomize takes only relative paths
         echo "resources: [$(realpath --relative-to="$dir" "$E2E_ROOT/deploy/overlays/$flavor")]"
         [ -z "$REGISTRAR_BIN" ] && echo "components: [$(realpath --relative-to="$dir" "$E2E_ROOT/deploy/components/builtin-sidecars")]"
+        # NODE_VOLUME_LIMIT: the node plugin's --max-volumes-per-node (the
+        # suite's volume limit tests), through its environment variable
+        if [ -n "$NODE_VOLUME_LIMIT" ]; then
+            cat <<EOF
+patches:
+  - target: {kind: DaemonSet, name: example-csi-node}
+    patch: |
+      apiVersion: apps/v1
+      kind: DaemonSet
+      metadata: {name: example-csi-node}
+      spec:
+        template:
+          spec:
+            containers:
+              - name: csi-driver
+                env: [{name: CSI_MAX_VOLUMES_PER_NODE, value: "$NODE_VOLUME_LIMIT"}]
+EOF
+        fi
     } >"$dir/kustomization.yaml"
     # shellcheck disable=SC2086
     $KUSTOMIZE "$dir" >"$W/deploy-$flavor.yaml"
@@ -224,6 +243,7 @@ helm_install() {
     kc apply -f "$E2E_ROOT/deploy/base/namespace.yaml" >/dev/null
     local args=(--set "flavor=$1" --set-json 'storageClasses=[]' --set-json 'volumeSnapshotClasses=[]')
     [ -z "$REGISTRAR_BIN" ] && args+=(--set builtinSidecars=true)
+    [ -n "$NODE_VOLUME_LIMIT" ] && args+=(--set "driver.maxVolumesPerNode=$NODE_VOLUME_LIMIT")
     helm_ install example-csi "$E2E_ROOT/deploy/helm/example-csi" -n "$DRIVER_NS" "${args[@]}" \
         >"$W/logs/helm-install.log" 2>&1 || fail "helm install (logs/helm-install.log)"
 }
@@ -292,6 +312,8 @@ undeploy_flavor() {
     fi
     eventually 120 "driver pods gone" count_is 0 kc -n "$DRIVER_NS" get pods -o name
     eventually 60 "the kubelet unregistered the driver" not csinode_has_driver
+    eventually 120 "no CSIStorageCapacity left (collected with its owner)" \
+        count_is 0 kc get csistoragecapacity -A -o name
     check "no registration socket left" count_is 0 find /var/lib/kubelet/plugins_registry -name 'example.csi.k8s.io*'
     check "no driver socket left" count_is 0 find /var/lib/kubelet/plugins/example.csi.k8s.io -type s
 }
@@ -308,6 +330,7 @@ run_flavor() {
     storage_classes
     SUM=""
     scenario_provision
+    scenario_capacity
     scenario_snapshot_restore_clone
     scenario_expand
     scenario_block

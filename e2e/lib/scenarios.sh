@@ -415,18 +415,66 @@ node_plugin_on_nodes() {
         && kc -n "$DRIVER_NS" wait pod -l app.kubernetes.io/component=node --for=condition=Ready --timeout=5s >/dev/null
 }
 
+# capacity_of CLASS NODE: "BYTES MAX_BYTES OWNER_KIND/OWNER_NAME" of the
+# CSIStorageCapacity of CLASS for NODE's topology (nothing if there is none).
+capacity_of() {
+    kc get csistoragecapacity -A -o json | python3 -c '
+import json, re, sys
+cls, node = sys.argv[1], sys.argv[2]
+units = {"": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+         "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40}
+def bytes_of(q):
+    m = re.fullmatch(r"([0-9]+)([A-Za-z]*)", q or "0")
+    return int(m.group(1)) * units[m.group(2)] if m else 0
+for c in json.load(sys.stdin)["items"]:
+    if c.get("storageClassName") == cls and \
+            (c.get("nodeTopology") or {}).get("matchLabels", {}).get("topology.example.csi/node") == node:
+        o = (c["metadata"].get("ownerReferences") or [{}])[0]
+        print(bytes_of(c.get("capacity")), bytes_of(c.get("maximumVolumeSize")),
+              str(o.get("kind")) + "/" + str(o.get("name")))
+        break' "$1" "$2"
+}
+
 # capacity_for CLASS NODE: a CSIStorageCapacity of CLASS for NODE's topology,
 # with some capacity.
-capacity_for() {
-    kc get csistoragecapacity -A -o json | python3 -c '
-import json, sys
-cls, node = sys.argv[1], sys.argv[2]
-ok = any(
-    c.get("storageClassName") == cls
-    and (c.get("nodeTopology") or {}).get("matchLabels", {}).get("topology.example.csi/node") == node
-    and c.get("capacity") not in (None, "0")
-    for c in json.load(sys.stdin)["items"])
-sys.exit(0 if ok else 1)' "$1" "$2"
+capacity_for() { local c; c=$(capacity_of "$1" "$2"); [ -n "$c" ] && [ "${c%% *}" -gt 0 ]; }
+
+# near BYTES WANT: BYTES within 2 % of WANT (the pool changes a little
+# between the provisioner's poll and the look at it).
+near() { [ -n "$1" ] && [ $(( ($1 - $2) * 50 )) -le "$2" ] && [ $(( ($2 - $1) * 50 )) -le "$2" ]; }
+
+# Storage capacity tracking: external-provisioner publishes, for the class of
+# the design, what the node's ssd pool has free, owned by the workload that
+# runs it; the scheduler keeps a pod whose claim cannot fit off the node and
+# the driver is never asked for the volume.
+scenario_capacity() {
+    scenario "capacity: CSIStorageCapacity for the node, and a claim too large for it"
+    eventually 120 "CSIStorageCapacity of the ssd class for $NODE" capacity_for example-csi "$NODE" || return
+    local cap max owner free want_owner
+    read -r cap max owner <<<"$(capacity_of example-csi "$NODE")"
+    free=$(df -B1 --output=avail "$POOL_SSD" | tail -1 | tr -d ' ')
+    check "published capacity ($cap) is the ssd pool's free space ($free)" near "$cap" "$free"
+    check_eq "maximum volume size is the capacity" "$cap" "$max"
+    want_owner=Deployment/example-csi-controller
+    [ "$FLAVOR" = distributed ] && want_owner="Pod/$(kc -n "$DRIVER_NS" get pod -l app.kubernetes.io/component=node \
+        --field-selector "spec.nodeName=$NODE" -o jsonpath='{.items[0].metadata.name}')"
+    check_eq "the capacity object's owner" "$want_owner" "$owner"
+    local before; before=$(pool_files)
+    pvc huge 1Ti example-csi
+    pod huge-user huge "exec sleep 100000"
+    eventually 60 "a pod whose claim exceeds the capacity is unschedulable for lack of storage" \
+        pod_unschedulable_for huge-user 'enough free storage'
+    check_eq "its claim is not provisioned" Pending "$(jp pvc/huge '{.status.phase}')"
+    check_eq "the pools are as they were" "$before" "$(pool_files)"
+    delete_pod huge-user
+    kc -n "$NS" delete pvc huge --wait=true --timeout=60s >/dev/null 2>&1
+}
+
+# pod_unschedulable_for POD TEXT: the scheduler reports POD unschedulable with
+# a message containing TEXT.
+pod_unschedulable_for() {
+    jp "pod/$1" '{.status.conditions[?(@.type=="PodScheduled")].reason} {.status.conditions[?(@.type=="PodScheduled")].message}' \
+        | grep -q "^Unschedulable .*$2"
 }
 
 scenario_churn() {

@@ -11,6 +11,11 @@
 # undeploy_flavor, the checks of checks.sh.
 
 SUITE_PROCS=${SUITE_PROCS:-4}
+# The node plugin's volume limit while the suite runs (CSINode's allocatable
+# count): the volume limit tests fill it and check that one more pod is
+# refused by the scheduler; room enough for the tests that run beside each
+# other meanwhile.
+SUITE_VOLUME_LIMIT=${SUITE_VOLUME_LIMIT:-32}
 SUITE_TIMEOUT=${SUITE_TIMEOUT:-3h}
 # A narrower focus (a regex of test names) may be given; it should keep the
 # driver's name, or other drivers' tests would be asked for.
@@ -61,7 +66,11 @@ run_suite() {
     FLAVOR=central
     CONTROLLER_COMPONENT=controller
     set +e
-    deploy_flavor central || { undeploy_flavor central; set -e; return; }
+    NODE_VOLUME_LIMIT=$SUITE_VOLUME_LIMIT
+    deploy_flavor central || { NODE_VOLUME_LIMIT=""; undeploy_flavor central; set -e; return; }
+    NODE_VOLUME_LIMIT=""
+    check_eq "CSINode's volume limit is the node plugin's" "$SUITE_VOLUME_LIMIT" \
+        "$(kc get csinode "$NODE" -o jsonpath='{.spec.drivers[?(@.name=="example.csi.k8s.io")].allocatable.count}')"
     scenario "Kubernetes' External Storage suite ($KUBERNETES_VERSION, $SUITE_PROCS processes)"
     mkdir -p "$out"
     local skip start=$SECONDS

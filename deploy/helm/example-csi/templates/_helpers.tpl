@@ -276,6 +276,49 @@ subjects:
     namespace: {{ .ctx.Release.Namespace }}
 {{- end }}
 
+{{/* The Role of a provisioner with --enable-capacity: CSIStorageCapacity objects
+in the release's namespace, and the objects it reads to find their owner.
+(dict "ctx" $ "sa" NAME "owner" WHAT "replicasets" BOOL) */}}
+{{- define "example-csi.capacityRole" }}
+# Storage capacity tracking: CSIStorageCapacity objects in this namespace,
+# {{ .owner }}
+apiVersion: rbac.authorization.k8s.io/v1
+kind: Role
+metadata:
+  name: {{ .sa }}-capacity
+  namespace: {{ .ctx.Release.Namespace }}
+  labels:
+    {{- include "example-csi.labels" .ctx | nindent 4 }}
+rules:
+  - apiGroups: ["storage.k8s.io"]
+    resources: ["csistoragecapacities"]
+    verbs: ["get", "list", "watch", "create", "update", "patch", "delete"]
+  - apiGroups: [""]
+    resources: ["pods"]
+    verbs: ["get"]
+  {{- if .replicasets }}
+  - apiGroups: ["apps"]
+    resources: ["replicasets"]
+    verbs: ["get"]
+  {{- end }}
+---
+apiVersion: rbac.authorization.k8s.io/v1
+kind: RoleBinding
+metadata:
+  name: {{ .sa }}-capacity
+  namespace: {{ .ctx.Release.Namespace }}
+  labels:
+    {{- include "example-csi.labels" .ctx | nindent 4 }}
+roleRef:
+  apiGroup: rbac.authorization.k8s.io
+  kind: Role
+  name: {{ .sa }}-capacity
+subjects:
+  - kind: ServiceAccount
+    name: {{ .sa }}
+    namespace: {{ .ctx.Release.Namespace }}
+{{- end }}
+
 {{/* A host path the driver gets as a flag: absolute (the schema), plain, and
 free of ',' (--pool takes comma-separated lists). (dict "what" NAME "path" PATH) */}}
 {{- define "example-csi.checkPath" -}}
