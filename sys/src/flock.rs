@@ -88,6 +88,34 @@ impl LockFile {
         Ok(())
     }
 
+    /// Records this process as the holder: `pid N, WHAT`, which a second process
+    /// prints and [`try_exclusive_after_ended_holder`](Self::try_exclusive_after_ended_holder)
+    /// reads.
+    pub fn set_holder_process(&mut self, what: &str) -> Result<()> {
+        self.set_holder(&format!("pid {}, {what}", std::process::id()))
+    }
+
+    /// Like [`try_exclusive`](Self::try_exclusive), but when the lock is held and
+    /// the process its holder recorded (`pid N`) has ended, waits up to `wait`
+    /// for it to be let go. Only a child that process left can hold it then: one
+    /// it was starting when it died (cloned, not yet exec'd) keeps copies of all
+    /// its descriptors until it execs. A living holder is not waited for.
+    pub fn try_exclusive_after_ended_holder(
+        path: &Path,
+        wait: std::time::Duration,
+    ) -> Result<Option<LockFile>> {
+        let deadline = std::time::Instant::now() + wait;
+        loop {
+            if let Some(lock) = LockFile::try_exclusive(path)? {
+                return Ok(Some(lock));
+            }
+            if !holder_ended(path) || std::time::Instant::now() >= deadline {
+                return Ok(None);
+            }
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+    }
+
     /// What the holder of `path` wrote into it, if anything.
     pub fn holder(path: &Path) -> Option<String> {
         let mut s = String::new();
@@ -112,9 +140,58 @@ impl LockFile {
     }
 }
 
+/// Whether the holder of `path` recorded a pid whose process no longer exists.
+fn holder_ended(path: &Path) -> bool {
+    LockFile::holder(path)
+        .and_then(|h| {
+            h.strip_prefix("pid ")?
+                .split(',')
+                .next()?
+                .parse::<u32>()
+                .ok()
+        })
+        .is_some_and(|pid| !Path::new("/proc").join(pid.to_string()).exists())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::{Duration, Instant};
+
+    /// A lock whose recorded holder has ended (a child it left holds it until
+    /// it execs) is waited for; one whose holder lives is refused at once.
+    #[test]
+    fn a_lock_held_after_its_holder_ended_is_waited_for() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("owner.lock");
+        let mut held = LockFile::try_exclusive(&path).unwrap().unwrap();
+        // No process has this pid (above pid_max).
+        held.set_holder("pid 4294967295, --mode node").unwrap();
+        let release = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(300));
+            drop(held);
+        });
+        let t0 = Instant::now();
+        let got =
+            LockFile::try_exclusive_after_ended_holder(&path, Duration::from_secs(5)).unwrap();
+        assert!(got.is_some(), "the lock was let go after 300 ms");
+        assert!(t0.elapsed() >= Duration::from_millis(250));
+        release.join().unwrap();
+        drop(got);
+
+        let mut held = LockFile::try_exclusive(&path).unwrap().unwrap();
+        held.set_holder_process("--mode node").unwrap();
+        let t0 = Instant::now();
+        let got =
+            LockFile::try_exclusive_after_ended_holder(&path, Duration::from_secs(5)).unwrap();
+        assert!(got.is_none(), "a living holder's lock is not taken");
+        assert!(t0.elapsed() < Duration::from_secs(1), "and not waited for");
+        // Ended, and still held when the wait is over: refused.
+        held.set_holder("pid 4294967295, --mode node").unwrap();
+        let got =
+            LockFile::try_exclusive_after_ended_holder(&path, Duration::from_millis(100)).unwrap();
+        assert!(got.is_none());
+    }
 
     #[test]
     fn a_second_holder_is_refused_until_the_first_lets_go() {

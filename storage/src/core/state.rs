@@ -120,36 +120,10 @@ pub struct FreezeMarker {
     pub mountpoints: Vec<PathBuf>,
 }
 
-/// How long a start waits for a domain's lock whose recorded holder has ended.
-/// A process that dies while it starts a child (cloned, not yet exec'd) leaves
-/// that child holding copies of all its descriptors, the lock among them, until
-/// the child execs: a restart at once would find the state locked by nobody.
+/// How long a start waits for a domain's lock whose recorded holder has ended
+/// (see [`LockFile::try_exclusive_after_ended_holder`]): a restart at once after
+/// a crash would otherwise find the state locked by nobody.
 const ORPHANED_LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
-
-/// The owner lock at `path`, or None while another process holds it. A holder
-/// that wrote `pid N` and whose process N is gone is waited for, up to `wait`:
-/// only a child it left can be holding the lock then, and only until it execs.
-fn take_owner_lock(path: &Path, wait: std::time::Duration) -> csi_sys::Result<Option<LockFile>> {
-    let deadline = std::time::Instant::now() + wait;
-    loop {
-        if let Some(lock) = LockFile::try_exclusive(path)? {
-            return Ok(Some(lock));
-        }
-        let gone = LockFile::holder(path)
-            .and_then(|h| {
-                h.strip_prefix("pid ")?
-                    .split(',')
-                    .next()?
-                    .parse::<u32>()
-                    .ok()
-            })
-            .is_some_and(|pid| !Path::new("/proc").join(pid.to_string()).exists());
-        if !gone || std::time::Instant::now() >= deadline {
-            return Ok(None);
-        }
-        std::thread::sleep(std::time::Duration::from_millis(10));
-    }
-}
 
 impl StateDir {
     pub fn open(root: &Path) -> Result<StateDir> {
@@ -192,7 +166,7 @@ impl StateDir {
         let dir = self.domain(d);
         file::mkdir_p_mode(&dir, 0o700).context(|| format!("making {}", dir.display()))?;
         let path = dir.join("owner.lock");
-        let mut lock = take_owner_lock(&path, ORPHANED_LOCK_WAIT)
+        let mut lock = LockFile::try_exclusive_after_ended_holder(&path, ORPHANED_LOCK_WAIT)
             .context(|| format!("locking {}", path.display()))?
             .ok_or_else(|| {
                 let holder = LockFile::holder(&path)
@@ -205,8 +179,7 @@ impl StateDir {
                     self.root.display()
                 ))
             })?;
-        let holder = format!("pid {}, --mode {}", std::process::id(), d.name());
-        lock.set_holder(&holder)
+        lock.set_holder_process(&format!("--mode {}", d.name()))
             .context(|| format!("writing {}", path.display()))?;
         self.migrate(d)?;
         self.remove_interrupted_writes(d);
@@ -481,42 +454,6 @@ fn move_dir(old: &Path, new: &Path) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    /// A lock whose recorded holder has ended (a child it left holds it until
-    /// it execs) is waited for; one whose holder lives is refused at once.
-    #[test]
-    fn an_owner_lock_held_after_its_holder_ended_is_waited_for() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("owner.lock");
-        let mut held = LockFile::try_exclusive(&path).unwrap().unwrap();
-        // No process has this pid (above pid_max).
-        held.set_holder("pid 4294967295, --mode node").unwrap();
-        let release = std::thread::spawn(move || {
-            std::thread::sleep(std::time::Duration::from_millis(300));
-            drop(held);
-        });
-        let t0 = std::time::Instant::now();
-        let got = take_owner_lock(&path, std::time::Duration::from_secs(5)).unwrap();
-        assert!(got.is_some(), "the lock was let go after 300 ms");
-        assert!(t0.elapsed() >= std::time::Duration::from_millis(250));
-        release.join().unwrap();
-        drop(got);
-
-        let mut held = LockFile::try_exclusive(&path).unwrap().unwrap();
-        held.set_holder(&format!("pid {}, --mode node", std::process::id()))
-            .unwrap();
-        let t0 = std::time::Instant::now();
-        let got = take_owner_lock(&path, std::time::Duration::from_secs(5)).unwrap();
-        assert!(got.is_none(), "a living holder's lock is not taken");
-        assert!(
-            t0.elapsed() < std::time::Duration::from_secs(1),
-            "and not waited for"
-        );
-        // Ended, and still held when the wait is over: refused.
-        held.set_holder("pid 4294967295, --mode node").unwrap();
-        let got = take_owner_lock(&path, std::time::Duration::from_millis(100)).unwrap();
-        assert!(got.is_none());
-    }
 
     #[test]
     fn a_domain_is_claimed_once() {
