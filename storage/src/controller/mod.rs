@@ -151,12 +151,10 @@ impl Controller {
     pub fn objects_by_pool(&self) -> BTreeMap<String, (usize, usize)> {
         let mut out: BTreeMap<String, (usize, usize)> =
             self.pools.keys().map(|k| (k.clone(), (0, 0))).collect();
-        for v in self.volumes.all() {
-            out.entry(v.pool).or_default().0 += 1;
-        }
-        for s in self.snapshots.all() {
-            out.entry(s.pool).or_default().1 += 1;
-        }
+        self.volumes
+            .visit(|v| out.entry(v.pool).or_default().0 += 1);
+        self.snapshots
+            .visit(|s| out.entry(s.pool).or_default().1 += 1);
         out
     }
 }

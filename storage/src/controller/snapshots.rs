@@ -192,7 +192,7 @@ impl Controller {
             }
             return Ok(());
         };
-        if let Some(g) = rec.group.filter(|g| self.groups.get(*g).is_some()) {
+        if let Some(g) = rec.group.filter(|g| self.groups.contains(*g)) {
             return Err(Error::precondition(format!(
                 "snapshot {sid} belongs to group snapshot {g}; delete the group instead"
             )));
@@ -460,7 +460,7 @@ impl Controller {
             }
         }
         for s in self.snapshots.all() {
-            let orphan_member = s.group.is_some_and(|g| self.groups.get(g).is_none());
+            let orphan_member = s.group.is_some_and(|g| !self.groups.contains(g));
             if s.state != RecordState::Ready || orphan_member {
                 tracing::warn!(snapshot.id = %s.id, state = ?s.state, "repairing an interrupted snapshot");
                 self.roll_back_snapshot(&s)?;
@@ -468,7 +468,7 @@ impl Controller {
         }
         for pool in self.pools.values() {
             self.remove_orphans(&pool.snapshots_dir(), |stem| {
-                SnapshotId::parse(stem).is_some_and(|id| self.snapshots.get(id).is_some())
+                SnapshotId::parse(stem).is_some_and(|id| self.snapshots.contains(id))
                     || self.snapshots.is_quarantined(stem)
             })?;
         }

@@ -276,7 +276,7 @@ pub struct VolumeRecord {
     /// The size the request asked for when the driver made more (its filesystem's
     /// minimum, or a whole MiB): what a snapshot of the volume promises a restore
     /// needs, so that a restore may ask for what the source's creator asked for.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub requested: Option<u64>,
 }
 
@@ -299,7 +299,7 @@ pub struct SnapshotRecord {
     #[serde(default)]
     pub group: Option<GroupSnapshotId>,
     /// The source volume's `requested` size when it was taken.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(default)]
     pub requested: Option<u64>,
 }
 

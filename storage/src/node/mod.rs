@@ -206,7 +206,7 @@ impl Node {
     /// record); a call about an unknown volume has nothing to coordinate, and
     /// leaves no lock file behind.
     fn lock_if_known(&self, id: VolumeId) -> Result<Option<VolumeLock>> {
-        if self.locate(id).is_none() && self.node_records.get(id).is_none() {
+        if self.locate(id).is_none() && !self.node_records.contains(id) {
             return Ok(None);
         }
         self.lock_volume(id).map(Some)
@@ -215,9 +215,7 @@ impl Node {
     /// Removes the lock file of a volume whose data and record are both gone.
     fn release_if_gone(&self, id: VolumeId, lock: Option<VolumeLock>) -> Result<()> {
         match lock {
-            Some(l) if self.locate(id).is_none() && self.node_records.get(id).is_none() => {
-                l.remove()
-            }
+            Some(l) if self.locate(id).is_none() && !self.node_records.contains(id) => l.remove(),
             _ => Ok(()),
         }
     }

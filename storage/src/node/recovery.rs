@@ -40,7 +40,7 @@ impl Node {
         self.reconcile_staged_marks();
         for pool in self.pools.values() {
             self.remove_orphans(&pool.ephemeral_dir(), |stem| {
-                VolumeId::parse(stem).is_some_and(|id| self.ephemeral_volumes.get(id).is_some())
+                VolumeId::parse(stem).is_some_and(|id| self.ephemeral_volumes.contains(id))
             })?;
         }
         let loops: Vec<LoopDevice> = self
@@ -60,8 +60,7 @@ impl Node {
     /// directories) that no staged volume accounts for: reported, and unmounted
     /// when asked.
     fn report_orphan_mounts(&self, loops: &[LoopDevice]) {
-        let known_id =
-            |id: Option<VolumeId>| id.is_some_and(|id| self.node_records.get(id).is_some());
+        let known_id = |id: Option<VolumeId>| id.is_some_and(|id| self.node_records.contains(id));
         let all = self.mounts().unwrap_or_default();
         for m in all.iter().cloned() {
             if self
@@ -132,7 +131,7 @@ impl Node {
                     .backing_file
                     .file_stem()
                     .and_then(|s| VolumeId::parse(&s.to_string_lossy()))
-                    .is_some_and(|id| self.node_records.get(id).is_some());
+                    .is_some_and(|id| self.node_records.contains(id));
                 if !known {
                     tracing::warn!(device = %d.device.display(), file = %d.backing_file.display(),
                         clean = self.cfg.cleanup_orphans,

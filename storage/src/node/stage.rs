@@ -70,7 +70,7 @@ impl Node {
         let ToStage {
             id, loc, staging, ..
         } = *req;
-        let first_stage = self.node_records.get(id).is_none();
+        let first_stage = !self.node_records.contains(id);
         let ephemeral = volume.is_none();
         let result = volume
             .map_or(Ok(()), |v| v.set_staged(true))

@@ -49,26 +49,34 @@ impl Controller {
         let after = parse_token::<VolumeId>(starting_token, VolumeId::parse)?;
         // Checked outside the store's lock: the checks read files (and run btrfs
         // for subvolumes), which must not hold up writers.
+        // The records are taken a chunk at a time, so that no copy of them all is
+        // made.
+        const CHUNK: usize = 512;
         let mut volumes = Vec::new();
         let mut next_token = None;
-        let candidates = self
-            .volumes
-            .all()
-            .into_iter()
-            .filter(|r| r.state == RecordState::Ready && after.is_none_or(|a| r.id > a));
-        for r in candidates {
-            let problems = self.problems(&r);
-            if problems.is_empty() {
-                continue;
+        let mut cursor = after;
+        'pages: loop {
+            let (chunk, more) = self
+                .volumes
+                .page(cursor, CHUNK, |r| r.state == RecordState::Ready);
+            cursor = chunk.last().map(|r| r.id);
+            for r in chunk {
+                let problems = self.problems(&r);
+                if problems.is_empty() {
+                    continue;
+                }
+                if max_entries > 0 && volumes.len() == max_entries as usize {
+                    next_token = volumes.last().map(|v: &VolumeHealth| v.volume_id.clone());
+                    break 'pages;
+                }
+                volumes.push(VolumeHealth {
+                    volume_id: r.id.to_string(),
+                    problems,
+                });
             }
-            if max_entries > 0 && volumes.len() == max_entries as usize {
-                next_token = volumes.last().map(|v: &VolumeHealth| v.volume_id.clone());
+            if !more {
                 break;
             }
-            volumes.push(VolumeHealth {
-                volume_id: r.id.to_string(),
-                problems,
-            });
         }
         Ok(VolumeHealthPage {
             volumes,
