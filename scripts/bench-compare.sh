@@ -3,12 +3,22 @@
 # hostpathplugin (B), side by side on this machine, and writes the report
 # (results.txt, results.json, scale.svg, snapshot.svg, machine.txt) to OUT.
 #
-#   sudo scripts/bench-compare.sh OUT [--hostpath-version vX.Y.Z] [--hostpath-bin FILE]
-#                                     [--pool-size 48G] [--work DIR] [-- csi-bench flags...]
+#   sudo scripts/bench-compare.sh OUT [--stress] [--ours-only]
+#                                     [--hostpath-version vX.Y.Z] [--hostpath-bin FILE]
+#                                     [--pool-size 64G] [--work DIR] [-- csi-bench flags...]
 #
-# Needs root (loop devices, mounts), cargo, go, xfsprogs. Each driver gets its
-# own loop-mounted xfs image (same size, same mkfs options); hostpath's state and
-# data dir (-statedir) lies in its image, ours (--pool, --state-dir) in ours.
+# Needs root (loop devices, mounts), cargo, go, xfsprogs; stress-ng for --stress.
+# Each driver gets its own loop-mounted xfs image (same size, same mkfs options);
+# hostpath's state and data dir (-statedir) lies in its image, ours (--pool,
+# --state-dir) in ours.
+#
+# --stress runs `stress-ng --io 2 --cpu 1` beside both drivers for the whole run.
+# --ours-only measures csi-driver alone (no reference to build): the goals that
+# compare with the reference are then reported as not measured.
+#
+# Without csi-bench flags the run measures every goal of the report: volumes
+# present up to 100,000 (the reference is given at most 10,000: each of its
+# changes rewrites its whole state), snapshots of up to 16 GiB of data.
 #
 # hostpathplugin is built from the Go module proxy at a pinned release through a
 # wrapper module (its go.mod has `replace` lines, so `go install pkg@version` is
@@ -21,19 +31,23 @@ set -euo pipefail
 HOSTPATH_MODULE=github.com/kubernetes-csi/csi-driver-host-path
 HOSTPATH_VERSION=v1.18.0
 HOSTPATH_BIN=""
-POOL_SIZE=48G
+POOL_SIZE=64G
+STRESS=""
+OURS_ONLY=""
 WORK=/tmp/csi-bench-work
 OUT=""
 BENCH_ARGS=()
 
 while [ $# -gt 0 ]; do
     case "$1" in
+        --stress) STRESS=1; shift ;;
+        --ours-only) OURS_ONLY=1; shift ;;
         --hostpath-version) HOSTPATH_VERSION=$2; shift 2 ;;
         --hostpath-bin) HOSTPATH_BIN=$(realpath "$2"); shift 2 ;;
         --pool-size) POOL_SIZE=$2; shift 2 ;;
         --work) WORK=$2; shift 2 ;;
         --) shift; BENCH_ARGS=("$@"); break ;;
-        -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,29p' "$0"; exit 0 ;;
         -*) echo "unknown flag $1" >&2; exit 2 ;;
         *) OUT=$1; shift ;;
     esac
@@ -43,13 +57,24 @@ done
 for tool in cargo go mkfs.xfs losetup mount tar; do
     command -v "$tool" >/dev/null || { echo "$0: $tool is missing (scripts/install-deps.sh)" >&2; exit 2; }
 done
+if [ -n "$STRESS" ] && ! command -v stress-ng >/dev/null; then
+    echo "$0: --stress needs stress-ng (apt-get install stress-ng)" >&2
+    exit 2
+fi
+if [ ${#BENCH_ARGS[@]} = 0 ]; then
+    BENCH_ARGS=(--scale-steps 0,2000,10000,100000 --memory-volumes 10000,100000
+        --startup-volumes 10000,100000 --startup-repeats 3 --snapshot-sizes 100Mi,1Gi,16Gi
+        --b-max-volumes 10000)
+fi
 
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 mkdir -p "$OUT" "$WORK"
 OUT=$(realpath "$OUT")
 WORK=$(realpath "$WORK")
 
+STRESS_PID=""
 cleanup() {
+    [ -z "$STRESS_PID" ] || { kill "$STRESS_PID" 2>/dev/null; wait "$STRESS_PID" 2>/dev/null || true; }
     # Everything mounted or attached below the work directory, deepest first.
     for _ in 1 2 3; do
         { findmnt -rn -o TARGET | grep "^$WORK/" || true; } | sort -r | while read -r m; do
@@ -69,10 +94,12 @@ echo "== building csi-driver and csi-bench (release)"
 DRIVER="$ROOT/target/release/csi-driver"
 BENCH="$ROOT/target/release/csi-bench"
 
-echo "== building hostpathplugin $HOSTPATH_VERSION"
 HOSTPATH="$WORK/hostpathplugin-$HOSTPATH_VERSION"
 HOSTPATH_HOW=""
-if [ ! -x "$HOSTPATH" ]; then
+if [ -n "$OURS_ONLY" ]; then
+    echo "== csi-driver alone (--ours-only)"
+elif [ ! -x "$HOSTPATH" ]; then
+    echo "== building hostpathplugin $HOSTPATH_VERSION"
     W="$WORK/hostpath-wrapper"
     rm -rf "$W" && mkdir -p "$W"
     if gomod=$(cd "$W" && go mod download -json "$HOSTPATH_MODULE@$HOSTPATH_VERSION" 2>/dev/null | sed -n 's/.*"GoMod": "\(.*\)".*/\1/p') && [ -n "$gomod" ]; then
@@ -120,22 +147,36 @@ rm -f "$WORK/a.sock" "$WORK/b.sock"
     echo "memory: $(awk '/MemTotal/{printf "%.1f GiB", $2/1048576}' /proc/meminfo)"
     echo "kernel: $(uname -r)"
     echo "csi-driver: $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown) (release build)"
-    echo "hostpathplugin: $HOSTPATH_VERSION, $HOSTPATH_HOW"
+    if [ -n "$OURS_ONLY" ]; then
+        echo "hostpathplugin: not measured (--ours-only)"
+    else
+        echo "hostpathplugin: $HOSTPATH_VERSION, $HOSTPATH_HOW"
+    fi
     echo "pools: xfs (mkfs.xfs -m reflink=1) on ${POOL_SIZE} sparse images, loop-mounted"
-    echo "command: $0 $OUT ${BENCH_ARGS[*]:-}"
+    if [ -n "$STRESS" ]; then echo "load: stress-ng --io 2 --cpu 1 beside the drivers"; else echo "load: none added"; fi
+    echo "command: $0 $OUT ${STRESS:+--stress }${OURS_ONLY:+--ours-only }${BENCH_ARGS[*]:-}"
 } > "$OUT/machine.txt"
 cat "$OUT/machine.txt"
 
+REFERENCE=()
+if [ -z "$OURS_ONLY" ]; then
+    REFERENCE=(--compare
+        --b-name hostpath
+        --b-endpoint "unix://$WORK/b.sock"
+        --b-start "$HOSTPATH -endpoint unix://$WORK/b.sock -nodeid bench-node -statedir $WORK/b/state -capacity dir=1000Ti -capacity image=1000Ti -v 0"
+        --b-pool "$WORK/b/state")
+fi
+if [ -n "$STRESS" ]; then
+    stress-ng --io 2 --cpu 1 --quiet &
+    STRESS_PID=$!
+fi
+
 echo "== running csi-bench"
-"$BENCH" --compare \
+"$BENCH" "${REFERENCE[@]}" \
     --a-name csi-driver \
     --a-endpoint "unix://$WORK/a.sock" \
     --a-start "$DRIVER --endpoint unix://$WORK/a.sock --nodeid bench-node --pool default=$WORK/a/pool --state-dir $WORK/a/state --log-level warn" \
     --a-pool "$WORK/a/pool" \
-    --b-name hostpath \
-    --b-endpoint "unix://$WORK/b.sock" \
-    --b-start "$HOSTPATH -endpoint unix://$WORK/b.sock -nodeid bench-node -statedir $WORK/b/state -capacity dir=1000Ti -capacity image=1000Ti -v 0" \
-    --b-pool "$WORK/b/state" \
     --scratch "$WORK/scratch" \
     --out "$OUT" \
     "${BENCH_ARGS[@]}"

@@ -63,6 +63,11 @@ pub struct Args {
     b_pid: Option<u32>,
     #[arg(long, default_value = "B")]
     b_name: String,
+    /// The most volumes B is given by scale, memory and startup: their steps above
+    /// it are measured for A alone (a driver whose every change rewrites all its
+    /// state would take hours to reach 100,000).
+    #[arg(long)]
+    b_max_volumes: Option<usize>,
 
     /// Scenarios to run (comma-separated): create-delete, scale, snapshot, node, startup, memory, all.
     #[arg(long, value_delimiter = ',', default_value = "all")]
@@ -95,8 +100,8 @@ pub struct Args {
     )]
     node_kinds: Vec<String>,
     /// Volumes present when startup is timed (besides 0).
-    #[arg(long, default_value_t = 10000)]
-    startup_volumes: usize,
+    #[arg(long, value_delimiter = ',', default_value = "10000")]
+    startup_volumes: Vec<usize>,
     /// Restarts timed at each startup step in a round; the figure is their median
     /// (the population is made once per round, and a restart is quick).
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..))]
@@ -195,7 +200,8 @@ async fn run(args: Args) -> Result<(), String> {
     for round in 0..args.rounds {
         for (i, t) in targets.iter_mut().enumerate() {
             eprintln!("== round {} / {}: {}", round + 1, args.rounds, t.spec.name);
-            let figs = run_round(t, &args, &chosen, round).await?;
+            let most = if i == 0 { None } else { args.b_max_volumes };
+            let figs = run_round(t, &args, &chosen, round, most).await?;
             results[i].push(figs);
             // Keep what was measured so far, in case a later round fails.
             report::write(&args, &targets_names(&results, &args), &results)?;
@@ -224,6 +230,7 @@ async fn run_round(
     args: &Args,
     chosen: &BTreeSet<String>,
     round: usize,
+    most: Option<usize>,
 ) -> Result<Figures, String> {
     let mut out = Figures::default();
     let stamp = SystemTime::now()
@@ -280,7 +287,7 @@ async fn run_round(
         };
         scenarios::snapshot(t, &tag, &args.snapshot_sizes, &with, &mut out).await?;
     }
-    ladder(t, args, &has, &tag, &mut out).await?;
+    ladder(t, args, &has, &tag, most, &mut out).await?;
     Ok(out)
 }
 
@@ -290,6 +297,7 @@ async fn ladder(
     args: &Args,
     has: &impl Fn(&str) -> bool,
     tag: &str,
+    most: Option<usize>,
     out: &mut Figures,
 ) -> Result<(), String> {
     let mut steps = BTreeSet::new();
@@ -300,7 +308,10 @@ async fn ladder(
         steps.extend(args.memory_volumes.iter().copied());
     }
     if has("startup") && t.can_restart() {
-        steps.insert(args.startup_volumes);
+        steps.extend(args.startup_volumes.iter().copied());
+    }
+    if let Some(most) = most {
+        steps.retain(|&n| n <= most);
     }
     if !steps.is_empty() {
         eprintln!("  scale/memory/startup ladder: {steps:?}");
@@ -316,7 +327,7 @@ async fn ladder(
                 out.put(format!("memory/{n}/rss_mib"), m);
             }
         }
-        if has("startup") && t.can_restart() && n == args.startup_volumes {
+        if has("startup") && t.can_restart() && args.startup_volumes.contains(&n) {
             let d = timed_restarts(t, args.startup_repeats).await?;
             out.put(format!("startup/{n}/ready_ms"), scenarios::ms(d));
         }

@@ -81,6 +81,35 @@ pub async fn delete(ctl: &mut ControllerClient<Channel>, id: &str) -> Result<(),
     Ok(())
 }
 
+/// Volumes a ListVolumes page asks for, as a client walking them all would.
+const LIST_PAGE: i32 = 1000;
+
+/// The time to list every volume, a page at a time, and the pages it took; None
+/// when the driver does not list volumes.
+async fn list_all(ctl: &mut ControllerClient<Channel>) -> Result<Option<(Duration, usize)>, Error> {
+    let t0 = Instant::now();
+    let mut token = String::new();
+    let mut pages = 0;
+    loop {
+        let page = match ctl
+            .list_volumes(csi::ListVolumesRequest {
+                max_entries: LIST_PAGE,
+                starting_token: token.clone(),
+            })
+            .await
+        {
+            Ok(r) => r.into_inner(),
+            Err(s) if pages == 0 && s.code() == tonic::Code::Unimplemented => return Ok(None),
+            Err(s) => return Err(status("ListVolumes", s)),
+        };
+        pages += 1;
+        if page.next_token.is_empty() {
+            return Ok(Some((t0.elapsed(), pages)));
+        }
+        token = page.next_token;
+    }
+}
+
 /// Runs `count` jobs with `concurrency` workers; returns each job's latency and the wall time.
 async fn fan_out<F, Fut>(
     count: usize,
@@ -242,6 +271,10 @@ pub async fn scale_step(
     params: &[(String, String)],
     out: &mut Figures,
 ) -> Result<(), Error> {
+    if let Some((took, pages)) = list_all(&mut t.ctl).await? {
+        out.put(format!("scale/{present}/list_all_ms"), ms(took));
+        out.put(format!("scale/{present}/list_pages"), pages as f64);
+    }
     let mut ids = Vec::with_capacity(ops);
     let mut lat = Vec::with_capacity(ops);
     for i in 0..ops {

@@ -88,7 +88,8 @@ pub fn snapshot(names: &[String], meds: &[Medians]) -> Option<String> {
     )
 }
 
-fn mib(label: &str) -> Option<f64> {
+/// The MiB a size label (100MiB, 4GiB) names.
+pub fn mib(label: &str) -> Option<f64> {
     if let Some(g) = label.strip_suffix("GiB") {
         return g.parse::<f64>().ok().map(|g| g * 1024.0);
     }
