@@ -16,6 +16,7 @@ use tonic::Status;
 use tracing::Instrument;
 
 mod status;
+pub use csi_sys::memory::release_free;
 pub use status::{code, status};
 
 /// The state every service holds.

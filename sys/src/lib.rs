@@ -27,6 +27,7 @@ pub mod fresh;
 pub mod fsrecord;
 pub mod health;
 pub mod linux;
+pub mod memory;
 pub mod mountinfo;
 pub mod socket;
 pub mod xattr;
