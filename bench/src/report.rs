@@ -217,9 +217,24 @@ fn both<'a>(a: &'a Medians, b: &'a Medians) -> impl Fn(&str) -> Option<(f64, f64
     move |k| Some((*a.get(k)?, *b.get(k)?))
 }
 
-/// A's figure `k` against a fixed bound.
-fn under<'a>(a: &'a Medians, bound: f64) -> impl Fn(&str) -> Option<(f64, f64)> + 'a {
-    move |k| a.get(k).map(|x| (*x, bound))
+/// Our figure `key` under a fixed `bound`, shown in `unit`.
+fn below(a: &Medians, goal: &str, key: &str, bound: f64, unit: &str) -> Goal {
+    check(
+        goal,
+        a.get(key).map(|x| (*x, bound)),
+        |x, y| x < y,
+        |x, _| format!("{x:.2} {unit}"),
+    )
+}
+
+/// Our figure `key` at most `factor` times our figure `base`.
+fn within(a: &Medians, goal: &str, key: &str, base: &str, factor: f64) -> Goal {
+    check(
+        goal,
+        a.get(key).zip(a.get(base)).map(|(x, y)| (*x, *y)),
+        |x, y| x <= factor * y,
+        |x, y| format!("{x:.2} ms vs {y:.2} ms ({:.2}x)", x / y),
+    )
 }
 
 fn ms_vs(x: f64, y: f64) -> String {
@@ -259,46 +274,47 @@ fn volume_goals(a: &Medians, b: &Medians) -> Vec<Goal> {
 
 /// Start-up, and 100,000 volumes: latency, memory, listing.
 fn scale_goals(a: &Medians, b: &Medians) -> Vec<Goal> {
-    let both = both(a, b);
-    let ms = |x: f64, _| format!("{x:.1} ms");
     vec![
-        check(
+        below(
+            a,
             "startup to ready with 10000 volumes under 60 ms",
-            under(a, 60.0)("startup/10000/ready_ms"),
-            |x, y| x < y,
-            ms,
+            "startup/10000/ready_ms",
+            60.0,
+            "ms",
         ),
         check(
             "startup to ready with 10000 volumes below the reference's",
-            both("startup/10000/ready_ms"),
+            both(a, b)("startup/10000/ready_ms"),
             |x, y| x < y,
             ms_vs,
         ),
-        check(
+        below(
+            a,
             "startup to ready with 100000 volumes under 500 ms",
-            under(a, 500.0)("startup/100000/ready_ms"),
-            |x, y| x < y,
-            ms,
+            "startup/100000/ready_ms",
+            500.0,
+            "ms",
         ),
-        check(
+        within(
+            a,
             "our CreateVolume p50 at 100000 within 1.5x of at 0",
-            a.get("scale/100000/create_p50_ms")
-                .zip(a.get("scale/0/create_p50_ms"))
-                .map(|(x, y)| (*x, *y)),
-            |x, y| x <= 1.5 * y,
-            |x, y| format!("{x:.2} ms vs {y:.2} ms ({:.2}x)", x / y),
+            "scale/100000/create_p50_ms",
+            "scale/0/create_p50_ms",
+            1.5,
         ),
-        check(
+        below(
+            a,
             "RSS with 100000 volumes under 64 MiB",
-            under(a, 64.0)("memory/100000/rss_mib"),
-            |x, y| x < y,
-            |x, _| format!("{x:.1} MiB"),
+            "memory/100000/rss_mib",
+            64.0,
+            "MiB",
         ),
-        check(
+        below(
+            a,
             "ListVolumes of all pages with 100000 volumes under 1 s",
-            under(a, 1000.0)("scale/100000/list_all_ms"),
-            |x, y| x < y,
-            ms,
+            "scale/100000/list_all_ms",
+            1000.0,
+            "ms",
         ),
     ]
 }
@@ -306,11 +322,12 @@ fn scale_goals(a: &Medians, b: &Medians) -> Vec<Goal> {
 /// Stage and publish of a new image volume with a filesystem, and their undoing.
 fn node_goals(a: &Medians, b: &Medians) -> Vec<Goal> {
     let both = both(a, b);
-    let mut out = vec![check(
+    let mut out = vec![below(
+        a,
         "image stage_publish p50 under 15 ms",
-        under(a, 15.0)("node/image/stage_publish_p50_ms"),
-        |x, y| x < y,
-        |x, _| format!("{x:.2} ms"),
+        "node/image/stage_publish_p50_ms",
+        15.0,
+        "ms",
     )];
     for kind in ["image", "dir"] {
         out.push(check(
@@ -342,22 +359,22 @@ fn snapshot_goals(a: &Medians) -> Vec<Goal> {
         ("restore", "restore", 10.0),
     ] {
         for (_, label) in &sizes {
-            out.push(check(
+            out.push(below(
+                a,
                 &format!("{name} of {label} under {bound:.0} ms"),
-                under(a, bound)(&format!("snapshot/{label}/{op}_ms")),
-                |x, y| x < y,
-                |x, _| format!("{x:.2} ms"),
+                &format!("snapshot/{label}/{op}_ms"),
+                bound,
+                "ms",
             ));
         }
         if let (Some((_, small)), Some((_, large))) = (sizes.first(), sizes.last()) {
             if small != large {
-                out.push(check(
+                out.push(within(
+                    a,
                     &format!("{name} of {large} within 2x of {small}"),
-                    a.get(&format!("snapshot/{large}/{op}_ms"))
-                        .zip(a.get(&format!("snapshot/{small}/{op}_ms")))
-                        .map(|(x, y)| (*x, *y)),
-                    |x, y| x <= 2.0 * y,
-                    |x, y| format!("{x:.2} ms vs {y:.2} ms ({:.2}x)", x / y),
+                    &format!("snapshot/{large}/{op}_ms"),
+                    &format!("snapshot/{small}/{op}_ms"),
+                    2.0,
                 ));
             }
         }

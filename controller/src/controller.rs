@@ -1,7 +1,6 @@
 //! The CSI Controller service.
 
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use csi_glue::{
     bytes, call, capabilities, capacity, hash_map, map, optional_capability, timestamp, topology,
@@ -26,49 +25,6 @@ pub struct ControllerService {
 impl ControllerService {
     pub fn new(controller: Arc<Domain>) -> Self {
         ControllerService { controller }
-    }
-}
-
-/// Entries of a ListVolumes page after which the memory its work freed is
-/// handed back to the system.
-const LARGE_PAGE: usize = 256;
-
-/// When the memory freed by large ListVolumes pages is handed back.
-static RELEASE_AFTER_LISTING: ReleaseAfterListing = ReleaseAfterListing {
-    pending: AtomicBool::new(false),
-    last: Mutex::new(None),
-};
-
-/// Each large page leaves its records' memory in the arena of the blocking
-/// thread that served it (glibc keeps what a thread frees for that thread's
-/// arena): a listing of 100,000 volumes a thousand at a time kept about
-/// 30 MiB. It is handed back once the listing ends (the last page), and at
-/// most once a second while a listing goes on (each release walks every
-/// arena).
-struct ReleaseAfterListing {
-    pending: AtomicBool,
-    last: Mutex<Option<std::time::Instant>>,
-}
-
-impl ReleaseAfterListing {
-    /// Notes a page served; returns whether the memory was handed back.
-    fn page_served(&self, large: bool, last_page: bool) -> bool {
-        if large {
-            self.pending.store(true, Ordering::Relaxed);
-        }
-        if !self.pending.load(Ordering::Relaxed) {
-            return false;
-        }
-        let mut last = self.last.lock().unwrap_or_else(|p| p.into_inner());
-        let due =
-            last_page || last.is_none_or(|t| t.elapsed() >= std::time::Duration::from_secs(1));
-        if due && self.pending.swap(false, Ordering::Relaxed) {
-            *last = Some(std::time::Instant::now());
-            drop(last);
-            csi_glue::release_free();
-            return true;
-        }
-        false
     }
 }
 
@@ -278,9 +234,8 @@ impl Controller for ControllerService {
                 })
                 .collect();
             let next_token = page.next_token.unwrap_or_default();
-            let large = entries.len() >= LARGE_PAGE;
             drop(page.volumes);
-            RELEASE_AFTER_LISTING.page_served(large, next_token.is_empty());
+            csi_glue::memory::listing_page_served(entries.len(), next_token.is_empty());
             Ok(csi::ListVolumesResponse {
                 entries,
                 next_token,
@@ -533,39 +488,5 @@ impl Controller for ControllerService {
         Ok(Response::new(csi::ControllerGetVolumeHealthResponse {
             volume_health: Some(volume_health(&h)),
         }))
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn fresh() -> ReleaseAfterListing {
-        ReleaseAfterListing {
-            pending: AtomicBool::new(false),
-            last: Mutex::new(None),
-        }
-    }
-
-    #[test]
-    fn memory_is_handed_back_when_a_large_listing_ends_and_at_most_once_a_second_before() {
-        let r = fresh();
-        assert!(
-            !r.page_served(false, true),
-            "small listings hand nothing back"
-        );
-        assert!(r.page_served(true, false), "the first large page does");
-        assert!(
-            !r.page_served(true, false),
-            "another within a second does not"
-        );
-        assert!(r.page_served(false, true), "the listing's end does");
-        assert!(!r.page_served(false, true), "nothing is pending after it");
-        *r.last.lock().unwrap() =
-            Some(std::time::Instant::now() - std::time::Duration::from_secs(2));
-        assert!(
-            r.page_served(true, false),
-            "a second later a large page does again"
-        );
     }
 }

@@ -15,8 +15,8 @@ use csi_storage::{cancel, health, Core, Driver, Error};
 use tonic::Status;
 use tracing::Instrument;
 
+pub mod memory;
 mod status;
-pub use csi_sys::memory::release_free;
 pub use status::{code, status};
 
 /// The state every service holds.

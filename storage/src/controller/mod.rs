@@ -16,7 +16,7 @@ mod tests;
 pub mod volumes;
 
 use std::collections::BTreeMap;
-use std::ops::Deref;
+use std::ops::{ControlFlow, Deref};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::thread::JoinHandle;
 
@@ -151,10 +151,14 @@ impl Controller {
     pub fn objects_by_pool(&self) -> BTreeMap<String, (usize, usize)> {
         let mut out: BTreeMap<String, (usize, usize)> =
             self.pools.keys().map(|k| (k.clone(), (0, 0))).collect();
-        self.volumes
-            .visit(|v| out.entry(v.pool).or_default().0 += 1);
-        self.snapshots
-            .visit(|s| out.entry(s.pool).or_default().1 += 1);
+        self.volumes.visit(None, |v| {
+            out.entry(v.pool).or_default().0 += 1;
+            ControlFlow::Continue(())
+        });
+        self.snapshots.visit(None, |s| {
+            out.entry(s.pool).or_default().1 += 1;
+            ControlFlow::Continue(())
+        });
         out
     }
 }

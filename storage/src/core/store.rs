@@ -26,7 +26,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Display;
-use std::ops::Bound;
+use std::ops::{Bound, ControlFlow};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, RwLock};
 use std::thread::JoinHandle;
@@ -52,6 +52,10 @@ pub trait Record: Serialize + DeserializeOwned + Clone + Send + Sync + 'static {
 /// records those journals made: whatever recovery would make again for them
 /// from the journal must be made durable first.
 pub type Barrier = Box<dyn Fn(&[String]) -> Result<()> + Send + Sync>;
+
+/// Records decoded (for a caller walking them all) or written (by a
+/// compaction) per hold of the read lock: a writer waits for one chunk at most.
+const CHUNK: usize = 512;
 
 /// Entries a start may parse beyond twice the live records before the removals
 /// that left them are compacted away.
@@ -515,27 +519,31 @@ impl<R: Record> Store<R> {
     /// The records `filter` picks, in id order.
     pub fn select(&self, filter: impl Fn(&R) -> bool) -> Vec<R> {
         let mut out = Vec::new();
-        self.visit(|r| {
+        self.visit(None, |r| {
             if filter(&r) {
                 out.push(r);
             }
+            ControlFlow::Continue(())
         });
         out
     }
 
-    /// Calls `f` with every record in id order, decoding a few hundred at a
-    /// time under the read lock: no copy of all the records is made, and a
-    /// writer waits for one chunk at most. A record changed meanwhile is seen
-    /// as it was or as it is.
-    pub fn visit(&self, mut f: impl FnMut(R)) {
-        const CHUNK: usize = 512;
-        let mut after = None;
+    /// Calls `f` with every record after `after` (all when None) in id order
+    /// until it breaks, decoding a chunk at a time under the read lock and
+    /// calling `f` outside it: no copy of all the records is made, `f` may take
+    /// its time, and a writer waits for one chunk at most. A record changed
+    /// meanwhile is seen as it was or as it is.
+    pub fn visit(&self, mut after: Option<R::Id>, mut f: impl FnMut(R) -> ControlFlow<()>) {
         loop {
             let (chunk, more) = self.page(after, CHUNK, |_| true);
             after = chunk.last().map(R::id);
-            chunk.into_iter().for_each(&mut f);
+            for r in chunk {
+                if f(r).is_break() {
+                    return;
+                }
+            }
             if !more {
-                break;
+                return;
             }
         }
     }
@@ -874,7 +882,6 @@ impl<R: Record> Inner<R> {
     /// its last entry says, whichever the snapshot holds. Returns how many
     /// records it holds.
     fn write_snapshot_of_memory(&self, path: &Path) -> Result<u64> {
-        const CHUNK: usize = 512;
         let mut written = 0u64;
         file::write_atomic_with(path, |w| {
             let mut buf = Vec::new();

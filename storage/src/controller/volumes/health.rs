@@ -1,6 +1,8 @@
 //! ControllerGetVolumeHealth and ControllerListVolumeHealth: what the
 //! controller can see of a volume, its data in its pool.
 
+use std::ops::ControlFlow;
+
 use crate::data::parse_token;
 use crate::error::{Error, Result};
 use crate::health::{data_problems, Problems, Severity, VolumeHealth, VolumeHealthPage};
@@ -47,37 +49,29 @@ impl Controller {
             return Err(Error::invalid("max_entries must not be negative"));
         }
         let after = parse_token::<VolumeId>(starting_token, VolumeId::parse)?;
-        // Checked outside the store's lock: the checks read files (and run btrfs
-        // for subvolumes), which must not hold up writers.
-        // The records are taken a chunk at a time, so that no copy of them all is
-        // made.
-        const CHUNK: usize = 512;
+        // Checked outside the store's lock (visit calls back outside it): the
+        // checks read files (and run btrfs for subvolumes), which must not hold
+        // up writers.
         let mut volumes = Vec::new();
         let mut next_token = None;
-        let mut cursor = after;
-        'pages: loop {
-            let (chunk, more) = self
-                .volumes
-                .page(cursor, CHUNK, |r| r.state == RecordState::Ready);
-            cursor = chunk.last().map(|r| r.id);
-            for r in chunk {
-                let problems = self.problems(&r);
-                if problems.is_empty() {
-                    continue;
-                }
-                if max_entries > 0 && volumes.len() == max_entries as usize {
-                    next_token = volumes.last().map(|v: &VolumeHealth| v.volume_id.clone());
-                    break 'pages;
-                }
-                volumes.push(VolumeHealth {
-                    volume_id: r.id.to_string(),
-                    problems,
-                });
+        self.volumes.visit(after, |r| {
+            if r.state != RecordState::Ready {
+                return ControlFlow::Continue(());
             }
-            if !more {
-                break;
+            let problems = self.problems(&r);
+            if problems.is_empty() {
+                return ControlFlow::Continue(());
             }
-        }
+            if max_entries > 0 && volumes.len() == max_entries as usize {
+                next_token = volumes.last().map(|v: &VolumeHealth| v.volume_id.clone());
+                return ControlFlow::Break(());
+            }
+            volumes.push(VolumeHealth {
+                volume_id: r.id.to_string(),
+                problems,
+            });
+            ControlFlow::Continue(())
+        });
         Ok(VolumeHealthPage {
             volumes,
             next_token,
