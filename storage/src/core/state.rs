@@ -70,6 +70,8 @@ struct Sweeping {
     now: Option<VolumeId>,
     /// Every volume whose lock it has tried (only volumes found gone).
     tried: BTreeSet<VolumeId>,
+    /// Calls waiting now for the sweep to let a lock go.
+    waiting: usize,
 }
 
 /// The sweep's claim on one volume's lock: released on drop.
@@ -247,18 +249,31 @@ impl StateDir {
     /// Whether the sweep may have been what held `id`'s lock; waits (briefly:
     /// the sweep holds a lock for a check and an unlink) until it lets it go.
     fn wait_for_sweep(&self, id: VolumeId) -> bool {
-        let st = self.sweep.state.lock().unwrap_or_else(|p| p.into_inner());
+        let mut st = self.sweep.state.lock().unwrap_or_else(|p| p.into_inner());
         if !st.tried.contains(&id) {
             return false;
         }
-        let (_st, _) = self
+        st.waiting += 1;
+        let (mut st, _) = self
             .sweep
             .released
             .wait_timeout_while(st, std::time::Duration::from_secs(1), |st| {
                 st.now == Some(id)
             })
             .unwrap_or_else(|p| p.into_inner());
+        st.waiting -= 1;
         true
+    }
+
+    /// How many calls wait now for the sweep to let a lock go (for the tests that
+    /// order a call against the sweep).
+    #[cfg(test)]
+    pub(crate) fn sweep_waiters(&self) -> usize {
+        self.sweep
+            .state
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .waiting
     }
 
     /// Ids with a lock file (for the sweep of locks of volumes that are gone).

@@ -120,7 +120,15 @@ fn a_call_that_meets_a_lock_the_sweep_holds_waits_for_it_instead_of_aborting() {
             let made = w.create("pvc-swept", ext4());
             (made, released.load(std::sync::atomic::Ordering::SeqCst))
         });
-        std::thread::sleep(std::time::Duration::from_millis(200));
+        // Let go only once the create waits on the sweep, so the order is forced.
+        let began = std::time::Instant::now();
+        while c.state.sweep_waiters() == 0 {
+            assert!(
+                began.elapsed() < std::time::Duration::from_secs(30),
+                "the create never waited on the sweep"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
         released.store(true, std::sync::atomic::Ordering::SeqCst);
         drop(swept);
         let (made, after) = call.join().unwrap();
