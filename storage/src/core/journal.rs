@@ -8,7 +8,8 @@
 //! 4   u32 payload length
 //! 8   u64 batch          the group commit that wrote the frame
 //! 16  u8  kind           1 put, 2 remove, 3 end
-//! 17  u8  flags          1: the last frame of its batch
+//! 17  u8  flags          1: the last frame of its batch; 2: a put that made its
+//!                        record (none was there before it)
 //! 18  u16 id length
 //! 20  u32 payload CRC
 //! 24  id, then u32 CRC of bytes 0..24+id, then the payload (JSON of the record)
@@ -28,6 +29,7 @@ const FIXED: usize = 24;
 /// No record comes near this: a larger length is damage, not a frame.
 const MAX_PAYLOAD: usize = 64 << 20;
 const LAST: u8 = 1;
+const MADE: u8 = 2;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Kind {
@@ -57,6 +59,9 @@ pub(crate) struct Entry<'a> {
     pub kind: Kind,
     pub id: &'a str,
     pub payload: &'a [u8],
+    /// A put that made its record: whatever a snapshot read with this journal
+    /// holds of the record, its data is as new as this entry.
+    pub made: bool,
 }
 
 /// Appends one frame to `out`.
@@ -68,12 +73,25 @@ pub(crate) fn encode(
     id: &str,
     payload: &[u8],
 ) {
+    encode_put(out, batch, last, false, kind, id, payload)
+}
+
+/// [`encode`], saying whether a put made its record.
+pub(crate) fn encode_put(
+    out: &mut Vec<u8>,
+    batch: u64,
+    last: bool,
+    made: bool,
+    kind: Kind,
+    id: &str,
+    payload: &[u8],
+) {
     let start = out.len();
     out.extend_from_slice(&MAGIC.to_le_bytes());
     out.extend_from_slice(&(payload.len() as u32).to_le_bytes());
     out.extend_from_slice(&batch.to_le_bytes());
     out.push(kind.code());
-    out.push(if last { LAST } else { 0 });
+    out.push(if last { LAST } else { 0 } | if made { MADE } else { 0 });
     out.extend_from_slice(&(id.len() as u16).to_le_bytes());
     out.extend_from_slice(&crc32fast::hash(payload).to_le_bytes());
     out.extend_from_slice(id.as_bytes());
@@ -127,6 +145,7 @@ fn parse(b: &[u8], at: usize) -> Parsed<'_> {
     };
     let batch = u64::from_le_bytes(rest[8..16].try_into().unwrap_or_default());
     let last = rest[17] & LAST != 0;
+    let made = rest[17] & MADE != 0;
     let start = header_end + 4;
     if payload_len > MAX_PAYLOAD || rest.len() < start + payload_len {
         // A whole header with its payload cut short: the end of a write.
@@ -136,6 +155,7 @@ fn parse(b: &[u8], at: usize) -> Parsed<'_> {
                 kind: Kind::Unreadable,
                 id,
                 payload: &[],
+                made: false,
             },
             last,
             end: b.len(),
@@ -147,6 +167,7 @@ fn parse(b: &[u8], at: usize) -> Parsed<'_> {
         kind,
         id,
         payload,
+        made,
     };
     let end = at + start + payload_len;
     if crc32fast::hash(payload) != u32_at(rest, 20) {
@@ -154,6 +175,7 @@ fn parse(b: &[u8], at: usize) -> Parsed<'_> {
             entry: Entry {
                 kind: Kind::Unreadable,
                 payload: &[],
+                made: false,
                 ..entry
             },
             last,

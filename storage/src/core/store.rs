@@ -701,15 +701,32 @@ impl<R: Record> Inner<R> {
             }
         }
         let mut buf = Vec::new();
-        for (i, p) in batch.iter().enumerate() {
-            journal::encode(
-                &mut buf,
-                number,
-                i + 1 == batch.len(),
-                p.kind,
-                &p.id,
-                &p.payload,
-            );
+        {
+            // Only a leader changes the map: what it holds now is what the batch
+            // follows.
+            let map = self.read();
+            let mut present: BTreeMap<R::Id, bool> = BTreeMap::new();
+            for (i, p) in batch.iter().enumerate() {
+                let made = match &p.op {
+                    Op::Put(id, _) => {
+                        let before = present.insert(*id, true);
+                        !before.unwrap_or_else(|| map.contains_key(id))
+                    }
+                    Op::Remove(id) => {
+                        present.insert(*id, false);
+                        false
+                    }
+                };
+                journal::encode_put(
+                    &mut buf,
+                    number,
+                    i + 1 == batch.len(),
+                    made,
+                    p.kind,
+                    &p.id,
+                    &p.payload,
+                );
+            }
         }
         let res = file
             .write_at(offset, &buf)
@@ -996,7 +1013,9 @@ impl<R: Record> Loaded<R> {
         for (e, parsed) in entries.iter().zip(parts.into_iter().flatten()) {
             match (e.kind, parsed) {
                 (Kind::Put, Ok(Some((id, r)))) => {
-                    if self.records.insert(id, r).is_none() {
+                    // Made by this journal, also when the snapshot read before it
+                    // was written after the put and holds the record already.
+                    if self.records.insert(id, r).is_none() || e.made {
                         born.insert(id);
                     }
                     self.unreadable.remove(e.id);
@@ -1377,7 +1396,11 @@ mod tests {
             "{files:?}"
         );
         assert!(!files.contains("log.0"), "{files:?}");
-        assert_eq!(contents(&open(tmp.path())), model);
+        let reopened = open(tmp.path());
+        assert_eq!(contents(&reopened), model);
+        // Both records made meanwhile are known as made by the journal (whose
+        // barrier has not run for them), also the one the snapshot holds.
+        assert_eq!(reopened.created_in_journal(), vec![Tid(11), Tid(3001)]);
     }
 
     /// The barrier is given the records the folded journals made and that still
