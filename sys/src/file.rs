@@ -458,9 +458,25 @@ pub fn write_atomic_with<F>(path: &Path, fill: F) -> Result<()>
 where
     F: FnOnce(&mut dyn Write) -> io::Result<()>,
 {
-    let tmp = temp_path_for(path)?;
-    let res = (|| {
-        let f = OpenOptions::new()
+    let mut r = Replacement::create(path)?;
+    fill(&mut r).map_err(|e| SysError::io("write", &r.tmp, e))?;
+    r.commit()
+}
+
+/// New content for `path`, written in pieces into `.<name>.tmp` beside it, which
+/// [`Replacement::commit`] syncs and renames over `path` (then syncs the
+/// folder): a reader sees the old or the new content, never a mix. Dropped
+/// without a commit, the temporary file is removed. Mode 0600.
+pub struct Replacement {
+    path: PathBuf,
+    tmp: PathBuf,
+    out: Option<io::BufWriter<NotedWriter>>,
+}
+
+impl Replacement {
+    pub fn create(path: &Path) -> Result<Replacement> {
+        let tmp = temp_path_for(path)?;
+        let file = OpenOptions::new()
             .write(true)
             .create(true)
             .truncate(true)
@@ -472,44 +488,82 @@ where
             path: tmp.clone(),
             truncate: true,
         });
-        let mut out = io::BufWriter::with_capacity(
-            1 << 20,
-            NotedWriter {
-                file: &f,
-                path: &tmp,
-                offset: 0,
-            },
-        );
-        fill(&mut out)
-            .and_then(|()| out.flush())
-            .map_err(|e| SysError::io("write", &tmp, e))?;
-        drop(out);
-        fsync(&f, &tmp)?;
-        fs::rename(&tmp, path).map_err(|e| SysError::io("rename over", path, e))?;
-        note(|| FsOp::Rename {
-            from: tmp.clone(),
-            to: path.into(),
-        });
-        fsync_dir(parent_dir(path))
-    })();
-    if res.is_err() {
-        let _ = remove_file_if_exists(&tmp);
+        let writer = NotedWriter {
+            file,
+            path: tmp.clone(),
+            offset: 0,
+        };
+        Ok(Replacement {
+            path: path.to_path_buf(),
+            tmp,
+            out: Some(io::BufWriter::with_capacity(1 << 20, writer)),
+        })
     }
-    res
+
+    /// Bytes written so far.
+    pub fn written(&self) -> u64 {
+        self.out
+            .as_ref()
+            .map_or(0, |o| o.get_ref().offset + o.buffer().len() as u64)
+    }
+
+    /// Makes the content durable and puts it in place of `path`.
+    pub fn commit(mut self) -> Result<()> {
+        let Some(out) = self.out.take() else {
+            return Ok(());
+        };
+        let res = (|| {
+            let writer = out
+                .into_inner()
+                .map_err(|e| SysError::io("write", &self.tmp, e.into_error()))?;
+            fsync(&writer.file, &self.tmp)?;
+            fs::rename(&self.tmp, &self.path)
+                .map_err(|e| SysError::io("rename over", &self.path, e))?;
+            note(|| FsOp::Rename {
+                from: self.tmp.clone(),
+                to: self.path.clone(),
+            });
+            fsync_dir(parent_dir(&self.path))
+        })();
+        if res.is_err() {
+            let _ = remove_file_if_exists(&self.tmp);
+        }
+        res
+    }
+}
+
+impl Write for Replacement {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        match self.out.as_mut() {
+            Some(out) => out.write(buf),
+            None => Err(io::Error::other("the replacement is committed")),
+        }
+    }
+    fn flush(&mut self) -> io::Result<()> {
+        self.out.as_mut().map_or(Ok(()), |o| o.flush())
+    }
+}
+
+impl Drop for Replacement {
+    fn drop(&mut self) {
+        if self.out.take().is_some() {
+            let _ = remove_file_if_exists(&self.tmp);
+        }
+    }
 }
 
 /// Writes at increasing offsets of a file, each write recorded.
-struct NotedWriter<'a> {
-    file: &'a File,
-    path: &'a Path,
+struct NotedWriter {
+    file: File,
+    path: PathBuf,
     offset: u64,
 }
 
-impl Write for NotedWriter<'_> {
+impl Write for NotedWriter {
     fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
         self.file.write_all_at(buf, self.offset)?;
         note(|| FsOp::Write {
-            path: self.path.into(),
+            path: self.path.clone(),
             offset: self.offset,
             data: buf.to_vec(),
         });

@@ -453,13 +453,13 @@ impl Controller {
 
     /// Start-up: roll back interrupted creations, finish deletions, remove orphans.
     pub(crate) fn recover_snapshots(&self) -> Result<()> {
-        for g in self.groups.all() {
+        for g in self.groups.unsettled() {
             if g.state != RecordState::Ready {
                 tracing::warn!(group.id = %g.id, state = ?g.state, "repairing an interrupted group snapshot");
                 self.roll_back_group(&g)?;
             }
         }
-        for s in self.snapshots.all() {
+        for s in self.snapshots.unsettled() {
             let orphan_member = s.group.is_some_and(|g| !self.groups.contains(g));
             if s.state != RecordState::Ready || orphan_member {
                 tracing::warn!(snapshot.id = %s.id, state = ?s.state, "repairing an interrupted snapshot");

@@ -6,8 +6,16 @@
 //!
 //! ```text
 //! <dir>/snapshot.N    every record as of the start of log.N (absent: none)
+//! <dir>/packed.N      the same records in their packed form (absent: none)
 //! <dir>/log.N ...     the changes since, one batch per write + fdatasync
 //! ```
+//!
+//! The snapshot's records are JSON, readable by any version; parsing them is
+//! most of a start's time. So a compaction also writes `packed.N`: the bytes
+//! memory keeps for each record, headed by the build's version and the records'
+//! [`Record::PACKED_LAYOUT`], which a start takes into memory as they are. A
+//! start reads the snapshot instead when the image is missing, damaged, of
+//! another build or layout, or not of the snapshot beside it (its length).
 //!
 //! A change is durable before it is visible and before its caller goes on: the
 //! caller's entry joins the next batch, and one caller (the leader) writes the
@@ -26,6 +34,7 @@
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Display;
+use std::io::Write;
 use std::ops::{Bound, ControlFlow};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, RwLock};
@@ -43,9 +52,19 @@ use crate::failpoint;
 /// keeps it in a form whose fields are known by their order, not their names.
 pub trait Record: Serialize + DeserializeOwned + Clone + Send + Sync + 'static {
     type Id: Ord + Copy + Display + Send + Sync + 'static;
+    /// The version of the record's packed form: raised with every change of its
+    /// fields or of their types, so that a start never reads a packed image
+    /// written by a build whose records had other fields (the test
+    /// `packed_forms_are_pinned` fails until it is).
+    const PACKED_LAYOUT: u32;
     fn id(&self) -> Self::Id;
     /// The id its `Display` wrote.
     fn parse_id(s: &str) -> Option<Self::Id>;
+    /// False while the record says an operation on it is unfinished: what
+    /// start-up looks at ([`Store::unsettled`]) without decoding every record.
+    fn settled(&self) -> bool {
+        true
+    }
 }
 
 /// Called before a snapshot drops the journals it folds, with the ids of the
@@ -107,6 +126,9 @@ impl<R: Record> Clone for Store<R> {
 struct Inner<R: Record> {
     dir: PathBuf,
     records: RwLock<BTreeMap<R::Id, Packed>>,
+    /// The ids of records not [`Record::settled`]; changed with the map, under
+    /// its write lock.
+    unsettled: Mutex<BTreeSet<R::Id>>,
     quarantined: BTreeSet<String>,
     /// Records were lost whose ids are unknown: all data is kept.
     blind: bool,
@@ -122,6 +144,9 @@ struct Inner<R: Record> {
     /// Called after each chunk a compaction writes, with its number.
     #[cfg(test)]
     chunk_hook: ChunkHook,
+    /// Whether open read the packed image rather than the snapshot.
+    #[cfg(test)]
+    from_image: bool,
 }
 
 #[cfg(test)]
@@ -153,7 +178,8 @@ struct Log<R: Record> {
 }
 
 enum Op<R: Record> {
-    Put(R::Id, Packed),
+    /// The record, packed, and whether it is settled.
+    Put(R::Id, Packed, bool),
     Remove(R::Id),
 }
 
@@ -199,11 +225,15 @@ fn log_name(gen: u64) -> String {
 fn snapshot_name(gen: u64) -> String {
     format!("snapshot.{gen}")
 }
+fn image_name(gen: u64) -> String {
+    format!("packed.{gen}")
+}
 
 /// The files of a store directory, by kind.
 #[derive(Default)]
 struct Listing {
     snapshots: BTreeSet<u64>,
+    images: BTreeSet<u64>,
     logs: BTreeSet<u64>,
     /// Records of the older layout.
     legacy: Vec<String>,
@@ -235,6 +265,8 @@ impl Listing {
                 l.snapshots.insert(g);
             } else if let Some(g) = gen("log.") {
                 l.logs.insert(g);
+            } else if let Some(g) = gen("packed.") {
+                l.images.insert(g);
             } else if let Some(stem) = name.strip_suffix(".corrupt") {
                 if stem.starts_with("log.") || stem.starts_with("snapshot.") {
                     l.corrupt.push(name);
@@ -289,14 +321,21 @@ fn scan_files(bufs: &[(String, Vec<u8>)]) -> Vec<(String, bool, journal::Scan<'_
 }
 
 /// Removes what a compaction that finished left behind (files older than
-/// generation `from`), and records of the older layout a finished conversion
-/// had not removed yet.
+/// generation `from`, packed images of other snapshots than the newest), and
+/// records of the older layout a finished conversion had not removed yet.
 fn remove_stale(dir: &Path, listing: &Listing, from: u64) -> Result<()> {
     let stale = listing
         .snapshots
         .range(..from)
         .map(|g| snapshot_name(*g))
         .chain(listing.logs.range(..from).map(|g| log_name(*g)))
+        .chain(
+            listing
+                .images
+                .iter()
+                .filter(|g| **g != from)
+                .map(|g| image_name(*g)),
+        )
         .chain(listing.legacy.iter().cloned());
     for name in stale {
         file::remove_file_if_exists(&dir.join(&name)).context(|| format!("removing {name}"))?;
@@ -403,23 +442,30 @@ impl<R: Record> Store<R> {
         let logs: Vec<u64> = listing.logs.range(from..).copied().collect();
 
         let started = std::time::Instant::now();
-        let bufs = read_files(dir, base, &logs)?;
+        let image = base.and_then(|g| read_image::<R>(dir, g));
+        let from_image = image.is_some();
+        let snapshot = if from_image { None } else { base };
+        let bufs = read_files(dir, snapshot, &logs)?;
         let read = started.elapsed();
         let scans = scan_files(&bufs);
         let scanned = started.elapsed();
-        let snapshot_entries = scans
-            .iter()
-            .filter(|(_, is_log, _)| !is_log)
-            .map(|(_, _, scan)| scan.entries.len() as u64)
-            .sum();
+        let snapshot_entries = match &image {
+            Some(i) => i.records.len() as u64,
+            None => scans
+                .iter()
+                .filter(|(_, is_log, _)| !is_log)
+                .map(|(_, _, scan)| scan.entries.len() as u64)
+                .sum(),
+        };
         let (mut replay, torn) = Replay::tally(dir, &bufs, &scans);
         replay.note_set_aside(dir, &listing.corrupt);
-        let loaded = Loaded::<R>::from_scans(&scans);
-        tracing::debug!(dir = %dir.display(), records = loaded.records.len(),
+        let loaded = Loaded::<R>::from_scans(image, &scans);
+        tracing::debug!(dir = %dir.display(), records = loaded.records.len(), from_image,
             read_ms = read.as_secs_f64() * 1e3, scanned_ms = scanned.as_secs_f64() * 1e3,
             parsed_ms = started.elapsed().as_secs_f64() * 1e3, "store loaded");
         let Loaded {
             records,
+            unsettled,
             born,
             unreadable,
         } = loaded;
@@ -451,6 +497,7 @@ impl<R: Record> Store<R> {
             inner: Arc::new(Inner {
                 dir: dir.to_path_buf(),
                 records: RwLock::new(records),
+                unsettled: Mutex::new(unsettled),
                 quarantined,
                 blind,
                 born,
@@ -478,6 +525,8 @@ impl<R: Record> Store<R> {
                 gate: (Mutex::new(true), Condvar::new()),
                 #[cfg(test)]
                 chunk_hook: Mutex::new(None),
+                #[cfg(test)]
+                from_image,
             }),
         })
     }
@@ -495,7 +544,7 @@ impl<R: Record> Store<R> {
             kind: Kind::Put,
             id: record.id().to_string(),
             payload,
-            op: Op::Put(record.id(), packed),
+            op: Op::Put(record.id(), packed, record.settled()),
             done: Outcome::default(),
         })
     }
@@ -514,6 +563,20 @@ impl<R: Record> Store<R> {
 
     pub fn contains(&self, id: R::Id) -> bool {
         self.inner.read().contains_key(&id)
+    }
+
+    /// The records that are not [`Record::settled`], in id order: found without
+    /// decoding the others.
+    pub fn unsettled(&self) -> Vec<R> {
+        let map = self.inner.read();
+        let ids = self
+            .inner
+            .unsettled
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        ids.iter()
+            .filter_map(|id| map.get(id).and_then(Packed::open))
+            .collect()
     }
 
     /// The records `filter` picks, in id order.
@@ -708,7 +771,7 @@ impl<R: Record> Inner<R> {
             let mut present: BTreeMap<R::Id, bool> = BTreeMap::new();
             for (i, p) in batch.iter().enumerate() {
                 let made = match &p.op {
-                    Op::Put(id, _) => {
+                    Op::Put(id, _, _) => {
                         let before = present.insert(*id, true);
                         !before.unwrap_or_else(|| map.contains_key(id))
                     }
@@ -741,15 +804,22 @@ impl<R: Record> Inner<R> {
                 st.entries += batch.len() as u64;
                 st.batches += 1;
                 let mut map = self.write();
+                let mut unsettled = self.unsettled.lock().unwrap_or_else(|p| p.into_inner());
                 for p in batch {
                     match p.op {
-                        Op::Put(id, r) => {
+                        Op::Put(id, r, settled) => {
                             if map.insert(id, r).is_none() {
                                 st.born.push((batch_gen, id));
+                            }
+                            if settled {
+                                unsettled.remove(&id);
+                            } else {
+                                unsettled.insert(id);
                             }
                         }
                         Op::Remove(id) => {
                             map.remove(&id);
+                            unsettled.remove(&id);
                         }
                     }
                     applied.push(p.done);
@@ -868,8 +938,7 @@ impl<R: Record> Inner<R> {
         if let Some(barrier) = self.barrier.get() {
             barrier(&born)?;
         }
-        let snap = self.dir.join(snapshot_name(gen));
-        let written = self.write_snapshot_of_memory(&snap)?;
+        let written = self.write_snapshot_of_memory(gen)?;
         failpoint::hit("store.compact.after-snapshot");
         {
             let mut st = self.lock();
@@ -878,8 +947,8 @@ impl<R: Record> Inner<R> {
             st.born.retain(|(g, _)| *g >= gen);
         }
         for name in base_file
-            .map(snapshot_name)
             .into_iter()
+            .flat_map(|g| [snapshot_name(g), image_name(g)])
             .chain(logs.iter().map(|g| log_name(*g)))
         {
             // Left behind, open removes it.
@@ -890,64 +959,227 @@ impl<R: Record> Inner<R> {
 }
 
 impl<R: Record> Inner<R> {
-    /// Writes every record in memory into a new snapshot at `path`, a few hundred
-    /// at a time under the read lock, so that neither the files it replaces nor
-    /// a copy of the records is held, and a writer waits for one chunk at most.
-    /// Each record in memory is durable already (a batch is applied once
-    /// synced). Changes made meanwhile may or may not be in it: they are all in
-    /// the journal the snapshot comes before, whose replay makes each record what
-    /// its last entry says, whichever the snapshot holds. Returns how many
-    /// records it holds.
-    fn write_snapshot_of_memory(&self, path: &Path) -> Result<u64> {
+    /// Writes every record in memory into a new snapshot `snapshot.gen` and its
+    /// packed image `packed.gen`, a few hundred at a time under the read lock, so
+    /// that neither the files they replace nor a copy of the records is held,
+    /// and a writer waits for one chunk at most. Each record in memory is durable
+    /// already (a batch is applied once synced). Changes made meanwhile may or
+    /// may not be in them: they are all in the journal the snapshot comes
+    /// before, whose replay makes each record what its last entry says,
+    /// whichever the snapshot holds. The snapshot is in place before the image
+    /// (an image is only read beside its snapshot); an image that cannot be
+    /// written costs only a slower start. Returns how many records they hold.
+    fn write_snapshot_of_memory(&self, gen: u64) -> Result<u64> {
+        let path = self.dir.join(snapshot_name(gen));
+        let at = || format!("writing {}", path.display());
+        let failed = |e: std::io::Error| Error::internal(format!("{}: {e}", at()));
+        let mut snap = file::Replacement::create(&path).context(at)?;
+        let image_path = self.dir.join(image_name(gen));
+        let mut image = match file::Replacement::create(&image_path) {
+            Ok(f) => Some(f),
+            Err(e) => {
+                tracing::warn!(path = %image_path.display(), error = %e,
+                    "no packed image of the snapshot; the next start parses it");
+                None
+            }
+        };
         let mut written = 0u64;
-        file::write_atomic_with(path, |w| {
-            let mut buf = Vec::new();
-            let mut after: Option<R::Id> = None;
-            #[cfg(test)]
-            let mut chunks = 0;
-            loop {
-                buf.clear();
-                let mut last = None;
-                {
-                    let map = self.read();
-                    let chunk = match after {
-                        Some(a) => map.range((Bound::Excluded(a), Bound::Unbounded)),
-                        None => map.range(..),
-                    };
-                    for (id, packed) in chunk.take(CHUNK) {
-                        let record: R = packed.open().ok_or_else(|| {
-                            std::io::Error::other(format!("record {id} cannot be decoded"))
-                        })?;
-                        let payload = serde_json::to_vec(&record).map_err(std::io::Error::other)?;
-                        journal::encode(&mut buf, 0, false, Kind::Put, &id.to_string(), &payload);
-                        last = Some(*id);
-                        written += 1;
+        let mut buf = Vec::new();
+        let mut packed = Vec::new();
+        let mut after: Option<R::Id> = None;
+        #[cfg(test)]
+        let mut chunks = 0;
+        loop {
+            buf.clear();
+            packed.clear();
+            let mut last = None;
+            {
+                let map = self.read();
+                let unsettled = self.unsettled.lock().unwrap_or_else(|p| p.into_inner());
+                let chunk = match after {
+                    Some(a) => map.range((Bound::Excluded(a), Bound::Unbounded)),
+                    None => map.range(..),
+                };
+                for (id, p) in chunk.take(CHUNK) {
+                    let record: R = p
+                        .open()
+                        .ok_or_else(|| Error::internal(format!("record {id} cannot be decoded")))?;
+                    let payload = serde_json::to_vec(&record)
+                        .map_err(|e| Error::internal(format!("encoding record {id}: {e}")))?;
+                    let id = id.to_string();
+                    journal::encode(&mut buf, 0, false, Kind::Put, &id, &payload);
+                    if image.is_some() {
+                        image_entry(&mut packed, &id, p, !unsettled.contains(&record.id()));
                     }
-                }
-                let Some(last) = last else { break };
-                w.write_all(&buf)?;
-                after = Some(last);
-                #[cfg(test)]
-                if let Some(hook) = self.chunk_hook.lock().unwrap().as_mut() {
-                    hook(chunks);
-                }
-                #[cfg(test)]
-                {
-                    chunks += 1;
+                    last = Some(record.id());
+                    written += 1;
                 }
             }
-            buf.clear();
-            journal::encode(&mut buf, 0, true, Kind::End, "", b"");
-            w.write_all(&buf)
-        })
-        .context(|| format!("writing {}", path.display()))?;
+            let Some(last) = last else { break };
+            snap.write_all(&buf).map_err(failed)?;
+            if let Some(f) = image.as_mut() {
+                if let Err(e) = f.write_all(&packed) {
+                    tracing::warn!(path = %image_path.display(), error = %e,
+                        "no packed image of the snapshot; the next start parses it");
+                    image = None;
+                }
+            }
+            after = Some(last);
+            #[cfg(test)]
+            if let Some(hook) = self.chunk_hook.lock().unwrap().as_mut() {
+                hook(chunks);
+            }
+            #[cfg(test)]
+            {
+                chunks += 1;
+            }
+        }
+        buf.clear();
+        journal::encode(&mut buf, 0, true, Kind::End, "", b"");
+        snap.write_all(&buf).map_err(failed)?;
+        let snapshot_len = snap.written();
+        snap.commit().context(at)?;
+        if let Some(mut f) = image {
+            packed.clear();
+            image_seal::<R>(&mut packed, snapshot_len);
+            let done = match f.write_all(&packed) {
+                Ok(()) => f.commit().map_err(|e| e.to_string()),
+                Err(e) => Err(e.to_string()),
+            };
+            if let Err(e) = done {
+                tracing::warn!(path = %image_path.display(), error = %e,
+                    "no packed image of the snapshot; the next start parses it");
+            }
+        }
         Ok(written)
     }
+}
+
+/// The flag of an image entry whose record is not settled.
+const UNSETTLED: u8 = 1;
+
+/// Appends the frame of one record to a packed image: a flags byte, then the
+/// record as memory keeps it.
+fn image_entry(out: &mut Vec<u8>, id: &str, packed: &Packed, settled: bool) {
+    let mut payload = Vec::with_capacity(1 + packed.0.len());
+    payload.push(if settled { 0 } else { UNSETTLED });
+    payload.extend_from_slice(&packed.0);
+    journal::encode(out, 0, false, Kind::Put, id, &payload);
+}
+
+/// What an image of records `R` written by this build next to a snapshot of
+/// `snapshot_len` bytes says of itself: anything else is not read.
+fn image_identity<R: Record>(snapshot_len: u64) -> String {
+    format!(
+        "{} {} {} {snapshot_len}",
+        env!("CARGO_PKG_VERSION"),
+        std::any::type_name::<R>(),
+        R::PACKED_LAYOUT
+    )
+}
+
+/// Ends a packed image: its identity (an entry of no id), then the end mark.
+fn image_seal<R: Record>(out: &mut Vec<u8>, snapshot_len: u64) {
+    journal::encode(
+        out,
+        0,
+        false,
+        Kind::Put,
+        "",
+        image_identity::<R>(snapshot_len).as_bytes(),
+    );
+    journal::encode(out, 0, true, Kind::End, "", b"");
+}
+
+/// The records of a packed image, as memory keeps them.
+struct Image<R: Record> {
+    records: BTreeMap<R::Id, Packed>,
+    unsettled: BTreeSet<R::Id>,
+}
+
+/// Reads `packed.gen` when it can stand for `snapshot.gen`: whole, sealed by
+/// this build for these records, and written beside a snapshot of the length
+/// that one has. None otherwise (an unusable image is removed: the next
+/// compaction writes another).
+fn read_image<R: Record>(dir: &Path, gen: u64) -> Option<Image<R>> {
+    let path = dir.join(image_name(gen));
+    let bytes = match std::fs::read(&path) {
+        Ok(b) => b,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return None,
+        Err(e) => {
+            tracing::info!(path = %path.display(), error = %e, "packed image not read");
+            return None;
+        }
+    };
+    let snapshot_len = std::fs::metadata(dir.join(snapshot_name(gen))).ok()?.len();
+    match image_records::<R>(&bytes, snapshot_len) {
+        Ok(image) => Some(image),
+        Err(why) => {
+            tracing::info!(path = %path.display(), why, "packed image not used; reading the snapshot");
+            let _ = file::remove_file_if_exists(&path);
+            None
+        }
+    }
+}
+
+fn image_records<R: Record>(
+    bytes: &[u8],
+    snapshot_len: u64,
+) -> std::result::Result<Image<R>, String> {
+    let scan = journal::scan(bytes, false);
+    if !scan.damage.is_empty() {
+        return Err(scan.damage.join("; "));
+    }
+    let Some((seal, entries)) = scan.entries.split_last() else {
+        return Err("no seal".into());
+    };
+    let identity = image_identity::<R>(snapshot_len);
+    if !seal.id.is_empty() || seal.kind != Kind::Put {
+        return Err("no seal".into());
+    }
+    if seal.payload != identity.as_bytes() {
+        return Err(format!(
+            "sealed as {:?}, not {identity:?}",
+            String::from_utf8_lossy(seal.payload)
+        ));
+    }
+    let parts = par_chunks(entries, |part| {
+        let mut out = Vec::with_capacity(part.len());
+        for e in part {
+            let id = R::parse_id(e.id).ok_or_else(|| format!("entry of id {:?}", e.id))?;
+            let (&flags, packed) = match (e.kind, e.payload.split_first()) {
+                (Kind::Put, Some(split)) => split,
+                _ => return Err(format!("entry of {} is not a record", e.id)),
+            };
+            out.push((id, Packed(packed.into()), flags & UNSETTLED == 0));
+        }
+        Ok(out)
+    });
+    let mut records = Vec::with_capacity(entries.len());
+    let mut unsettled = BTreeSet::new();
+    for part in parts {
+        for (id, packed, settled) in part? {
+            if !settled {
+                unsettled.insert(id);
+            }
+            records.push((id, packed));
+        }
+    }
+    if !records.windows(2).all(|w| w[0].0 < w[1].0) {
+        return Err("records out of order".into());
+    }
+    Ok(Image {
+        // In id order: the map is built without a search per record.
+        records: records.into_iter().collect(),
+        unsettled,
+    })
 }
 
 /// The records of a store's files, as open builds them.
 struct Loaded<R: Record> {
     records: BTreeMap<R::Id, Packed>,
+    /// The ids of records not settled.
+    unsettled: BTreeSet<R::Id>,
     /// Records the journals made.
     born: Vec<R::Id>,
     /// Ids whose last entry is damaged.
@@ -959,9 +1191,12 @@ impl<R: Record> Loaded<R> {
     /// at once), then replays the journals' entries over them in order. Start-up
     /// time is mostly this: the payloads are parsed on every core, and no copy of
     /// the records is made besides the one the map keeps.
-    fn from_scans(scans: &[(String, bool, journal::Scan<'_>)]) -> Self {
+    fn from_scans(image: Option<Image<R>>, scans: &[(String, bool, journal::Scan<'_>)]) -> Self {
+        let (records, unsettled) =
+            image.map_or_else(Default::default, |i| (i.records, i.unsettled));
         let mut out = Loaded {
-            records: BTreeMap::new(),
+            records,
+            unsettled,
             born: Vec::new(),
             unreadable: BTreeSet::new(),
         };
@@ -983,7 +1218,7 @@ impl<R: Record> Loaded<R> {
             let mut bad = Vec::new();
             for e in part {
                 match parse_entry::<R>(e) {
-                    Ok(Some((id, r))) => good.push((id, r)),
+                    Ok(Some((id, r, settled))) => good.push((id, r, settled)),
                     Ok(None) => {}
                     Err(why) => bad.push((e.id, why)),
                 }
@@ -992,7 +1227,12 @@ impl<R: Record> Loaded<R> {
         });
         let mut good = Vec::with_capacity(parts.iter().map(|p| p.0.len()).sum());
         for (g, bad) in parts {
-            good.extend(g);
+            for (id, r, settled) in g {
+                if !settled {
+                    self.unsettled.insert(id);
+                }
+                good.push((id, r));
+            }
             for (id, why) in bad {
                 self.refuse(id, &why);
             }
@@ -1012,17 +1252,23 @@ impl<R: Record> Loaded<R> {
         });
         for (e, parsed) in entries.iter().zip(parts.into_iter().flatten()) {
             match (e.kind, parsed) {
-                (Kind::Put, Ok(Some((id, r)))) => {
+                (Kind::Put, Ok(Some((id, r, settled)))) => {
                     // Made by this journal, also when the snapshot read before it
                     // was written after the put and holds the record already.
                     if self.records.insert(id, r).is_none() || e.made {
                         born.insert(id);
+                    }
+                    if settled {
+                        self.unsettled.remove(&id);
+                    } else {
+                        self.unsettled.insert(id);
                     }
                     self.unreadable.remove(e.id);
                 }
                 (Kind::Remove, _) => {
                     if let Some(k) = R::parse_id(e.id) {
                         self.records.remove(&k);
+                        self.unsettled.remove(&k);
                         born.remove(&k);
                     }
                     self.unreadable.remove(e.id);
@@ -1043,22 +1289,26 @@ impl<R: Record> Loaded<R> {
         tracing::error!(id, error = %why, "a record entry is unreadable");
         if let Some(k) = R::parse_id(id) {
             self.records.remove(&k);
+            self.unsettled.remove(&k);
         }
         self.unreadable.insert(id.to_string());
     }
 }
 
+/// A parsed record: its id, packed, and whether it is settled.
+type Parsed<R> = (<R as Record>::Id, Packed, bool);
+
 /// The record a put entry holds, packed (None for other entries), or why it
 /// cannot be read: a damaged entry, a payload that does not parse, or one
 /// naming another id.
-fn parse_entry<R: Record>(e: &Entry<'_>) -> std::result::Result<Option<(R::Id, Packed)>, String> {
+fn parse_entry<R: Record>(e: &Entry<'_>) -> std::result::Result<Option<Parsed<R>>, String> {
     match e.kind {
         Kind::Put => {
             let r: R = serde_json::from_slice(e.payload).map_err(|e| e.to_string())?;
             if R::parse_id(e.id) != Some(r.id()) {
                 return Err("its id does not match".into());
             }
-            Ok(Some((r.id(), Packed::of(&r)?)))
+            Ok(Some((r.id(), Packed::of(&r)?, r.settled())))
         }
         Kind::Unreadable => Err("its checksum does not match".into()),
         Kind::Remove | Kind::End => Ok(None),
@@ -1242,26 +1492,36 @@ pub fn write_raw(dir: &Path, id: &str, json: Option<&[u8]>) -> Result<()> {
 }
 
 macro_rules! record {
-    ($rec:ty, $id:ty) => {
+    ($rec:ty, $id:ty, layout $layout:literal $(, settled $settled:expr)?) => {
         impl Record for $rec {
             type Id = $id;
+            const PACKED_LAYOUT: u32 = $layout;
             fn id(&self) -> $id {
                 self.id
             }
             fn parse_id(s: &str) -> Option<$id> {
                 <$id>::parse(s)
             }
+            $(fn settled(&self) -> bool {
+                let settled: fn(&$rec) -> bool = $settled;
+                settled(self)
+            })?
         }
     };
 }
 
-record!(crate::model::VolumeRecord, crate::ids::VolumeId);
-record!(crate::model::SnapshotRecord, crate::ids::SnapshotId);
-record!(
-    crate::model::GroupSnapshotRecord,
-    crate::ids::GroupSnapshotId
-);
-record!(crate::node::NodeRecord, crate::ids::VolumeId);
+use crate::model::RecordState;
+
+// Start-up finishes or rolls back what these say is under way: a record being
+// made or removed, an expansion, a snapshot of a group (whose group may be
+// gone).
+record!(crate::model::VolumeRecord, crate::ids::VolumeId, layout 1,
+    settled |r| r.state == RecordState::Ready && r.pending_size.is_none());
+record!(crate::model::SnapshotRecord, crate::ids::SnapshotId, layout 1,
+    settled |r| r.state == RecordState::Ready && r.group.is_none());
+record!(crate::model::GroupSnapshotRecord, crate::ids::GroupSnapshotId, layout 1,
+    settled |r| r.state == RecordState::Ready);
+record!(crate::node::NodeRecord, crate::ids::VolumeId, layout 1);
 
 #[cfg(test)]
 impl<R: Record> Store<R> {
@@ -1297,11 +1557,15 @@ mod tests {
     }
     impl Record for Rec {
         type Id = Tid;
+        const PACKED_LAYOUT: u32 = 1;
         fn id(&self) -> Tid {
             self.id
         }
         fn parse_id(s: &str) -> Option<Tid> {
             s.strip_prefix('r')?.parse().ok().map(Tid)
+        }
+        fn settled(&self) -> bool {
+            !self.v.starts_with("pending")
         }
     }
     fn rec(i: u32, v: &str) -> Rec {
@@ -1401,6 +1665,91 @@ mod tests {
         // Both records made meanwhile are known as made by the journal (whose
         // barrier has not run for them), also the one the snapshot holds.
         assert_eq!(reopened.created_in_journal(), vec![Tid(11), Tid(3001)]);
+    }
+
+    /// A start takes the records of a compaction's packed image, with the
+    /// unsettled ones known without decoding the rest; when the image is
+    /// damaged or sealed by another build or layout, the snapshot is parsed
+    /// instead, to the same records, and the image removed.
+    #[test]
+    fn a_start_takes_the_packed_image_or_else_the_snapshot_to_the_same_records() {
+        let tmp = tempfile::tempdir().unwrap();
+        let tuning = Tuning {
+            compact_at: u64::MAX,
+            inline: true,
+        };
+        let s = Store::<Rec>::open_with(tmp.path(), tuning).unwrap();
+        let mut model = BTreeMap::new();
+        for i in 0..2000 {
+            let v = if i % 7 == 0 {
+                format!("pending {i}")
+            } else {
+                format!("v{i}")
+            };
+            s.put(&rec(i, &v)).unwrap();
+            model.insert(i, v);
+        }
+        s.inner.lock().compacting = true;
+        s.inner.run_compaction();
+        // After the snapshot: one settles, one is made pending, one pending goes.
+        s.put(&rec(7, "done")).unwrap();
+        s.put(&rec(8, "pending again")).unwrap();
+        s.remove(Tid(14)).unwrap();
+        model.insert(7, "done".into());
+        model.insert(8, "pending again".into());
+        model.remove(&14);
+        let pending: Vec<u32> = model
+            .iter()
+            .filter(|(_, v)| v.starts_with("pending"))
+            .map(|(k, _)| *k)
+            .collect();
+        let unsettled = |s: &Store<Rec>| s.unsettled().iter().map(|r| r.id.0).collect::<Vec<_>>();
+        assert_eq!(unsettled(&s), pending);
+        drop(s);
+        let image = tmp.path().join("packed.1");
+        let whole = std::fs::read(&image).unwrap();
+
+        let s = Store::<Rec>::open_with(tmp.path(), tuning).unwrap();
+        assert!(s.inner.from_image, "the image is read");
+        assert_eq!(contents(&s), model);
+        assert_eq!(unsettled(&s), pending);
+        drop(s);
+
+        // Damaged in the middle of a record.
+        let mut damaged = whole.clone();
+        damaged[whole.len() / 2] ^= 0x40;
+        // Sealed by another build.
+        let scan = journal::scan(&whole, false);
+        let mut other = Vec::new();
+        for e in &scan.entries[..scan.entries.len() - 1] {
+            journal::encode(&mut other, 0, false, e.kind, e.id, e.payload);
+        }
+        let snapshot_len = std::fs::metadata(tmp.path().join("snapshot.1"))
+            .unwrap()
+            .len();
+        let seal =
+            image_identity::<Rec>(snapshot_len).replace(env!("CARGO_PKG_VERSION"), "0.0.0-other");
+        journal::encode(&mut other, 0, false, Kind::Put, "", seal.as_bytes());
+        journal::encode(&mut other, 0, true, Kind::End, "", b"");
+        // Cut short.
+        let cut = whole[..whole.len() - 30].to_vec();
+        for (what, bytes) in [
+            ("damaged", damaged),
+            ("another build's", other),
+            ("cut", cut),
+        ] {
+            std::fs::write(&image, &bytes).unwrap();
+            let s = Store::<Rec>::open_with(tmp.path(), tuning).unwrap();
+            assert!(!s.inner.from_image, "a {what} image is not read");
+            assert_eq!(contents(&s), model, "{what}");
+            assert_eq!(unsettled(&s), pending, "{what}");
+            assert!(!image.exists(), "a {what} image is removed");
+            assert!(
+                !names(tmp.path()).iter().any(|n| n.ends_with(".corrupt")),
+                "an image is not set aside"
+            );
+            drop(s);
+        }
     }
 
     /// The barrier is given the records the folded journals made and that still
@@ -1838,10 +2187,6 @@ mod tests {
     /// restart: memory's form knows fields by their order alone.
     #[test]
     fn records_of_every_kind_read_back_whole() {
-        use crate::ids::{GroupSnapshotId, SnapshotId, VolumeId};
-        use crate::model::*;
-        use crate::node::{NodeRecord, Target};
-
         fn check<R: Record + PartialEq + std::fmt::Debug>(dir: &Path, records: &[R]) {
             let store = Store::<R>::open(dir).unwrap();
             for r in records {
@@ -1853,9 +2198,57 @@ mod tests {
             let mut want = records.to_vec();
             want.sort_by_key(|r| r.id());
             assert_eq!(store.all(), want);
+            // And from a snapshot's packed image.
+            store.inner.lock().compacting = true;
+            store.inner.run_compaction();
+            drop(store);
+            let store = Store::<R>::open(dir).unwrap();
+            assert!(store.inner.from_image);
+            assert_eq!(store.all(), want);
         }
 
         let tmp = tempfile::tempdir().unwrap();
+        let (volumes, snapshots, groups, staged) = every_kind();
+        check(&tmp.path().join("volumes"), &volumes);
+        check(&tmp.path().join("snapshots"), &snapshots);
+        check(&tmp.path().join("groups"), &groups);
+        check(&tmp.path().join("staged"), &staged);
+    }
+
+    /// The packed form of every record kind, with every field set and unset, is
+    /// what the layouts pinned here say. When this fails, the records' fields
+    /// changed: raise the kind's PACKED_LAYOUT (in the `record!` line) and pin
+    /// the new checksum, so that no start reads an image of the older fields.
+    #[test]
+    fn packed_forms_are_pinned() {
+        fn form<R: Record>(records: &[R]) -> (u32, u32) {
+            let mut bytes = Vec::new();
+            for r in records {
+                bytes.extend_from_slice(&Packed::of(r).unwrap().0);
+            }
+            (R::PACKED_LAYOUT, crc32fast::hash(&bytes))
+        }
+        let (volumes, snapshots, groups, staged) = every_kind();
+        assert_eq!(form(&volumes), (1, PINNED[0]), "volume records");
+        assert_eq!(form(&snapshots), (1, PINNED[1]), "snapshot records");
+        assert_eq!(form(&groups), (1, PINNED[2]), "group snapshot records");
+        assert_eq!(form(&staged), (1, PINNED[3]), "node records");
+    }
+
+    const PINNED: [u32; 4] = [1_714_172_006, 3_478_877_198, 1_404_644_243, 1_544_629_552];
+
+    /// Records of every kind, with every field set and unset.
+    #[allow(clippy::type_complexity)]
+    fn every_kind() -> (
+        Vec<crate::model::VolumeRecord>,
+        Vec<crate::model::SnapshotRecord>,
+        Vec<crate::model::GroupSnapshotRecord>,
+        Vec<crate::node::NodeRecord>,
+    ) {
+        use crate::ids::{GroupSnapshotId, SnapshotId, VolumeId};
+        use crate::model::*;
+        use crate::node::{NodeRecord, Target};
+
         let map = |pairs: &[(&str, &str)]| {
             pairs
                 .iter()
@@ -1926,7 +2319,7 @@ mod tests {
             requested: None,
             ..full.clone()
         };
-        check(&tmp.path().join("volumes"), &[full, bare]);
+        let volumes = vec![full, bare];
 
         let snapshot = SnapshotRecord {
             id: SnapshotId::for_name("snap"),
@@ -1936,7 +2329,10 @@ mod tests {
             backing: Backing::Subvolume,
             size: u64::MAX,
             fs_type: Some("btrfs".into()),
-            created: Timestamp::now(),
+            created: Timestamp {
+                seconds: 1_700_000_000,
+                nanos: 5,
+            },
             state: RecordState::Creating,
             group: Some(GroupSnapshotId::for_name("g")),
             requested: Some(7),
@@ -1948,17 +2344,19 @@ mod tests {
             requested: None,
             ..snapshot.clone()
         };
-        check(&tmp.path().join("snapshots"), &[snapshot, plain]);
+        let snapshots = vec![snapshot, plain];
 
         let group = GroupSnapshotRecord {
             id: GroupSnapshotId::for_name("g"),
             name: "g".into(),
             source_volumes: vec![VolumeId::for_name("a"), VolumeId::for_name("b")],
             members: vec![SnapshotId::for_name("a"), SnapshotId::for_name("b")],
-            created: Timestamp::now(),
+            created: Timestamp {
+                seconds: 1_700_000_001,
+                nanos: 0,
+            },
             state: RecordState::Ready,
         };
-        check(&tmp.path().join("groups"), &[group]);
 
         let staged = NodeRecord {
             id: VolumeId::for_name("staged"),
@@ -1989,6 +2387,6 @@ mod tests {
             loop_devices: None,
             ..staged.clone()
         };
-        check(&tmp.path().join("staged"), &[staged, unstaged]);
+        (volumes, snapshots, vec![group], vec![staged, unstaged])
     }
 }

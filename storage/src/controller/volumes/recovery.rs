@@ -13,10 +13,7 @@ impl Controller {
     pub(crate) fn recover_volumes(&self) -> Result<()> {
         let made = self.volumes.created_in_journal().into_iter();
         self.repair_fresh_images(made.filter_map(|id| self.volumes.get(id)));
-        let unfinished = self
-            .volumes
-            .select(|r| r.state != RecordState::Ready || r.pending_size.is_some());
-        for rec in unfinished {
+        for rec in self.volumes.unsettled() {
             // A record that cannot be repaired now stays as it is: it is not listed
             // (Creating, Deleting) and a retry of its call repairs it, so one bad
             // record never keeps the driver from starting.
