@@ -111,6 +111,8 @@ pub fn system() -> (System, Arc<FakeState>) {
         mounter: Arc::new(FakeMounter(state.clone())),
         loops: Arc::new(FakeLoops(state.clone())),
         fs: Arc::new(FakeFilesystems(state.clone())),
+        // Each fake system boots anew: a test of a start in the same boot says so.
+        boot_id: crate::unique_boot("fake"),
     };
     (sys, state)
 }

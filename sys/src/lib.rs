@@ -182,6 +182,9 @@ pub struct System {
     pub mounter: Arc<dyn Mounter>,
     pub loops: Arc<dyn Loops>,
     pub fs: Arc<dyn Filesystems>,
+    /// The machine's boot: unchanged while its page cache lives, so new on the
+    /// first start after a power loss.
+    pub boot_id: String,
 }
 
 impl System {
@@ -190,6 +193,26 @@ impl System {
             mounter: Arc::new(linux::LinuxMounter),
             loops: Arc::new(linux::LinuxLoops::default()),
             fs: Arc::new(linux::LinuxFilesystems::default()),
+            boot_id: boot_id(),
         }
     }
+}
+
+/// The kernel's id of this boot; when it cannot be read, one no earlier start
+/// can have seen (so everything a power loss could have taken is looked at).
+pub fn boot_id() -> String {
+    match std::fs::read_to_string("/proc/sys/kernel/random/boot_id") {
+        Ok(id) if !id.trim().is_empty() => id.trim().to_string(),
+        _ => unique_boot("unknown"),
+    }
+}
+
+/// A boot id of its own: `prefix`, the process and the time.
+pub fn unique_boot(prefix: &str) -> String {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let seq = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    format!("{prefix}-{}-{}-{seq}", std::process::id(), now.as_nanos())
 }

@@ -71,7 +71,12 @@ pub(crate) fn make_durable(image: &Path) -> Result<()> {
 impl Core {
     /// Start-up: the images of `records` (those the journal made) that a power
     /// loss took in part, or that are another volume's, are made again, durably.
-    pub(crate) fn repair_fresh_images(&self, records: impl IntoIterator<Item = VolumeRecord>) {
+    /// Returns whether every one is whole now.
+    pub(crate) fn repair_fresh_images(
+        &self,
+        records: impl IntoIterator<Item = VolumeRecord>,
+    ) -> bool {
+        let mut whole = true;
         for rec in records {
             if !is_fresh_image(&rec) || rec.state != RecordState::Ready {
                 continue;
@@ -90,10 +95,12 @@ impl Core {
                 .and_then(|()| make(&path, &rec))
                 .and_then(|()| make_durable(&path));
             if let Err(e) = remade {
+                whole = false;
                 tracing::error!(volume.id = %rec.id, error = %e,
                     "could not make the image again; a stage of the volume will fail");
             }
         }
+        whole
     }
 }
 

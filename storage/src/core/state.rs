@@ -276,6 +276,24 @@ impl StateDir {
             .waiting
     }
 
+    /// Whether `d`'s state was last looked over for what a power loss takes
+    /// during boot `boot_id`, the one running: then no power loss came since,
+    /// and whatever the state's files say was written is there, synced or not.
+    pub fn looked_over_in(&self, d: Domain, boot_id: &str) -> bool {
+        std::fs::read_to_string(self.boot_mark(d)).is_ok_and(|b| b == boot_id)
+    }
+
+    /// Notes that `d`'s state was looked over during boot `boot_id`.
+    pub fn note_looked_over_in(&self, d: Domain, boot_id: &str) -> Result<()> {
+        let path = self.boot_mark(d);
+        file::write_atomic(&path, boot_id.as_bytes())
+            .context(|| format!("writing {}", path.display()))
+    }
+
+    fn boot_mark(&self, d: Domain) -> PathBuf {
+        self.domain(d).join("looked-over-in-boot")
+    }
+
     /// Ids with a lock file (for the sweep of locks of volumes that are gone).
     pub fn locked_ids(&self) -> Vec<VolumeId> {
         list_ids(&self.locks_dir())

@@ -240,6 +240,7 @@ mod tests {
             mounter: fake.mounter.clone(),
             loops: loops.clone(),
             fs: fake.fs.clone(),
+            boot_id: fake.boot_id.clone(),
         };
         let rw = LoopOptions {
             read_only: false,

@@ -5,14 +5,22 @@
 use crate::error::Result;
 use crate::ids::VolumeId;
 use crate::model::*;
+use crate::state::Domain;
 use crate::Controller;
 
 impl Controller {
     /// Start-up: roll back creations, finish deletions and expansions, then remove
     /// pool data that no record accounts for.
     pub(crate) fn recover_volumes(&self) -> Result<()> {
-        let made = self.volumes.created_in_journal().into_iter();
-        self.repair_fresh_images(made.filter_map(|id| self.volumes.get(id)));
+        // New images are not synced: only a power loss takes what was written
+        // of them, and a start in the boot that wrote them finds them whole.
+        let boot = &self.sys.boot_id;
+        if !self.state.looked_over_in(Domain::Controller, boot) {
+            let made = self.volumes.created_in_journal().into_iter();
+            if self.repair_fresh_images(made.filter_map(|id| self.volumes.get(id))) {
+                self.state.note_looked_over_in(Domain::Controller, boot)?;
+            }
+        }
         for rec in self.volumes.unsettled() {
             // A record that cannot be repaired now stays as it is: it is not listed
             // (Creating, Deleting) and a retry of its call repairs it, so one bad

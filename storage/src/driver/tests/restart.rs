@@ -143,3 +143,28 @@ fn a_call_that_meets_a_lock_the_sweep_holds_waits_for_it_instead_of_aborting() {
     assert_eq!(kind(c.delete_volume(&id.to_string())), Kind::Aborted);
     drop(other);
 }
+
+/// New images are not synced, so a power loss may take them; it always brings
+/// a new boot. A start after one makes again what it took; a start in the boot
+/// that made them (a restart of the process) has nothing to look for.
+#[test]
+fn new_images_are_looked_over_on_the_first_start_of_a_boot_only() {
+    let mut w = World::new();
+    let id = w.create("pvc-fresh", ext4());
+    let size = w.c().get_volume(&id).unwrap().record.size;
+    let image = w.tmp.path().join("pool/volumes").join(format!("{id}.img"));
+    // All a power loss can take of an image never synced.
+    std::fs::remove_file(&image).unwrap();
+    w.reopen();
+    assert!(
+        !image.exists(),
+        "a restart in the same boot looks at nothing"
+    );
+    w.sys.boot_id = "the next boot".into();
+    w.reopen();
+    assert_eq!(std::fs::metadata(&image).unwrap().len(), size);
+    // Looked over once in this boot: taken again, it is not made again.
+    std::fs::remove_file(&image).unwrap();
+    w.reopen();
+    assert!(!image.exists());
+}
