@@ -140,7 +140,7 @@ fn write_probe(dir: &Path, secs: u64) -> bool {
 fn records(dir: &Path) -> BTreeSet<String> {
     for n in names(dir) {
         assert!(
-            n.starts_with("log.") || n.starts_with("snapshot."),
+            csi_storage::core::store::is_store_file(&n),
             "{} holds {n}",
             dir.display()
         );

@@ -104,18 +104,15 @@ fn walk(dir: &Path, skip: &[&Path], out: &mut BTreeMap<String, String>) {
     }
 }
 
-/// A record store's journal or snapshot (`log.N`, `snapshot.N`): every change
-/// the driver makes and undoes appends to it, so its bytes are no sign of one;
-/// what the records say is seen through the calls.
+/// A record store's journal or snapshot (`log.N`, `snapshot.N`, `packed.N`):
+/// every change the driver makes and undoes appends to it, so its bytes are no
+/// sign of one; what the records say is seen through the calls.
 fn is_journal(p: &Path) -> bool {
     let name = p
         .file_name()
         .map(|n| n.to_string_lossy())
         .unwrap_or_default();
-    ["log.", "snapshot."].iter().any(|prefix| {
-        name.strip_prefix(prefix)
-            .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
-    })
+    csi_storage::core::store::is_store_file(&name)
 }
 
 /// Kind, size and (for small files) a hash of the contents.

@@ -614,7 +614,7 @@ fn records(dir: &Path) -> BTreeSet<String> {
     ids.extend(
         names(dir)
             .into_iter()
-            .filter(|n| !n.starts_with("log.") && !n.starts_with("snapshot.")),
+            .filter(|n| !csi_storage::core::store::is_store_file(n)),
     );
     ids
 }

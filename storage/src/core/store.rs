@@ -1433,6 +1433,15 @@ fn load_all<R: Record>(
     parts.into_iter().flatten().collect()
 }
 
+/// Whether `name` is one of the files a store keeps: a snapshot, its packed
+/// image or a journal (not a temporary, not a damaged file set aside).
+pub fn is_store_file(name: &str) -> bool {
+    ["log.", "snapshot.", "packed."].iter().any(|prefix| {
+        name.strip_prefix(prefix)
+            .is_some_and(|g| !g.is_empty() && g.bytes().all(|b| b.is_ascii_digit()))
+    })
+}
+
 /// The records of a store directory, as JSON by id, read without loading them
 /// (for tests and tools). While the store is open, a batch being written may be
 /// missed; what is acknowledged is there.
