@@ -12,10 +12,10 @@
 //!
 //! The snapshot's records are JSON, readable by any version; parsing them is
 //! most of a start's time. So a compaction also writes `packed.N`: the bytes
-//! memory keeps for each record, headed by the build's version and the records'
-//! [`Record::PACKED_LAYOUT`], which a start takes into memory as they are. A
-//! start reads the snapshot instead when the image is missing, damaged, of
-//! another build or layout, or not of the snapshot beside it (its length).
+//! memory keeps for each record, sealed with the build's version and the
+//! records' [`Record::PACKED_LAYOUT`], which a start takes into memory as they
+//! are. A start reads the snapshot instead when the image is missing, damaged,
+//! of another build or layout, or not of the snapshot beside it (its length).
 //!
 //! A change is durable before it is visible and before its caller goes on: the
 //! caller's entry joins the next batch, and one caller (the leader) writes the
