@@ -200,7 +200,7 @@ impl System {
 
 /// The kernel's id of this boot; when it cannot be read, one no earlier start
 /// can have seen (so everything a power loss could have taken is looked at).
-pub fn boot_id() -> String {
+fn boot_id() -> String {
     match std::fs::read_to_string("/proc/sys/kernel/random/boot_id") {
         Ok(id) if !id.trim().is_empty() => id.trim().to_string(),
         _ => unique_boot("unknown"),
@@ -208,7 +208,7 @@ pub fn boot_id() -> String {
 }
 
 /// A boot id of its own: `prefix`, the process and the time.
-pub fn unique_boot(prefix: &str) -> String {
+pub(crate) fn unique_boot(prefix: &str) -> String {
     let now = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .unwrap_or_default();

@@ -73,11 +73,11 @@ pub(crate) fn encode(
     id: &str,
     payload: &[u8],
 ) {
-    encode_put(out, batch, last, false, kind, id, payload)
+    encode_frame(out, batch, last, false, kind, id, payload)
 }
 
-/// [`encode`], saying whether a put made its record.
-pub(crate) fn encode_put(
+/// [`encode`], also saying whether a put made its record.
+pub(crate) fn encode_frame(
     out: &mut Vec<u8>,
     batch: u64,
     last: bool,

@@ -250,10 +250,7 @@ impl Listing {
             .map_err(|e| Error::internal(format!("reading {}: {e}", dir.display())))?;
         for entry in entries.flatten() {
             let name = entry.file_name().to_string_lossy().into_owned();
-            let gen = |prefix: &str| {
-                name.strip_prefix(prefix)
-                    .and_then(|g| g.parse::<u64>().ok())
-            };
+            let gen = |prefix: &str| generation(&name, prefix);
             if name.starts_with('.') {
                 // A temporary file of a write a crash interrupted: the rename never
                 // happened, so what it was to replace is still whole.
@@ -763,33 +760,18 @@ impl<R: Record> Inner<R> {
                 g = cv.wait(g).unwrap();
             }
         }
+        let made = self.made_by(&batch);
         let mut buf = Vec::new();
-        {
-            // Only a leader changes the map: what it holds now is what the batch
-            // follows.
-            let map = self.read();
-            let mut present: BTreeMap<R::Id, bool> = BTreeMap::new();
-            for (i, p) in batch.iter().enumerate() {
-                let made = match &p.op {
-                    Op::Put(id, _, _) => {
-                        let before = present.insert(*id, true);
-                        !before.unwrap_or_else(|| map.contains_key(id))
-                    }
-                    Op::Remove(id) => {
-                        present.insert(*id, false);
-                        false
-                    }
-                };
-                journal::encode_put(
-                    &mut buf,
-                    number,
-                    i + 1 == batch.len(),
-                    made,
-                    p.kind,
-                    &p.id,
-                    &p.payload,
-                );
-            }
+        for (i, (p, made)) in batch.iter().zip(&made).enumerate() {
+            journal::encode_frame(
+                &mut buf,
+                number,
+                i + 1 == batch.len(),
+                *made,
+                p.kind,
+                &p.id,
+                &p.payload,
+            );
         }
         let res = file
             .write_at(offset, &buf)
@@ -805,17 +787,14 @@ impl<R: Record> Inner<R> {
                 st.batches += 1;
                 let mut map = self.write();
                 let mut unsettled = self.unsettled.lock().unwrap_or_else(|p| p.into_inner());
-                for p in batch {
+                for (p, made) in batch.into_iter().zip(made) {
                     match p.op {
                         Op::Put(id, r, settled) => {
-                            if map.insert(id, r).is_none() {
+                            map.insert(id, r);
+                            if made {
                                 st.born.push((batch_gen, id));
                             }
-                            if settled {
-                                unsettled.remove(&id);
-                            } else {
-                                unsettled.insert(id);
-                            }
+                            mark(&mut unsettled, id, settled);
                         }
                         Op::Remove(id) => {
                             map.remove(&id);
@@ -842,6 +821,27 @@ impl<R: Record> Inner<R> {
         let due = res.is_ok() && self.due(&mut st, live);
         self.changed.notify_all();
         (st, due)
+    }
+
+    /// For each change of `batch`, whether it is a put that makes its record
+    /// (none is there before it, in memory or earlier in the batch). Only a
+    /// leader changes the map, so what it holds now is what the batch follows.
+    fn made_by(&self, batch: &[Pending<R>]) -> Vec<bool> {
+        let map = self.read();
+        let mut present: BTreeMap<R::Id, bool> = BTreeMap::new();
+        batch
+            .iter()
+            .map(|p| match &p.op {
+                Op::Put(id, _, _) => {
+                    let before = present.insert(*id, true);
+                    !before.unwrap_or_else(|| map.contains_key(id))
+                }
+                Op::Remove(id) => {
+                    present.insert(*id, false);
+                    false
+                }
+            })
+            .collect()
     }
 
     /// Whether to compact now (and then marked as compacting): once the journal
@@ -975,14 +975,13 @@ impl<R: Record> Inner<R> {
         let failed = |e: std::io::Error| Error::internal(format!("{}: {e}", at()));
         let mut snap = file::Replacement::create(&path).context(at)?;
         let image_path = self.dir.join(image_name(gen));
-        let mut image = match file::Replacement::create(&image_path) {
-            Ok(f) => Some(f),
-            Err(e) => {
-                tracing::warn!(path = %image_path.display(), error = %e,
-                    "no packed image of the snapshot; the next start parses it");
-                None
-            }
+        let no_image = |e: &dyn Display| {
+            tracing::warn!(path = %image_path.display(), error = %e,
+                "no packed image of the snapshot; the next start parses it");
         };
+        let mut image = file::Replacement::create(&image_path)
+            .map_err(|e| no_image(&e))
+            .ok();
         let mut written = 0u64;
         let mut buf = Vec::new();
         let mut packed = Vec::new();
@@ -1017,12 +1016,9 @@ impl<R: Record> Inner<R> {
             }
             let Some(last) = last else { break };
             snap.write_all(&buf).map_err(failed)?;
-            if let Some(f) = image.as_mut() {
-                if let Err(e) = f.write_all(&packed) {
-                    tracing::warn!(path = %image_path.display(), error = %e,
-                        "no packed image of the snapshot; the next start parses it");
-                    image = None;
-                }
+            if let Some(Err(e)) = image.as_mut().map(|f| f.write_all(&packed)) {
+                no_image(&e);
+                image = None;
             }
             after = Some(last);
             #[cfg(test)]
@@ -1042,13 +1038,9 @@ impl<R: Record> Inner<R> {
         if let Some(mut f) = image {
             packed.clear();
             image_seal::<R>(&mut packed, snapshot_len);
-            let done = match f.write_all(&packed) {
-                Ok(()) => f.commit().map_err(|e| e.to_string()),
-                Err(e) => Err(e.to_string()),
-            };
-            if let Err(e) = done {
-                tracing::warn!(path = %image_path.display(), error = %e,
-                    "no packed image of the snapshot; the next start parses it");
+            match f.write_all(&packed) {
+                Ok(()) => f.commit().unwrap_or_else(|e| no_image(&e)),
+                Err(e) => no_image(&e),
             }
         }
         Ok(written)
@@ -1159,9 +1151,7 @@ fn image_records<R: Record>(
     let mut unsettled = BTreeSet::new();
     for part in parts {
         for (id, packed, settled) in part? {
-            if !settled {
-                unsettled.insert(id);
-            }
+            mark(&mut unsettled, id, settled);
             records.push((id, packed));
         }
     }
@@ -1228,9 +1218,7 @@ impl<R: Record> Loaded<R> {
         let mut good = Vec::with_capacity(parts.iter().map(|p| p.0.len()).sum());
         for (g, bad) in parts {
             for (id, r, settled) in g {
-                if !settled {
-                    self.unsettled.insert(id);
-                }
+                mark(&mut self.unsettled, id, settled);
                 good.push((id, r));
             }
             for (id, why) in bad {
@@ -1258,11 +1246,7 @@ impl<R: Record> Loaded<R> {
                     if self.records.insert(id, r).is_none() || e.made {
                         born.insert(id);
                     }
-                    if settled {
-                        self.unsettled.remove(&id);
-                    } else {
-                        self.unsettled.insert(id);
-                    }
+                    mark(&mut self.unsettled, id, settled);
                     self.unreadable.remove(e.id);
                 }
                 (Kind::Remove, _) => {
@@ -1292,6 +1276,15 @@ impl<R: Record> Loaded<R> {
             self.unsettled.remove(&k);
         }
         self.unreadable.insert(id.to_string());
+    }
+}
+
+/// Keeps `unsettled` the set of the records not settled, as `id` now is or not.
+fn mark<I: Ord>(unsettled: &mut BTreeSet<I>, id: I, settled: bool) {
+    if settled {
+        unsettled.remove(&id);
+    } else {
+        unsettled.insert(id);
     }
 }
 
@@ -1436,10 +1429,17 @@ fn load_all<R: Record>(
 /// Whether `name` is one of the files a store keeps: a snapshot, its packed
 /// image or a journal (not a temporary, not a damaged file set aside).
 pub fn is_store_file(name: &str) -> bool {
-    ["log.", "snapshot.", "packed."].iter().any(|prefix| {
-        name.strip_prefix(prefix)
-            .is_some_and(|g| !g.is_empty() && g.bytes().all(|b| b.is_ascii_digit()))
-    })
+    ["log.", "snapshot.", "packed."]
+        .iter()
+        .any(|prefix| generation(name, prefix).is_some())
+}
+
+/// The generation N of a file named `<prefix>N`.
+fn generation(name: &str, prefix: &str) -> Option<u64> {
+    name.strip_prefix(prefix)
+        .filter(|g| !g.is_empty() && g.bytes().all(|b| b.is_ascii_digit()))?
+        .parse()
+        .ok()
 }
 
 /// The records of a store directory, as JSON by id, read without loading them
@@ -1589,8 +1589,19 @@ mod tests {
         inline: true,
     };
 
+    /// Compacts only when a test says (`compact_now`).
+    const MANUAL: Tuning = Tuning {
+        compact_at: u64::MAX,
+        inline: true,
+    };
+
     fn open(dir: &Path) -> Store<Rec> {
         Store::open_with(dir, SMALL).unwrap()
+    }
+
+    fn compact_now<R: Record>(s: &Store<R>) {
+        s.inner.lock().compacting = true;
+        s.inner.run_compaction();
     }
 
     fn contents(s: &Store<Rec>) -> BTreeMap<u32, String> {
@@ -1624,14 +1635,7 @@ mod tests {
     #[test]
     fn changes_between_the_chunks_of_a_compaction_are_kept() {
         let tmp = tempfile::tempdir().unwrap();
-        let s = Store::<Rec>::open_with(
-            tmp.path(),
-            Tuning {
-                compact_at: u64::MAX,
-                inline: true,
-            },
-        )
-        .unwrap();
+        let s = Store::<Rec>::open_with(tmp.path(), MANUAL).unwrap();
         let mut model = BTreeMap::new();
         for i in 0..2000 {
             let v = format!("v{i}");
@@ -1650,8 +1654,7 @@ mod tests {
                 during.put(&rec(3001, "made ahead of the writer")).unwrap();
             }
         }));
-        s.inner.lock().compacting = true;
-        s.inner.run_compaction();
+        compact_now(&s);
         assert!(
             *hooked.lock().unwrap() >= 4,
             "2000 records are several chunks"
@@ -1683,11 +1686,7 @@ mod tests {
     #[test]
     fn a_start_takes_the_packed_image_or_else_the_snapshot_to_the_same_records() {
         let tmp = tempfile::tempdir().unwrap();
-        let tuning = Tuning {
-            compact_at: u64::MAX,
-            inline: true,
-        };
-        let s = Store::<Rec>::open_with(tmp.path(), tuning).unwrap();
+        let s = Store::<Rec>::open_with(tmp.path(), MANUAL).unwrap();
         let mut model = BTreeMap::new();
         for i in 0..2000 {
             let v = if i % 7 == 0 {
@@ -1698,8 +1697,7 @@ mod tests {
             s.put(&rec(i, &v)).unwrap();
             model.insert(i, v);
         }
-        s.inner.lock().compacting = true;
-        s.inner.run_compaction();
+        compact_now(&s);
         // After the snapshot: one settles, one is made pending, one pending goes.
         s.put(&rec(7, "done")).unwrap();
         s.put(&rec(8, "pending again")).unwrap();
@@ -1718,7 +1716,7 @@ mod tests {
         let image = tmp.path().join("packed.1");
         let whole = std::fs::read(&image).unwrap();
 
-        let s = Store::<Rec>::open_with(tmp.path(), tuning).unwrap();
+        let s = Store::<Rec>::open_with(tmp.path(), MANUAL).unwrap();
         assert!(s.inner.from_image, "the image is read");
         assert_eq!(contents(&s), model);
         assert_eq!(unsettled(&s), pending);
@@ -1748,7 +1746,7 @@ mod tests {
             ("cut", cut),
         ] {
             std::fs::write(&image, &bytes).unwrap();
-            let s = Store::<Rec>::open_with(tmp.path(), tuning).unwrap();
+            let s = Store::<Rec>::open_with(tmp.path(), MANUAL).unwrap();
             assert!(!s.inner.from_image, "a {what} image is not read");
             assert_eq!(contents(&s), model, "{what}");
             assert_eq!(unsettled(&s), pending, "{what}");
@@ -1767,11 +1765,7 @@ mod tests {
     #[test]
     fn the_barrier_is_given_what_the_folded_journals_made() {
         let tmp = tempfile::tempdir().unwrap();
-        let tuning = Tuning {
-            compact_at: u64::MAX,
-            inline: true,
-        };
-        let s = Store::<Rec>::open_with(tmp.path(), tuning).unwrap();
+        let s = Store::<Rec>::open_with(tmp.path(), MANUAL).unwrap();
         for i in 0..10 {
             s.put(&rec(i, "first")).unwrap();
         }
@@ -1781,8 +1775,7 @@ mod tests {
             into.lock().unwrap().push(ids.to_vec());
             Ok(())
         }));
-        s.inner.lock().compacting = true;
-        s.inner.run_compaction();
+        compact_now(&s);
         let made: Vec<String> = (0..10).map(|i| Tid(i).to_string()).collect();
         assert_eq!(seen.lock().unwrap().pop(), Some(made));
         // In journal 1: 0 changed, 1 removed, 20 and 21 made, 21 removed.
@@ -1793,15 +1786,14 @@ mod tests {
         s.remove(Tid(21)).unwrap();
         drop(s);
         // Reopened: what journal 1 made is known from it.
-        let s = Store::<Rec>::open_with(tmp.path(), tuning).unwrap();
+        let s = Store::<Rec>::open_with(tmp.path(), MANUAL).unwrap();
         let into = seen.clone();
         s.set_compaction_barrier(Box::new(move |ids: &[String]| {
             into.lock().unwrap().push(ids.to_vec());
             Ok(())
         }));
         s.put(&rec(30, "after the reopen")).unwrap();
-        s.inner.lock().compacting = true;
-        s.inner.run_compaction();
+        compact_now(&s);
         assert_eq!(
             seen.lock().unwrap().pop(),
             Some(vec![Tid(20).to_string(), Tid(30).to_string()])
@@ -2208,8 +2200,7 @@ mod tests {
             want.sort_by_key(|r| r.id());
             assert_eq!(store.all(), want);
             // And from a snapshot's packed image.
-            store.inner.lock().compacting = true;
-            store.inner.run_compaction();
+            compact_now(&store);
             drop(store);
             let store = Store::<R>::open(dir).unwrap();
             assert!(store.inner.from_image);
