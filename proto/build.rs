@@ -23,7 +23,11 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     rpcs += "];\n";
     let out_dir = std::path::PathBuf::from(std::env::var("OUT_DIR")?);
     std::fs::write(out_dir.join("csi_rpcs.rs"), rpcs)?;
+    // Maps (volume context, parameters, topology segments, secrets) as
+    // `BTreeMap`: they hold a few entries, which a B-tree keeps in one node
+    // without hashing each key, and they print and compare in a stable order.
     tonic_prost_build::configure()
+        .btree_map(".")
         .build_server(true)
         .build_client(true)
         .compile_fds(fds)?;

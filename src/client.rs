@@ -2,7 +2,7 @@
 //! and prints the answer as YAML or JSON. Only argument parsing, request building
 //! and printing live here: every decision is the driver's.
 
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::io::Write;
 use std::process::ExitCode;
 
@@ -13,7 +13,7 @@ use csi_proto::csi::{
 };
 use csi_storage::model::AccessMode;
 use csi_storage::size::parse_size;
-use serde_json::{json, Map, Value};
+use serde_json::{json, Value};
 use tonic::transport::Channel;
 
 mod calls;
@@ -267,7 +267,7 @@ fn parse_pair(s: &str) -> Result<(String, String), String> {
     }
 }
 
-fn to_map(pairs: &[(String, String)]) -> HashMap<String, String> {
+fn to_map(pairs: &[(String, String)]) -> BTreeMap<String, String> {
     pairs.iter().cloned().collect()
 }
 
@@ -567,8 +567,8 @@ fn volume(v: &csi::Volume) -> Value {
     let mut out = json!({
         "volume_id": v.volume_id,
         "capacity_bytes": v.capacity_bytes,
-        "volume_context": sorted(&v.volume_context),
-        "accessible_topology": v.accessible_topology.iter().map(|t| sorted(&t.segments)).collect::<Vec<_>>(),
+        "volume_context": v.volume_context,
+        "accessible_topology": v.accessible_topology.iter().map(|t| json!(t.segments)).collect::<Vec<_>>(),
     });
     if let Some(s) = source {
         out["content_source"] = s;
@@ -584,7 +584,7 @@ fn snapshot(s: &csi::Snapshot) -> Value {
         "ready_to_use": s.ready_to_use,
         "creation_time": s.creation_time.as_ref().map(|t| t.seconds),
         "group_snapshot_id": s.group_snapshot_id,
-        "accessible_topology": s.accessible_topology.iter().map(|t| sorted(&t.segments)).collect::<Vec<_>>(),
+        "accessible_topology": s.accessible_topology.iter().map(|t| json!(t.segments)).collect::<Vec<_>>(),
     })
 }
 
@@ -607,16 +607,6 @@ fn volume_health(h: &csi::VolumeHealth) -> Value {
 fn finding(status: Result<&'static str, i32>, reason: &str, message: &str) -> Value {
     let status = status.map_or_else(|n| json!(n.to_string()), |s| json!(s));
     json!({ "status": status, "reason": reason, "message": message })
-}
-
-fn sorted(m: &HashMap<String, String>) -> Value {
-    let mut out = Map::new();
-    let mut keys: Vec<_> = m.keys().collect();
-    keys.sort();
-    for k in keys {
-        out.insert(k.clone(), json!(m[k]));
-    }
-    Value::Object(out)
 }
 
 /// The answer as YAML. Strings a YAML reader would take for something else

@@ -4,7 +4,7 @@
 
 mod common;
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::io::{Read, Write};
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::{Path, PathBuf};
@@ -472,8 +472,8 @@ async fn root_an_unprivileged_user_cannot_connect() {
 }
 
 /// Secret values (the keys of a secrets map are not secret: CSI redacts values).
-fn secrets() -> HashMap<String, String> {
-    HashMap::from([
+fn secrets() -> BTreeMap<String, String> {
+    BTreeMap::from([
         ("password".to_string(), SECRET.to_string()),
         ("token".to_string(), format!("Bearer {SECRET}")),
     ])

@@ -8,7 +8,7 @@
 
 mod common;
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -24,7 +24,7 @@ fn vid(name: &str) -> String {
     VolumeId::for_name(name).to_string()
 }
 
-fn map(kv: &[(&str, &str)]) -> HashMap<String, String> {
+fn map(kv: &[(&str, &str)]) -> BTreeMap<String, String> {
     kv.iter()
         .map(|(k, v)| (k.to_string(), v.to_string()))
         .collect()
@@ -1321,7 +1321,7 @@ async fn root_names_capacity_health_expand_list_modify() {
     // GetCapacity reflects the pool, and is 0 for another node's topology.
     let gc = |topo: Option<&str>| csi::GetCapacityRequest {
         volume_capabilities: vec![mount_cap("ext4", writer())],
-        parameters: HashMap::new(),
+        parameters: BTreeMap::new(),
         accessible_topology: topo.map(|n| csi::Topology {
             segments: map(&[("topology.example.csi/node", n)]),
         }),

@@ -27,7 +27,7 @@
 
 mod common;
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -240,9 +240,9 @@ impl G<'_> {
             _ => format!("{}/{}", s.display(), self.junk()),
         }
     }
-    fn map(&mut self, keys: &[&str]) -> HashMap<String, String> {
+    fn map(&mut self, keys: &[&str]) -> BTreeMap<String, String> {
         if self.sane && self.chance(0.8) {
-            return HashMap::new();
+            return BTreeMap::new();
         }
         let n = self.pick(&[0usize, 0, 1, 2, 4]);
         (0..n)
@@ -280,7 +280,7 @@ impl G<'_> {
             })
             .collect()
     }
-    fn params(&mut self) -> HashMap<String, String> {
+    fn params(&mut self) -> BTreeMap<String, String> {
         self.map(&[
             "type",
             "kind",
@@ -290,14 +290,14 @@ impl G<'_> {
             "readAheadKiB",
         ])
     }
-    fn secrets(&mut self) -> HashMap<String, String> {
+    fn secrets(&mut self) -> BTreeMap<String, String> {
         if self.chance(0.2) {
             [("password".to_string(), "fuzz-secret-value".to_string())].into()
         } else {
-            HashMap::new()
+            BTreeMap::new()
         }
     }
-    fn context(&mut self) -> HashMap<String, String> {
+    fn context(&mut self) -> BTreeMap<String, String> {
         self.map(&[
             "csi.storage.k8s.io/ephemeral",
             "size",
@@ -1169,8 +1169,9 @@ async fn root_fuzz_every_rpc_with_arbitrary_requests() {
     );
 }
 
-/// `text` with the entries of every map (`{"k": "v", ...}`) sorted: a HashMap
-/// prints its entries in an order of its own in each process. A map that the end
+/// `text` with the entries of every map (`{"k": "v", ...}`) sorted: the saved
+/// requests were printed when the maps were `HashMap`s, each in an order of
+/// its own. A map that the end
 /// of `text` cuts off is left out, with what would follow it.
 fn maps_sorted(text: &str) -> String {
     let mut out = String::new();

@@ -6,7 +6,7 @@
 
 mod common;
 
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
@@ -86,8 +86,8 @@ async fn fixture(fs: &str) -> Fixture {
     }
 }
 
-fn secrets() -> HashMap<String, String> {
-    HashMap::from([("token".to_string(), SECRET.to_string())])
+fn secrets() -> BTreeMap<String, String> {
+    BTreeMap::from([("token".to_string(), SECRET.to_string())])
 }
 
 /// What the messages of both metadata streams carry.

@@ -1,7 +1,7 @@
 //! A driver under test: its socket, and (when the benchmark starts it) its
 //! process, so that startup can be timed and RSS read.
 
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -194,7 +194,7 @@ pub fn create_req(
         name: name.to_string(),
         capacity_range: csi_glue::capacity_at_least(size),
         volume_capabilities: vec![mount_cap(fs)],
-        parameters: params.iter().cloned().collect::<HashMap<_, _>>(),
+        parameters: params.iter().cloned().collect::<BTreeMap<_, _>>(),
         ..Default::default()
     }
 }

@@ -1,19 +1,19 @@
 //! The CSI Controller service.
 
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use csi_glue::{
-    bytes, call, capabilities, capacity, hash_map, map, optional_capability, timestamp, topology,
-    volume_health,
+    bytes, call, capabilities, capacity, optional_capability, timestamp, topology, volume_health,
 };
 use csi_proto::csi::{
     self, controller_server::Controller, controller_service_capability, volume_content_source,
     ControllerServiceCapability,
 };
 use csi_storage::ids::{SnapshotId, VolumeId};
-use csi_storage::model::ContentSource;
+use csi_storage::model::{ContentSource, VolumeView};
 use csi_storage::snapshots::SnapshotPage;
-use csi_storage::volumes::{CreateVolume, VolumeInfo};
+use csi_storage::volumes::CreateVolume;
 use csi_storage::Controller as Domain;
 use csi_storage::Error;
 use tonic::{Request, Response, Status};
@@ -28,13 +28,21 @@ impl ControllerService {
     }
 }
 
-fn volume(d: &Domain, v: &VolumeInfo) -> csi::Volume {
-    let r = &v.record;
+/// A volume as CSI carries it, in the node's topology `at` (made once for a
+/// page of many).
+fn volume(at: &csi::Topology, v: &VolumeView) -> csi::Volume {
     csi::Volume {
-        capacity_bytes: bytes(r.size),
-        volume_id: r.id.to_string(),
-        volume_context: hash_map(&v.context),
-        content_source: r.source.map(|s| csi::VolumeContentSource {
+        capacity_bytes: bytes(v.size),
+        volume_id: v.id.to_string(),
+        volume_context: {
+            // Inserted one by one: a collect would gather and sort them first.
+            let mut m = BTreeMap::new();
+            for (k, v) in v.context() {
+                m.insert(k.to_string(), v.to_string());
+            }
+            m
+        },
+        content_source: v.source.map(|s| csi::VolumeContentSource {
             r#type: Some(match s {
                 ContentSource::Snapshot(id) => {
                     volume_content_source::Type::Snapshot(volume_content_source::SnapshotSource {
@@ -48,8 +56,13 @@ fn volume(d: &Domain, v: &VolumeInfo) -> csi::Volume {
                 }
             }),
         }),
-        accessible_topology: vec![topology(d)],
+        accessible_topology: vec![at.clone()],
     }
+}
+
+/// The nodes a volume is published to, as CSI carries them.
+fn published_on(v: &VolumeView) -> Vec<String> {
+    v.published.0.iter().map(|n| n.to_string()).collect()
 }
 
 pub(crate) fn snapshot(d: &Domain, s: &csi_storage::model::SnapshotRecord) -> csi::Snapshot {
@@ -104,7 +117,8 @@ impl Controller for ControllerService {
                 .accessibility_requirements
                 .as_ref()
                 .map(|a| {
-                    let seg = |ts: &[csi::Topology]| ts.iter().map(|t| map(&t.segments)).collect();
+                    let seg =
+                        |ts: &[csi::Topology]| ts.iter().map(|t| t.segments.clone()).collect();
                     (seg(&a.requisite), seg(&a.preferred))
                 })
                 .unwrap_or_default();
@@ -112,13 +126,13 @@ impl Controller for ControllerService {
                 name: rr.name.clone(),
                 capacity: capacity(rr.capacity_range.as_ref()),
                 capabilities: capabilities(&rr.volume_capabilities)?,
-                parameters: map(&rr.parameters),
-                mutable_parameters: map(&rr.mutable_parameters),
+                parameters: rr.parameters.clone(),
+                mutable_parameters: rr.mutable_parameters.clone(),
                 source: content_source(rr.volume_content_source.as_ref())?,
                 requisite,
                 preferred,
             })?;
-            Ok(volume(&d, &v))
+            Ok(volume(&topology(&d), &v.record.view()))
         })
         .await?;
         Ok(Response::new(csi::CreateVolumeResponse { volume: Some(v) }))
@@ -156,7 +170,7 @@ impl Controller for ControllerService {
         })
         .await?;
         Ok(Response::new(csi::ControllerPublishVolumeResponse {
-            publish_context: hash_map(&ctx),
+            publish_context: ctx,
         }))
     }
 
@@ -191,8 +205,8 @@ impl Controller for ControllerService {
             let why = d.validate_capabilities(
                 &rr.volume_id,
                 &caps,
-                &map(&rr.parameters),
-                &map(&rr.mutable_parameters),
+                &rr.parameters,
+                &rr.mutable_parameters,
             )?;
             Ok(match why {
                 None => csi::ValidateVolumeCapabilitiesResponse {
@@ -222,19 +236,17 @@ impl Controller for ControllerService {
         let d = self.controller.clone();
         let rr = r.clone();
         let resp = call("ListVolumes", "", &r, move || {
-            let page = d.list_volumes(rr.max_entries, &rr.starting_token)?;
-            let entries: Vec<_> = page
-                .volumes
-                .iter()
-                .map(|v| csi::list_volumes_response::Entry {
-                    volume: Some(volume(&d, v)),
+            let at = topology(&d);
+            let page = d.list_volumes(rr.max_entries, &rr.starting_token, |v| {
+                csi::list_volumes_response::Entry {
+                    volume: Some(volume(&at, v)),
                     status: Some(csi::list_volumes_response::VolumeStatus {
-                        published_node_ids: v.record.published.keys().cloned().collect(),
+                        published_node_ids: published_on(v),
                     }),
-                })
-                .collect();
+                }
+            })?;
+            let entries = page.volumes;
             let next_token = page.next_token.unwrap_or_default();
-            drop(page.volumes);
             csi_glue::memory::listing_page_served(entries.len(), next_token.is_empty());
             Ok(csi::ListVolumesResponse {
                 entries,
@@ -254,8 +266,8 @@ impl Controller for ControllerService {
         let rr = r.clone();
         let resp = call("GetCapacity", "", &r, move || {
             let caps = capabilities(&rr.volume_capabilities)?;
-            let topo = rr.accessible_topology.as_ref().map(|t| map(&t.segments));
-            let c = d.get_capacity(&map(&rr.parameters), &caps, topo.as_ref())?;
+            let topo = rr.accessible_topology.as_ref().map(|t| &t.segments);
+            let c = d.get_capacity(&rr.parameters, &caps, topo)?;
             Ok(csi::GetCapacityResponse {
                 available_capacity: bytes(c.available),
                 maximum_volume_size: Some(bytes(c.maximum_volume_size)),
@@ -318,15 +330,10 @@ impl Controller for ControllerService {
             let requisite: Vec<_> = rr
                 .accessibility_requirements
                 .iter()
-                .flat_map(|a| a.requisite.iter().map(|t| map(&t.segments)))
+                .flat_map(|a| a.requisite.iter().map(|t| t.segments.clone()))
                 .collect();
-            d.create_snapshot_within(
-                &rr.name,
-                &rr.source_volume_id,
-                &map(&rr.parameters),
-                &requisite,
-            )
-            .map(|s| snapshot(&d, &s))
+            d.create_snapshot_within(&rr.name, &rr.source_volume_id, &rr.parameters, &requisite)
+                .map(|s| snapshot(&d, &s))
         })
         .await?;
         Ok(Response::new(csi::CreateSnapshotResponse {
@@ -412,10 +419,11 @@ impl Controller for ControllerService {
         let id = r.volume_id.clone();
         let resp = call("ControllerGetVolume", &r.volume_id, &r, move || {
             let v = d.get_volume(&id)?;
+            let v = v.record.view();
             Ok(csi::ControllerGetVolumeResponse {
-                volume: Some(volume(&d, &v)),
+                volume: Some(volume(&topology(&d), &v)),
                 status: Some(csi::controller_get_volume_response::VolumeStatus {
-                    published_node_ids: v.record.published.keys().cloned().collect(),
+                    published_node_ids: published_on(&v),
                 }),
             })
         })
@@ -434,7 +442,7 @@ impl Controller for ControllerService {
         let d = self.controller.clone();
         let rr = r.clone();
         call("ControllerModifyVolume", &r.volume_id, &r, move || {
-            d.modify_volume(&rr.volume_id, &map(&rr.mutable_parameters))
+            d.modify_volume(&rr.volume_id, &rr.mutable_parameters)
         })
         .await?;
         Ok(Response::new(csi::ControllerModifyVolumeResponse {}))

@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use csi_glue::{call, map, timestamp};
+use csi_glue::{call, timestamp};
 use csi_proto::csi::{
     self, group_controller_server::GroupController, group_controller_service_capability,
 };
@@ -61,7 +61,7 @@ impl GroupController for GroupControllerService {
         let d = self.controller.clone();
         let rr = r.clone();
         let g = call("CreateVolumeGroupSnapshot", "", &r, move || {
-            d.create_group_snapshot(&rr.name, &rr.source_volume_ids, &map(&rr.parameters))
+            d.create_group_snapshot(&rr.name, &rr.source_volume_ids, &rr.parameters)
                 .map(|g| group(&d, &g))
         })
         .await?;

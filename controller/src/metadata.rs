@@ -36,7 +36,7 @@ impl<T: fmt::Debug> fmt::Debug for Shown<T> {
 
 impl<T> Redact for Shown<T> {}
 
-fn hide(secrets: &mut std::collections::HashMap<String, String>) {
+fn hide(secrets: &mut std::collections::BTreeMap<String, String>) {
     for v in secrets.values_mut() {
         *v = "<redacted>".into();
     }

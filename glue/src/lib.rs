@@ -5,7 +5,6 @@
 //! thread with a cancellation token that trips when the caller goes away, the
 //! response or the error logged once.
 
-use std::collections::BTreeMap;
 use std::fmt::Debug;
 use std::sync::Arc;
 
@@ -244,17 +243,9 @@ pub fn capacity_at_least(bytes: i64) -> Option<csi::CapacityRange> {
     })
 }
 
-pub fn map(m: &std::collections::HashMap<String, String>) -> BTreeMap<String, String> {
-    m.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
-}
-
-pub fn hash_map(m: &BTreeMap<String, String>) -> std::collections::HashMap<String, String> {
-    m.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
-}
-
 pub fn topology(core: &Core) -> csi::Topology {
     csi::Topology {
-        segments: hash_map(&core.topology()),
+        segments: core.topology(),
     }
 }
 

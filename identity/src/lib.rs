@@ -1,6 +1,6 @@
 //! The CSI Identity service: who the driver is, what it offers, whether it is ready.
 
-use std::collections::HashMap;
+use std::collections::BTreeMap;
 
 use csi_glue::{call, Shared};
 use csi_proto::csi::{self, identity_server::Identity, plugin_capability, PluginCapability};
@@ -38,7 +38,7 @@ impl Identity for IdentityService {
     ) -> Result<Response<csi::GetPluginInfoResponse>, Status> {
         let name = self.driver.cfg.driver_name.clone();
         let resp = call("GetPluginInfo", "", req.get_ref(), move || {
-            let mut manifest = HashMap::new();
+            let mut manifest = BTreeMap::new();
             if !COMMIT.is_empty() {
                 manifest.insert("commit".to_string(), COMMIT.to_string());
             }

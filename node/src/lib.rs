@@ -2,7 +2,7 @@
 
 use std::sync::Arc;
 
-use csi_glue::{bytes, call, capacity, map, optional_capability, topology, volume_health};
+use csi_glue::{bytes, call, capacity, optional_capability, topology, volume_health};
 use csi_proto::csi::{
     self, node_server::Node, node_service_capability, volume_usage, NodeServiceCapability,
 };
@@ -41,7 +41,7 @@ impl Node for NodeService {
         call("NodeStageVolume", &r.volume_id, &r, move || {
             d.node_stage(Stage {
                 capability: optional_capability(rr.volume_capability.as_ref())?,
-                volume_context: map(&rr.volume_context),
+                volume_context: rr.volume_context.clone(),
                 volume_id: rr.volume_id,
                 staging_path: rr.staging_target_path,
             })
@@ -74,7 +74,7 @@ impl Node for NodeService {
         call("NodePublishVolume", &r.volume_id, &r, move || {
             d.node_publish(Publish {
                 capability: optional_capability(rr.volume_capability.as_ref())?,
-                volume_context: map(&rr.volume_context),
+                volume_context: rr.volume_context.clone(),
                 volume_id: rr.volume_id,
                 staging_path: rr.staging_target_path,
                 target_path: rr.target_path,

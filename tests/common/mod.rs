@@ -3,7 +3,7 @@
 //! Everything a test makes is torn down by Drop, also when the test fails.
 #![allow(dead_code)]
 
-use std::collections::{BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -499,7 +499,7 @@ pub fn create_req(
         parameters: params
             .iter()
             .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect::<HashMap<_, _>>(),
+            .collect::<BTreeMap<_, _>>(),
         ..Default::default()
     }
 }

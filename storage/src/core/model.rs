@@ -280,6 +280,184 @@ pub struct VolumeRecord {
     pub requested: Option<u64>,
 }
 
+/// A volume record read in place from its packed form, for the answers that
+/// name only some of its fields (a listing of many volumes): its strings are
+/// borrowed and the fields no answer carries are read past, not built.
+///
+/// Its fields mirror `VolumeRecord`'s one for one, in the same order and of the
+/// same encoding, so that it reads the record's packed form;
+/// `a_volume_view_reads_every_record_as_the_record_does` fails when the two part.
+#[derive(Debug, PartialEq, Eq, Deserialize)]
+pub struct VolumeView<'a> {
+    pub id: VolumeId,
+    pub name: &'a str,
+    pub pool: &'a str,
+    pub backing: Backing,
+    pub size: u64,
+    #[serde(borrow)]
+    pub fs_type: Option<&'a str>,
+    capabilities: ReadPast<Vec<CapabilityView<'a>>>,
+    parameters: ReadPast<BTreeMap<&'a str, &'a str>>,
+    mutable_parameters: ReadPast<BTreeMap<&'a str, &'a str>>,
+    pub source: Option<ContentSource>,
+    pub created: Timestamp,
+    pub state: RecordState,
+    pub pending_size: Option<u64>,
+    /// The nodes it is published to, in order.
+    #[serde(borrow)]
+    pub published: NodeNames<'a>,
+    pub ephemeral: bool,
+    pub requested: Option<u64>,
+}
+
+impl VolumeRecord {
+    /// The record seen as a view (the fields a view reads past are left out).
+    pub fn view(&self) -> VolumeView<'_> {
+        VolumeView {
+            id: self.id,
+            name: &self.name,
+            pool: &self.pool,
+            backing: self.backing,
+            size: self.size,
+            fs_type: self.fs_type.as_deref(),
+            capabilities: ReadPast::default(),
+            parameters: ReadPast::default(),
+            mutable_parameters: ReadPast::default(),
+            source: self.source,
+            created: self.created,
+            state: self.state,
+            pending_size: self.pending_size,
+            published: NodeNames(self.published.keys().map(String::as_str).collect()),
+            ephemeral: self.ephemeral,
+            requested: self.requested,
+        }
+    }
+}
+
+impl VolumeView<'_> {
+    /// The volume context a node is handed: the pool, the kind, and the
+    /// filesystem of a mount volume.
+    pub fn context(&self) -> impl Iterator<Item = (&'static str, &str)> {
+        let kind = match self.backing {
+            Backing::Image => "image",
+            _ => "dir",
+        };
+        [("pool", self.pool), ("kind", kind)]
+            .into_iter()
+            .chain(self.fs_type.map(|fs| ("fsType", fs)))
+    }
+}
+
+/// `Capability` as a view reads it: strings borrowed.
+#[derive(Deserialize)]
+#[allow(dead_code)] // read to step over, never looked at
+struct CapabilityView<'a> {
+    #[serde(borrow)]
+    access: AccessView<'a>,
+    mode: AccessMode,
+}
+
+#[derive(Deserialize)]
+#[allow(dead_code)]
+enum AccessView<'a> {
+    Block,
+    Mount {
+        fs_type: &'a str,
+        #[serde(borrow)]
+        mount_flags: ReadPast<Vec<&'a str>>,
+        volume_mount_group: &'a str,
+    },
+}
+
+/// A field of type `T` read past: its elements (of a list or a map) are read
+/// one at a time and dropped, so a collection is never built. Every two are
+/// equal: a view does not hold what it reads past.
+struct ReadPast<T>(std::marker::PhantomData<T>);
+
+impl<T> Default for ReadPast<T> {
+    fn default() -> Self {
+        ReadPast(std::marker::PhantomData)
+    }
+}
+impl<T> std::fmt::Debug for ReadPast<T> {
+    fn fmt(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("..")
+    }
+}
+impl<T> PartialEq for ReadPast<T> {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+impl<T> Eq for ReadPast<T> {}
+
+impl<'de, T: Deserialize<'de>> Deserialize<'de> for ReadPast<Vec<T>> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        struct Each<T>(std::marker::PhantomData<T>);
+        impl<'de, T: Deserialize<'de>> serde::de::Visitor<'de> for Each<T> {
+            type Value = ReadPast<Vec<T>>;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a list")
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> std::result::Result<Self::Value, A::Error> {
+                while seq.next_element::<T>()?.is_some() {}
+                Ok(ReadPast::default())
+            }
+        }
+        d.deserialize_seq(Each(std::marker::PhantomData))
+    }
+}
+
+impl<'de, K: Deserialize<'de>, V: Deserialize<'de>> Deserialize<'de> for ReadPast<BTreeMap<K, V>> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        struct Each<K, V>(std::marker::PhantomData<(K, V)>);
+        impl<'de, K: Deserialize<'de>, V: Deserialize<'de>> serde::de::Visitor<'de> for Each<K, V> {
+            type Value = ReadPast<BTreeMap<K, V>>;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a map")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> std::result::Result<Self::Value, A::Error> {
+                while map.next_entry::<K, V>()?.is_some() {}
+                Ok(ReadPast::default())
+            }
+        }
+        d.deserialize_map(Each(std::marker::PhantomData))
+    }
+}
+
+/// The keys of a record's `published` map, borrowed.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct NodeNames<'a>(pub Vec<&'a str>);
+
+impl<'de: 'a, 'a> Deserialize<'de> for NodeNames<'a> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> std::result::Result<Self, D::Error> {
+        struct Keys;
+        impl<'de> serde::de::Visitor<'de> for Keys {
+            type Value = NodeNames<'de>;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a map of nodes")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> std::result::Result<Self::Value, A::Error> {
+                let mut names = Vec::new();
+                while let Some((node, _)) = map.next_entry::<&'de str, Publication>()? {
+                    names.push(node);
+                }
+                Ok(NodeNames(names))
+            }
+        }
+        d.deserialize_map(Keys)
+    }
+}
+
 /// What was asked, when less than what was made.
 pub fn requested_below(asked: i64, made: u64) -> Option<u64> {
     (asked > 0 && (asked as u64) < made).then_some(asked as u64)

@@ -40,7 +40,7 @@ use std::path::{Path, PathBuf};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, RwLock};
 use std::thread::JoinHandle;
 
-use serde::{de::DeserializeOwned, Serialize};
+use serde::{de::DeserializeOwned, Deserialize, Serialize};
 
 use csi_sys::file::{self, AppendFile};
 
@@ -199,12 +199,19 @@ impl Packed {
     /// out of what is read (its data is never taken for an orphan: the map
     /// still holds its id).
     fn open<R: Record>(&self) -> Option<R> {
-        match postcard::from_bytes(&self.0) {
-            Ok(r) => Some(r),
-            Err(e) => {
-                tracing::error!(error = %e, "a record in memory cannot be decoded");
-                None
-            }
+        unpack(&self.0)
+    }
+}
+
+/// A packed record read as `V`: the record's own type, or a view of it that
+/// borrows from `bytes` (such as `VolumeView`). Fails only on a defect (see
+/// `Packed::open`), which is logged.
+pub fn unpack<'a, V: Deserialize<'a>>(bytes: &'a [u8]) -> Option<V> {
+    match postcard::from_bytes(bytes) {
+        Ok(v) => Some(v),
+        Err(e) => {
+            tracing::error!(error = %e, "a record in memory cannot be decoded");
+            None
         }
     }
 }
@@ -628,23 +635,32 @@ impl<R: Record> Store<R> {
         max: usize,
         filter: impl Fn(&R) -> bool,
     ) -> (Vec<R>, bool) {
+        self.page_packed(after, max, |packed| {
+            unpack::<R>(packed).filter(|r| filter(r))
+        })
+    }
+
+    /// Like `page`, with each record read from its packed form by `read` (with
+    /// `unpack`, as a view that borrows from it), which leaves it out with
+    /// None. `read` runs under the read lock.
+    pub fn page_packed<T>(
+        &self,
+        after: Option<R::Id>,
+        max: usize,
+        mut read: impl FnMut(&[u8]) -> Option<T>,
+    ) -> (Vec<T>, bool) {
         let map = self.inner.read();
         let lower = match after {
             Some(id) => Bound::Excluded(id),
             None => Bound::Unbounded,
         };
         let mut out = Vec::new();
-        for r in map
-            .range((lower, Bound::Unbounded))
-            .filter_map(|(_, p)| p.open())
-        {
-            if !filter(&r) {
-                continue;
-            }
+        for (_, p) in map.range((lower, Bound::Unbounded)) {
+            let Some(t) = read(&p.0) else { continue };
             if max > 0 && out.len() == max {
                 return (out, true);
             }
-            out.push(r);
+            out.push(t);
         }
         (out, false)
     }
@@ -1550,7 +1566,6 @@ impl<R: Record> Store<R> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use serde::Deserialize;
 
     #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
     struct Tid(u32);
@@ -2181,6 +2196,27 @@ mod tests {
                 "{fp}: {files:?}"
             );
         }
+    }
+
+    /// A listing reads volume records through `VolumeView`, which mirrors the
+    /// record's fields in their packed form: it must read each record's packed
+    /// bytes to their end, to the same values as the record's own.
+    #[test]
+    fn a_volume_view_reads_every_record_as_the_record_does() {
+        use crate::model::VolumeView;
+        let (volumes, ..) = every_kind();
+        assert!(volumes.iter().any(|v| !v.published.is_empty()));
+        for v in &volumes {
+            let packed = postcard::to_allocvec(v).unwrap();
+            let (view, rest) = postcard::take_from_bytes::<VolumeView>(&packed).unwrap();
+            assert!(rest.is_empty(), "{} bytes left unread", rest.len());
+            assert_eq!(view, v.view());
+            assert_eq!(unpack::<VolumeView>(&packed), Some(v.view()));
+        }
+        // A view is a view of its own record only.
+        let mut other = volumes[0].clone();
+        other.pending_size = other.pending_size.map_or(Some(1), |s| Some(s + 1));
+        assert_ne!(other.view(), volumes[0].view());
     }
 
     /// Every record kind, with every field set (and with the optional ones

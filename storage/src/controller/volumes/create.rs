@@ -242,7 +242,7 @@ impl Controller {
         failpoint::hit("create-volume.after-commit");
         tracing::info!(volume.id = %id, name = %record.name, pool = %record.pool,
             size = record.size, backing = ?record.backing, "volume created");
-        Ok(self.info(record))
+        Ok(VolumeInfo { record })
     }
 
     /// A retry of a create that already succeeded: the same volume if the request
@@ -284,6 +284,6 @@ impl Controller {
                 return conflict("filesystem");
             }
         }
-        Ok(self.info(existing))
+        Ok(VolumeInfo { record: existing })
     }
 }

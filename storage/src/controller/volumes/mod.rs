@@ -93,12 +93,11 @@ pub struct CreateVolume {
 #[derive(Debug, Clone)]
 pub struct VolumeInfo {
     pub record: VolumeRecord,
-    pub context: BTreeMap<String, String>,
 }
 
-/// A page of ListVolumes.
-pub struct VolumePage {
-    pub volumes: Vec<VolumeInfo>,
+/// A page of ListVolumes: each volume's answer.
+pub struct VolumePage<T> {
+    pub volumes: Vec<T>,
     pub next_token: Option<String>,
 }
 
@@ -177,23 +176,5 @@ impl Controller {
             .get(id)
             .filter(|r| r.state == RecordState::Ready)
             .ok_or_else(|| Error::not_found(format!("volume {id} does not exist")))
-    }
-
-    fn info(&self, record: VolumeRecord) -> VolumeInfo {
-        let mut context = BTreeMap::from([
-            ("pool".to_string(), record.pool.clone()),
-            (
-                "kind".to_string(),
-                match record.backing {
-                    Backing::Image => "image",
-                    _ => "dir",
-                }
-                .to_string(),
-            ),
-        ]);
-        if let Some(fs) = &record.fs_type {
-            context.insert("fsType".into(), fs.clone());
-        }
-        VolumeInfo { context, record }
     }
 }

@@ -8,30 +8,42 @@ use crate::data::parse_token;
 use crate::error::{Error, Result};
 use crate::ids::VolumeId;
 use crate::model::*;
+use crate::store::unpack;
 use crate::Controller;
 
 impl Controller {
     pub fn get_volume(&self, volume_id: &str) -> Result<VolumeInfo> {
         let rec = self.existing_volume(volume_id)?;
-        Ok(self.info(rec))
+        Ok(VolumeInfo { record: rec })
     }
 
-    pub fn list_volumes(&self, max_entries: i32, starting_token: &str) -> Result<VolumePage> {
+    /// ListVolumes: up to `max_entries` ready volumes (all when 0) after the
+    /// token's, each answered by `answer` from a view of its record that
+    /// borrows from memory (under the store's read lock), so that a listing of
+    /// many builds only what it answers.
+    pub fn list_volumes<T>(
+        &self,
+        max_entries: i32,
+        starting_token: &str,
+        mut answer: impl FnMut(&VolumeView) -> T,
+    ) -> Result<VolumePage<T>> {
         if max_entries < 0 {
             return Err(Error::invalid("max_entries must not be negative"));
         }
         let after = parse_token::<VolumeId>(starting_token, VolumeId::parse)?;
-        let (records, more) = self.volumes.page(after, max_entries as usize, |r| {
-            r.state == RecordState::Ready
-        });
+        let (answers, more) = self
+            .volumes
+            .page_packed(after, max_entries as usize, |packed| {
+                let v = unpack::<VolumeView>(packed)?;
+                (v.state == RecordState::Ready).then(|| (v.id, answer(&v)))
+            });
         let next_token = if more {
-            records.last().map(|r| r.id.to_string())
+            answers.last().map(|(id, _)| id.to_string())
         } else {
             None
         };
-        let volumes = records.into_iter().map(|r| self.info(r)).collect();
         Ok(VolumePage {
-            volumes,
+            volumes: answers.into_iter().map(|(_, a)| a).collect(),
             next_token,
         })
     }
