@@ -79,6 +79,56 @@ pub fn renew_uuid(image: &Path, fstype: &str, uuid: [u8; 16]) -> Result<()> {
     Ok(())
 }
 
+/// Writes `uuid` into a new copy `dst` of the template `src` (at `template`):
+/// the blocks that carry it are read from the template, whose pages are
+/// cached, and written to the copy as whole pages. The copy's own pages are not
+/// cached yet, so a read of them, or a write of part of a page, would each wait
+/// for the disk (several for xfs, one per allocation group).
+fn renew_uuid_of_copy(
+    src: &File,
+    template: &Path,
+    dst: &File,
+    dst_path: &Path,
+    fstype: &str,
+    uuid: [u8; 16],
+) -> Result<()> {
+    let page = page_size();
+    // Every page a changed block touches, by its offset: blocks may share one.
+    let mut pages = std::collections::BTreeMap::<u64, Vec<u8>>::new();
+    for mut block in plan(src, template, fstype)? {
+        (block.change)(&mut block.bytes, &uuid);
+        let end = block.offset + block.bytes.len() as u64;
+        let mut at = block.offset / page * page;
+        while at < end {
+            let bytes = match pages.entry(at) {
+                std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
+                std::collections::btree_map::Entry::Vacant(e) => {
+                    e.insert(read(src, template, at, page as usize)?)
+                }
+            };
+            // The part of the block in this page.
+            let (from, to) = (block.offset.max(at), end.min(at + page));
+            bytes[(from - at) as usize..(to - at) as usize].copy_from_slice(
+                &block.bytes[(from - block.offset) as usize..(to - block.offset) as usize],
+            );
+            at += page;
+        }
+    }
+    for (at, bytes) in pages {
+        dst.write_all_at(&bytes, at)
+            .map_err(|e| SysError::io("writing the UUID into", dst_path, e))?;
+    }
+    Ok(())
+}
+
+/// The size of a page of the page cache.
+fn page_size() -> u64 {
+    nix::unistd::sysconf(nix::unistd::SysconfVar::PAGE_SIZE)
+        .ok()
+        .flatten()
+        .map_or(4096, |p| p as u64)
+}
+
 /// The filesystem UUID of the fresh filesystem at `image` (the one blkid shows).
 pub fn read_uuid(image: &Path, fstype: &str) -> Result<[u8; 16]> {
     let f = open(image, false)?;
@@ -108,7 +158,7 @@ pub fn clone_template(
     let src = open(template, false)?;
     crate::file::create_unsynced_with(dst, 0o600, |d| {
         crate::file::clone_into(d, &src, template, dst)?;
-        renew_uuid(dst, fstype, uuid)?;
+        renew_uuid_of_copy(&src, template, d, dst, fstype, uuid)?;
         attrs
             .iter()
             .try_for_each(|(name, value)| crate::xattr::set(dst, name, value))

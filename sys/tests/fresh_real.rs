@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use common::{mountpoint, require_root, sh, Attached, LoopMountedPool, Mounted, MIB};
 use csi_sys::fresh::{
-    carries_uuid, check_template, discard, format_template, read_uuid, renew_uuid,
+    carries_uuid, check_template, clone_template, discard, format_template, read_uuid, renew_uuid,
 };
 use csi_sys::linux::LinuxMounter;
 use csi_sys::{file, LoopOptions, MountOptions, Mounter};
@@ -68,11 +68,17 @@ fn root_copies_get_their_own_uuid_and_mount_side_by_side() {
         let t = template(pool.path(), fstype);
         let a = pool.path().join(format!("a-{fstype}.img"));
         let b = pool.path().join(format!("b-{fstype}.img"));
+        // One copy made by `clone_template` (its UUID written as whole pages
+        // read from the template), one reflinked and then changed in place.
         for copy in [&a, &b] {
-            file::reflink(&t, copy).unwrap();
             let uuid = random_uuid();
-            assert!(!carries_uuid(copy, fstype, uuid).unwrap(), "{fstype}");
-            renew_uuid(copy, fstype, uuid).unwrap();
+            if copy == &a {
+                clone_template(&t, copy, fstype, uuid, &[]).unwrap();
+            } else {
+                file::reflink(&t, copy).unwrap();
+                assert!(!carries_uuid(copy, fstype, uuid).unwrap(), "{fstype}");
+                renew_uuid(copy, fstype, uuid).unwrap();
+            }
             assert!(carries_uuid(copy, fstype, uuid).unwrap(), "{fstype}");
             assert!(
                 !carries_uuid(copy, fstype, random_uuid()).unwrap(),
