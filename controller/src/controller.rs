@@ -37,8 +37,8 @@ fn volume(at: &csi::Topology, v: &VolumeView) -> csi::Volume {
         volume_context: {
             // Inserted one by one: a collect would gather and sort them first.
             let mut m = BTreeMap::new();
-            for (k, v) in v.context() {
-                m.insert(k.to_string(), v.to_string());
+            for (key, value) in v.context() {
+                m.insert(key.to_string(), value.to_string());
             }
             m
         },
