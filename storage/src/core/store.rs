@@ -37,6 +37,7 @@ use std::fmt::Display;
 use std::io::Write;
 use std::ops::{Bound, ControlFlow};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard, OnceLock, RwLock};
 use std::thread::JoinHandle;
 
@@ -75,6 +76,10 @@ pub type Barrier = Box<dyn Fn(&[String]) -> Result<()> + Send + Sync>;
 /// Records decoded (for a caller walking them all) or written (by a
 /// compaction) per hold of the read lock: a writer waits for one chunk at most.
 const CHUNK: usize = 512;
+
+/// Ids handed to the compaction barrier per call (each call syncs their data,
+/// then their folder once).
+const BARRIER_PART: usize = 1024;
 
 /// Entries a start may parse beyond twice the live records before the removals
 /// that left them are compacted away.
@@ -117,6 +122,7 @@ pub struct Store<R: Record> {
 /// Another handle on the same store.
 impl<R: Record> Clone for Store<R> {
     fn clone(&self) -> Self {
+        self.inner.handles.fetch_add(1, Ordering::Relaxed);
         Store {
             inner: self.inner.clone(),
         }
@@ -138,6 +144,11 @@ struct Inner<R: Record> {
     changed: Condvar,
     barrier: OnceLock<Barrier>,
     compactor: Mutex<Option<JoinHandle<()>>>,
+    /// The `Store` handles on it: when the last goes, the store is closing.
+    handles: AtomicUsize,
+    /// The store is closing: a running compaction gives up at its next step
+    /// (what it leaves, the next open removes or reads as a crash's).
+    closing: AtomicBool,
     tuning: Tuning,
     #[cfg(test)]
     gate: (Mutex<bool>, Condvar),
@@ -524,6 +535,8 @@ impl<R: Record> Store<R> {
                 changed: Condvar::new(),
                 barrier: OnceLock::new(),
                 compactor: Mutex::new(None),
+                handles: AtomicUsize::new(1),
+                closing: AtomicBool::new(false),
                 tuning,
                 #[cfg(test)]
                 gate: (Mutex::new(true), Condvar::new()),
@@ -700,6 +713,12 @@ impl<R: Record> Store<R> {
 
 impl<R: Record> Drop for Store<R> {
     fn drop(&mut self) {
+        if self.inner.handles.fetch_sub(1, Ordering::AcqRel) == 1 {
+            // A stop need not wait for a compaction (an fsync per image the
+            // journals made, then the whole snapshot): the journals it would
+            // fold are kept, and the next one folds them.
+            self.inner.closing.store(true, Ordering::Release);
+        }
         let running = self.inner.compactor.lock().ok().and_then(|mut h| h.take());
         if let Some(h) = running {
             let _ = h.join();
@@ -902,11 +921,33 @@ impl<R: Record> Inner<R> {
     }
 
     fn run_compaction(&self) {
-        if let Err(e) = self.compact() {
-            tracing::warn!(dir = %self.dir.display(), error = %e,
-                "compaction failed; the journal is kept and compacted later");
+        match self.compact() {
+            Ok(()) => {}
+            Err(e) if self.is_closing() => {
+                tracing::info!(dir = %self.dir.display(), error = %e,
+                    "compaction given up as the store closes; the journal is kept");
+            }
+            Err(e) => {
+                tracing::warn!(dir = %self.dir.display(), error = %e,
+                    "compaction failed; the journal is kept and compacted later");
+            }
         }
         self.lock().compacting = false;
+    }
+
+    fn is_closing(&self) -> bool {
+        self.closing.load(Ordering::Acquire)
+    }
+
+    /// An error once the store is closing, for a compaction to stop at.
+    fn go_on(&self) -> Result<()> {
+        if self.is_closing() {
+            return Err(Error::Cancelled(format!(
+                "the store in {} is closing",
+                self.dir.display()
+            )));
+        }
+        Ok(())
     }
 
     /// Moves writes to a new journal, then folds the snapshot and the journals
@@ -952,7 +993,12 @@ impl<R: Record> Inner<R> {
                 .collect()
         };
         if let Some(barrier) = self.barrier.get() {
-            barrier(&born)?;
+            // A part at a time, so that a closing store is not kept waiting
+            // for all of them.
+            for part in born.chunks(BARRIER_PART) {
+                self.go_on()?;
+                barrier(part)?;
+            }
         }
         let written = self.write_snapshot_of_memory(gen)?;
         failpoint::hit("store.compact.after-snapshot");
@@ -1005,6 +1051,7 @@ impl<R: Record> Inner<R> {
         #[cfg(test)]
         let mut chunks = 0;
         loop {
+            self.go_on()?;
             buf.clear();
             packed.clear();
             let mut last = None;
@@ -1692,6 +1739,67 @@ mod tests {
         // Both records made meanwhile are known as made by the journal (whose
         // barrier has not run for them), also the one the snapshot holds.
         assert_eq!(reopened.created_in_journal(), vec![Tid(11), Tid(3001)]);
+    }
+
+    /// When the last handle on a store goes (the driver stops), a compaction
+    /// running then gives up at its next step instead of holding the stop until
+    /// it has written everything; the journals it would have folded are kept,
+    /// so nothing is lost, and the next compaction does the work.
+    #[test]
+    fn a_closing_store_gives_up_its_compaction_and_keeps_every_record() {
+        let tmp = tempfile::tempdir().unwrap();
+        let background = Tuning {
+            compact_at: u64::MAX,
+            inline: false,
+        };
+        let s = Store::<Rec>::open_with(tmp.path(), background).unwrap();
+        let mut model = BTreeMap::new();
+        for i in 0..2000 {
+            let v = format!("v{i}");
+            s.put(&rec(i, &v)).unwrap();
+            model.insert(i, v);
+        }
+        let other = s.clone();
+        drop(other);
+        assert!(!s.inner.is_closing(), "another handle is still open");
+        // The compaction waits after its first chunk until the store closes.
+        let inner = Arc::downgrade(&s.inner);
+        let (reached, at_chunk) = std::sync::mpsc::channel();
+        let chunks = Arc::new(AtomicUsize::new(0));
+        let seen = chunks.clone();
+        *s.inner.chunk_hook.lock().unwrap() = Some(Box::new(move |_| {
+            seen.fetch_add(1, Ordering::SeqCst);
+            let _ = reached.send(());
+            // Bounded, so that a store that never tells closes the test fails
+            // on what the compaction then does rather than hanging.
+            let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+            while !inner.upgrade().is_some_and(|i| i.is_closing())
+                && std::time::Instant::now() < deadline
+            {
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+        }));
+        s.inner.lock().compacting = true;
+        s.inner.start_compaction();
+        at_chunk.recv().unwrap();
+        drop(s);
+        assert_eq!(
+            chunks.load(Ordering::SeqCst),
+            1,
+            "2000 records are several chunks"
+        );
+        let files = names(tmp.path());
+        assert!(!files.contains("snapshot.1"), "{files:?}");
+        let reopened = Store::<Rec>::open_with(tmp.path(), MANUAL).unwrap();
+        assert_eq!(contents(&reopened), model);
+        compact_now(&reopened);
+        assert!(
+            names(tmp.path()).contains("snapshot.2"),
+            "{:?}",
+            names(tmp.path())
+        );
+        drop(reopened);
+        assert_eq!(contents(&open(tmp.path())), model);
     }
 
     /// A start takes the records of a compaction's packed image, with the
