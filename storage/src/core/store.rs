@@ -933,6 +933,9 @@ impl<R: Record> Inner<R> {
             }
         }
         self.lock().compacting = false;
+        // What its buffers, and the records removed since the last one, leave
+        // free in the allocator's arenas goes back to the system.
+        csi_sys::memory::release_free();
     }
 
     fn is_closing(&self) -> bool {
