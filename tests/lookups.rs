@@ -131,7 +131,6 @@ fn create(d: &Driver, name: &str) -> String {
             ..Default::default()
         })
         .unwrap()
-        .record
         .id
         .to_string()
 }

@@ -132,7 +132,7 @@ impl Controller for ControllerService {
                 requisite,
                 preferred,
             })?;
-            Ok(volume(&topology(&d), &v.record.view()))
+            Ok(volume(&topology(&d), &v.view()))
         })
         .await?;
         Ok(Response::new(csi::CreateVolumeResponse { volume: Some(v) }))
@@ -419,7 +419,7 @@ impl Controller for ControllerService {
         let id = r.volume_id.clone();
         let resp = call("ControllerGetVolume", &r.volume_id, &r, move || {
             let v = d.get_volume(&id)?;
-            let v = v.record.view();
+            let v = v.view();
             Ok(csi::ControllerGetVolumeResponse {
                 volume: Some(volume(&topology(&d), &v)),
                 status: Some(csi::controller_get_volume_response::VolumeStatus {

@@ -128,7 +128,7 @@ impl World {
                 ..Default::default()
             })
             .unwrap();
-        info.record.id.to_string()
+        info.id.to_string()
     }
 
     /// Creates an image volume for ext4 (as `create`) and stages it; returns its id.

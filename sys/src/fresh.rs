@@ -71,22 +71,18 @@ pub fn check_template(image: &Path, fstype: &str) -> Result<()> {
 /// The caller makes the change durable (it fsyncs the new image anyway).
 pub fn renew_uuid(image: &Path, fstype: &str, uuid: [u8; 16]) -> Result<()> {
     let f = open(image, true)?;
-    for mut block in plan(&f, image, fstype)? {
-        (block.change)(&mut block.bytes, &uuid);
-        f.write_all_at(&block.bytes, block.offset)
-            .map_err(|e| SysError::io("writing the UUID into", image, e))?;
-    }
-    Ok(())
+    write_uuid(&f, image, &f, image, fstype, uuid)
 }
 
-/// Writes `uuid` into a new copy `dst` of the template `src` (at `template`):
-/// the blocks that carry it are read from the template, whose pages are
-/// cached, and written to the copy as whole pages. The copy's own pages are not
-/// cached yet, so a read of them, or a write of part of a page, would each wait
-/// for the disk (several for xfs, one per allocation group).
-fn renew_uuid_of_copy(
+/// Writes `uuid` into `dst`, which holds the same filesystem as `src` (the
+/// same file, or a new copy of the template `src`): the blocks that carry it
+/// are read from `src` and written to `dst` as whole pages. A new copy's own
+/// pages are not cached yet, so a read of them, or a write of part of a page,
+/// would each wait for the disk (several for xfs, one per allocation group);
+/// the template's are cached.
+fn write_uuid(
     src: &File,
-    template: &Path,
+    src_path: &Path,
     dst: &File,
     dst_path: &Path,
     fstype: &str,
@@ -95,7 +91,7 @@ fn renew_uuid_of_copy(
     let page = page_size();
     // Every page a changed block touches, by its offset: blocks may share one.
     let mut pages = std::collections::BTreeMap::<u64, Vec<u8>>::new();
-    for mut block in plan(src, template, fstype)? {
+    for mut block in plan(src, src_path, fstype)? {
         (block.change)(&mut block.bytes, &uuid);
         let end = block.offset + block.bytes.len() as u64;
         let mut at = block.offset / page * page;
@@ -103,7 +99,7 @@ fn renew_uuid_of_copy(
             let bytes = match pages.entry(at) {
                 std::collections::btree_map::Entry::Occupied(e) => e.into_mut(),
                 std::collections::btree_map::Entry::Vacant(e) => {
-                    e.insert(read(src, template, at, page as usize)?)
+                    e.insert(read(src, src_path, at, page as usize)?)
                 }
             };
             // The part of the block in this page.
@@ -158,7 +154,7 @@ pub fn clone_template(
     let src = open(template, false)?;
     crate::file::create_unsynced_with(dst, 0o600, |d| {
         crate::file::clone_into(d, &src, template, dst)?;
-        renew_uuid_of_copy(&src, template, d, dst, fstype, uuid)?;
+        write_uuid(&src, template, d, dst, fstype, uuid)?;
         attrs
             .iter()
             .try_for_each(|(name, value)| crate::xattr::set(dst, name, value))

@@ -282,7 +282,6 @@ mod tests {
                     ..Default::default()
                 })
                 .unwrap()
-                .record
                 .id
                 .to_string();
             loops.reset();

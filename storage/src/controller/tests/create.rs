@@ -14,15 +14,12 @@ fn create_volume_is_idempotent_and_conflicts_are_already_exists() {
     let req = request("pvc-a", 64 * MIB as i64, 0, vec![ext4()]);
     let first = w.c().create_volume(req.clone()).unwrap();
     let again = w.c().create_volume(req.clone()).unwrap();
-    assert_eq!(first.record, again.record);
+    assert_eq!(first, again);
     assert_eq!(w.pool_files("volumes").len(), 1);
 
     // A range the existing size satisfies is the same volume.
     let within = request("pvc-a", 32 * MIB as i64, 128 * MIB as i64, vec![ext4()]);
-    assert_eq!(
-        w.c().create_volume(within).unwrap().record.id,
-        first.record.id
-    );
+    assert_eq!(w.c().create_volume(within).unwrap().id, first.id);
 
     let bigger = request("pvc-a", 128 * MIB as i64, 0, vec![ext4()]);
     assert_eq!(kind(w.c().create_volume(bigger)), Kind::AlreadyExists);
@@ -47,7 +44,7 @@ fn create_volume_is_idempotent_and_conflicts_are_already_exists() {
 
     // None of the conflicts changed the volume.
     assert_eq!(w.c().volume_count(), 1);
-    let len = std::fs::metadata(w.image(&first.record.id.to_string()))
+    let len = std::fs::metadata(w.image(&first.id.to_string()))
         .unwrap()
         .len();
     assert_eq!(len, 64 * MIB);
@@ -58,13 +55,13 @@ fn a_create_left_half_done_is_started_over() {
     let w = World::new();
     let req = request("pvc-a", 64 * MIB as i64, 0, vec![ext4()]);
     let info = w.c().create_volume(req.clone()).unwrap();
-    let mut rec = info.record.clone();
+    let mut rec = info.clone();
     rec.state = RecordState::Creating;
     rec.size = 8 * MIB; // what the crashed attempt was making
     w.c().volumes.put(&rec).unwrap();
     let again = w.c().create_volume(req).unwrap();
-    assert_eq!(again.record.state, RecordState::Ready);
-    assert_eq!(again.record.size, 64 * MIB);
+    assert_eq!(again.state, RecordState::Ready);
+    assert_eq!(again.size, 64 * MIB);
 }
 
 #[test]
@@ -95,8 +92,8 @@ fn sizes_are_rounded_to_the_filesystem_minimum_and_whole_mebibytes() {
             .c()
             .create_volume(request(name, required, limit, caps))
             .unwrap_or_else(|e| panic!("{name}: {e}"));
-        assert_eq!(info.record.size, want, "{name}");
-        let len = std::fs::metadata(w.image(&info.record.id.to_string()))
+        assert_eq!(info.size, want, "{name}");
+        let len = std::fs::metadata(w.image(&info.id.to_string()))
             .unwrap()
             .len();
         assert_eq!(len, want, "{name}: the image is as large as recorded");
@@ -221,7 +218,7 @@ fn mutable_parameters_must_apply_to_the_kind_of_volume() {
     let mut image = request("pvc-img", 64 * MIB as i64, 0, vec![ext4()]);
     image.mutable_parameters = params(&[("directIO", "true"), ("readAheadKiB", "1024")]);
     let info = w.c().create_volume(image).unwrap();
-    let id = info.record.id.to_string();
+    let id = info.id.to_string();
     let path = w.image(&id);
     let attr = csi_sys::xattr::get(&path, "example-csi.directIO").unwrap();
     assert_eq!(attr.as_deref(), Some(&b"true"[..]));
@@ -274,7 +271,7 @@ fn mutable_parameters_must_apply_to_the_kind_of_volume() {
 
     // ModifyVolume applies the same rules, and changes nothing when it refuses.
     dir.mutable_parameters = BTreeMap::new();
-    let dir_id = w.c().create_volume(dir).unwrap().record.id.to_string();
+    let dir_id = w.c().create_volume(dir).unwrap().id.to_string();
     assert_eq!(
         kind(
             w.c()
@@ -289,7 +286,7 @@ fn mutable_parameters_must_apply_to_the_kind_of_volume() {
         )),
         Kind::InvalidArgument
     );
-    let rec = w.c().get_volume(&id).unwrap().record;
+    let rec = w.c().get_volume(&id).unwrap();
     assert_eq!(
         rec.mutable_parameters,
         params(&[("directIO", "false"), ("readAheadKiB", "1024")])
@@ -312,9 +309,9 @@ fn a_volume_made_larger_than_asked_lets_its_snapshots_restore_at_the_asked_size(
         .c()
         .create_volume(request("pvc-small", MIB as i64, 0, vec![ext4()]))
         .unwrap();
-    assert_eq!(small.record.size, 8 * MIB);
-    assert_eq!(small.record.requested, Some(MIB));
-    let id = small.record.id.to_string();
+    assert_eq!(small.size, 8 * MIB);
+    assert_eq!(small.requested, Some(MIB));
+    let id = small.id.to_string();
     let snap = w
         .c()
         .create_snapshot("snap-small", &id, &BTreeMap::new())
@@ -326,8 +323,8 @@ fn a_volume_made_larger_than_asked_lets_its_snapshots_restore_at_the_asked_size(
     let mut restore = request("pvc-restore", MIB as i64, 0, vec![ext4()]);
     restore.source = Some(ContentSource::Snapshot(snap.id));
     let restored = w.c().create_volume(restore).unwrap();
-    assert_eq!(restored.record.size, 8 * MIB);
-    assert_eq!(restored.record.requested, Some(MIB));
+    assert_eq!(restored.size, 8 * MIB);
+    assert_eq!(restored.requested, Some(MIB));
     // ... but not squeezed below it.
     let mut capped = request("pvc-capped", MIB as i64, MIB as i64, vec![ext4()]);
     capped.source = Some(ContentSource::Snapshot(snap.id));
@@ -355,5 +352,5 @@ fn a_volume_made_larger_than_asked_lets_its_snapshots_restore_at_the_asked_size(
         .c()
         .create_volume(request("pvc-exact", 64 * MIB as i64, 0, vec![ext4()]))
         .unwrap();
-    assert_eq!(exact.record.requested, None);
+    assert_eq!(exact.requested, None);
 }

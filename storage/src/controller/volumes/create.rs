@@ -5,7 +5,7 @@
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-use super::{parse_parameters, CreateVolume, VolumeInfo, VolumeKind, VolumeParams};
+use super::{parse_parameters, CreateVolume, VolumeKind, VolumeParams};
 use crate::error::{Error, Result};
 use crate::failpoint;
 use crate::ids::{validate_name, VolumeId};
@@ -37,7 +37,7 @@ impl Controller {
         Ok(())
     }
 
-    pub fn create_volume(&self, req: CreateVolume) -> Result<VolumeInfo> {
+    pub fn create_volume(&self, req: CreateVolume) -> Result<VolumeRecord> {
         let mut plan = self.plan_volume(&req)?;
         let id = VolumeId::for_name(&req.name);
         let mut keys = vec![format!("volume:{id}")];
@@ -216,7 +216,7 @@ impl Controller {
         record: VolumeRecord,
         pool: &Pool,
         src_path: Option<(PathBuf, Backing)>,
-    ) -> Result<VolumeInfo> {
+    ) -> Result<VolumeRecord> {
         let id = record.id;
         // No intent record is written: the id comes from the name, so data that a
         // crash leaves without a record is found by the retry (removed just below)
@@ -242,7 +242,7 @@ impl Controller {
         failpoint::hit("create-volume.after-commit");
         tracing::info!(volume.id = %id, name = %record.name, pool = %record.pool,
             size = record.size, backing = ?record.backing, "volume created");
-        Ok(VolumeInfo { record })
+        Ok(record)
     }
 
     /// A retry of a create that already succeeded: the same volume if the request
@@ -253,7 +253,7 @@ impl Controller {
         req: &CreateVolume,
         params: &VolumeParams,
         backing: Backing,
-    ) -> Result<VolumeInfo> {
+    ) -> Result<VolumeRecord> {
         let conflict = |what: &str| {
             Err(Error::AlreadyExists(format!(
                 "volume {:?} exists already with another {what}",
@@ -284,6 +284,6 @@ impl Controller {
                 return conflict("filesystem");
             }
         }
-        Ok(VolumeInfo { record: existing })
+        Ok(existing)
     }
 }

@@ -89,12 +89,6 @@ pub struct CreateVolume {
     pub preferred: Vec<BTreeMap<String, String>>,
 }
 
-/// What the Controller service answers about a volume.
-#[derive(Debug, Clone)]
-pub struct VolumeInfo {
-    pub record: VolumeRecord,
-}
-
 /// A page of ListVolumes: each volume's answer.
 pub struct VolumePage<T> {
     pub volumes: Vec<T>,

@@ -3,7 +3,7 @@
 
 use std::collections::BTreeMap;
 
-use super::{parse_parameters, Capacity, VolumeInfo, VolumeKind, VolumePage};
+use super::{parse_parameters, Capacity, VolumeKind, VolumePage};
 use crate::data::parse_token;
 use crate::error::{Error, Result};
 use crate::ids::VolumeId;
@@ -12,9 +12,8 @@ use crate::store::unpack;
 use crate::Controller;
 
 impl Controller {
-    pub fn get_volume(&self, volume_id: &str) -> Result<VolumeInfo> {
-        let rec = self.existing_volume(volume_id)?;
-        Ok(VolumeInfo { record: rec })
+    pub fn get_volume(&self, volume_id: &str) -> Result<VolumeRecord> {
+        self.existing_volume(volume_id)
     }
 
     /// ListVolumes: up to `max_entries` ready volumes (all when 0) after the

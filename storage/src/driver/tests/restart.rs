@@ -10,7 +10,7 @@ fn records_survive_a_reopen() {
     let mut w = World::new();
     let mut req = request("pvc-a", 64 * MIB as i64, 0, vec![ext4()]);
     req.mutable_parameters = params(&[("readAheadKiB", "512")]);
-    let made = w.c().create_volume(req).unwrap().record;
+    let made = w.c().create_volume(req).unwrap();
     let id = made.id.to_string();
     w.stage(&id, &ext4()).unwrap();
     w.publish(&id, &w.target("t1"), &ext4(), false).unwrap();
@@ -21,7 +21,7 @@ fn records_survive_a_reopen() {
     let node_before = w.node_record(&id).unwrap();
 
     w.reopen();
-    assert_eq!(w.c().get_volume(&id).unwrap().record, made);
+    assert_eq!(w.c().get_volume(&id).unwrap(), made);
     assert_eq!(w.c().get_snapshot(&snap.id.to_string()).unwrap(), snap);
     assert_eq!(w.node_record(&id).unwrap(), node_before);
     // The reopened driver carries on where the first left off: nothing redone.
@@ -151,7 +151,7 @@ fn a_call_that_meets_a_lock_the_sweep_holds_waits_for_it_instead_of_aborting() {
 fn new_images_are_looked_over_on_the_first_start_of_a_boot_only() {
     let mut w = World::new();
     let id = w.create("pvc-fresh", ext4());
-    let size = w.c().get_volume(&id).unwrap().record.size;
+    let size = w.c().get_volume(&id).unwrap().size;
     let image = w.tmp.path().join("pool/volumes").join(format!("{id}.img"));
     // All a power loss can take of an image never synced.
     std::fs::remove_file(&image).unwrap();

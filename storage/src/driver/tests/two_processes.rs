@@ -86,7 +86,7 @@ fn the_controller_does_not_delete_a_volume_the_node_has_staged() {
             ..Default::default()
         })
         .unwrap();
-    let id = info.record.id.to_string();
+    let id = info.id.to_string();
     stage_on(&node, &w, &id, &mount_cap("", AccessMode::SingleNodeWriter)).unwrap();
     let err = w.c().delete_volume(&id);
     assert_eq!(kind(err), Kind::FailedPrecondition);
@@ -143,7 +143,7 @@ fn a_controller_without_the_node_hands_a_staged_image_change_to_the_node_process
         Some(&b"true"[..]),
         "the attribute was kept"
     );
-    let rec = w.c().get_volume(&id).unwrap().record;
+    let rec = w.c().get_volume(&id).unwrap();
     assert_eq!(
         rec.mutable_parameters.get("directIO").map(String::as_str),
         Some("true")

@@ -31,7 +31,6 @@ fn node_expand_to_the_size_a_volume_has_grows_nothing() {
                 vec![cap.clone()],
             ))
             .unwrap()
-            .record
             .id
             .to_string();
         w.stage(&id, &cap).unwrap();
@@ -68,7 +67,6 @@ fn node_expand_grows_what_is_smaller_and_refuses_a_btrfs_below_256_mib() {
         .c()
         .create_volume(request("pvc-b", 128 * MIB as i64, 0, vec![cap.clone()]))
         .unwrap()
-        .record
         .id
         .to_string();
     w.stage(&id, &cap).unwrap();

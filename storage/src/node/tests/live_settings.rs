@@ -33,7 +33,7 @@ fn modify_volume_that_cannot_be_applied_changes_nothing() {
         );
         assert_eq!(attr(&image, "directIO"), None, "{what}: attribute put back");
         assert_eq!(attr(&image, "readAheadKiB"), None, "{what}");
-        let rec = w.c().get_volume(&id).unwrap().record;
+        let rec = w.c().get_volume(&id).unwrap();
         assert!(rec.mutable_parameters.is_empty(), "{what}: {rec:?}");
     };
 
@@ -64,10 +64,7 @@ fn modify_volume_that_cannot_be_applied_changes_nothing() {
     assert!(w.fake.loops()[0].direct_io);
     assert_eq!(read_ahead(), 1024);
     assert_eq!(attr(&image, "directIO").as_deref(), Some("true"));
-    assert_eq!(
-        w.c().get_volume(&id).unwrap().record.mutable_parameters,
-        asked
-    );
+    assert_eq!(w.c().get_volume(&id).unwrap().mutable_parameters, asked);
 
     // A change that fails on a volume with values already set puts those back.
     w.fake
@@ -80,10 +77,7 @@ fn modify_volume_that_cannot_be_applied_changes_nothing() {
     assert!(w.fake.loops()[0].direct_io);
     assert_eq!(read_ahead(), 1024);
     assert_eq!(attr(&image, "readAheadKiB").as_deref(), Some("1024"));
-    assert_eq!(
-        w.c().get_volume(&id).unwrap().record.mutable_parameters,
-        asked
-    );
+    assert_eq!(w.c().get_volume(&id).unwrap().mutable_parameters, asked);
 }
 
 #[test]
@@ -104,7 +98,7 @@ fn stage_that_cannot_apply_the_recorded_settings_fails_and_leaves_nothing() {
     let w = World::new();
     let mut req = request("pvc-a", 64 * MIB as i64, 0, vec![ext4()]);
     req.mutable_parameters = params(&[("readAheadKiB", "1024")]);
-    let id = w.c().create_volume(req).unwrap().record.id.to_string();
+    let id = w.c().create_volume(req).unwrap().id.to_string();
     let nothing_left = |what: &str| {
         assert!(w.fake.loops().is_empty(), "{what}: loop device detached");
         assert!(w.fake.mounts().is_empty(), "{what}: nothing mounted");
