@@ -702,7 +702,7 @@ async fn leaks(pool: &Pool, driver: &Driver, clients: &[Client]) -> Vec<String> 
         names(&st.join("shared/frozen")),
         BTreeSet::new(),
     );
-    let locks = names(&st.join("shared/locks"));
+    let locks = volume_locks(st);
     if !locks.is_subset(&vol_ids) {
         diff(&mut out, "<state>/shared/locks", locks, vol_ids.clone());
     }
@@ -969,7 +969,7 @@ async fn soak(split: bool) {
     }
     let after = leaks(&pool, &driver.ctl, &clients).await;
     if after.is_empty() {
-        let locks = names(&driver.ctl.state.join("shared/locks"));
+        let locks = volume_locks(&driver.ctl.state);
         assert!(
             locks.is_empty(),
             "volume locks left after teardown: {locks:?}"

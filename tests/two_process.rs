@@ -362,9 +362,10 @@ async fn root_a_delete_and_a_stage_from_the_two_processes_exclude_each_other() {
         .unwrap()
         .next()
         .is_none());
-    let locks = std::fs::read_dir(ctl.state.join("shared/locks"))
-        .unwrap()
-        .count();
-    assert_eq!(locks, 0, "the lock files of deleted volumes are gone");
+    let locks = volume_locks(&ctl.state);
+    assert!(
+        locks.is_empty(),
+        "the lock files of deleted volumes are gone: {locks:?}"
+    );
     assert!(loops_below(&pool.path).is_empty());
 }

@@ -208,7 +208,9 @@ fn check_clean(d: &Driver, dirs: &Dirs, pending: Option<&Seen>) -> std::result::
     while let Some(dir) = stack.pop() {
         for e in std::fs::read_dir(&dir).unwrap().flatten() {
             let name = e.file_name().to_string_lossy().into_owned();
-            if name.starts_with('.') || name.ends_with(".corrupt") {
+            // The files of removed locks are kept, as spares, on purpose.
+            let spare = name.starts_with(".spare-") && dir.ends_with("state/shared/locks");
+            if (name.starts_with('.') && !spare) || name.ends_with(".corrupt") {
                 return Err(format!("{} left", e.path().display()));
             }
             if e.file_type().unwrap().is_dir() {

@@ -99,6 +99,15 @@ pub fn names(dir: &Path) -> BTreeSet<String> {
         .collect()
 }
 
+/// The volume locks in a state dir: the files of `shared/locks` but the spares
+/// (files of removed locks kept for the next volumes).
+pub fn volume_locks(state: &Path) -> BTreeSet<String> {
+    names(&state.join("shared/locks"))
+        .into_iter()
+        .filter(|n| !n.starts_with(".spare-"))
+        .collect()
+}
+
 /// Mount points at or below `dir`.
 pub fn mounts_below(dir: &Path) -> Vec<PathBuf> {
     let text = std::fs::read_to_string("/proc/self/mountinfo").unwrap_or_default();

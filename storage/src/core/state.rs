@@ -13,6 +13,7 @@
 //! <state>/node/owner.lock             held by the one process of the node domain
 //! <state>/node/staged/ ephemeral/ ephemeral-staging/
 //! <state>/shared/locks/<volume-id>    held by whoever acts on the volume right now
+//! <state>/shared/locks/.spare-*       files of removed locks, for the next new volumes
 //! <state>/shared/staged/<volume-id>   present while the node has the volume staged
 //! <state>/shared/frozen/<id>.json     a freeze in progress, naming its owner
 //! ```
@@ -27,7 +28,7 @@ use std::sync::{Arc, Condvar, Mutex};
 use serde::{Deserialize, Serialize};
 
 use csi_sys::file;
-use csi_sys::flock::LockFile;
+use csi_sys::flock::{LockDir, LockFile};
 
 use crate::error::{Context, Error, Result};
 use crate::ids::VolumeId;
@@ -53,6 +54,7 @@ impl Domain {
 pub struct StateDir {
     root: PathBuf,
     sweep: Arc<SweepWatch>,
+    locks: Arc<LockDir>,
 }
 
 /// What the start-up sweep of lock files holds, so that a call finding a lock
@@ -122,6 +124,11 @@ pub struct FreezeMarker {
     pub mountpoints: Vec<PathBuf>,
 }
 
+const SHARED: &str = "shared";
+const LOCKS: &str = "locks";
+const STAGED: &str = "staged";
+const FROZEN: &str = "frozen";
+
 /// How long a start waits for a domain's lock whose recorded holder has ended
 /// (see [`LockFile::try_exclusive_after_ended_holder`]): a restart at once after
 /// a crash would otherwise find the state locked by nobody.
@@ -129,14 +136,17 @@ const ORPHANED_LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(5
 
 impl StateDir {
     pub fn open(root: &Path) -> Result<StateDir> {
-        let s = StateDir {
+        let shared = root.join(SHARED);
+        let locks = shared.join(LOCKS);
+        for dir in [&locks, &shared.join(STAGED), &shared.join(FROZEN)] {
+            file::mkdir_p_mode(dir, 0o700).context(|| format!("making {}", dir.display()))?;
+        }
+        let locks = LockDir::open(&locks).context(|| format!("listing {}", locks.display()))?;
+        Ok(StateDir {
             root: root.to_path_buf(),
             sweep: Arc::default(),
-        };
-        for dir in [s.locks_dir(), s.staged_dir(), s.frozen_dir()] {
-            file::mkdir_p_mode(&dir, 0o700).context(|| format!("making {}", dir.display()))?;
-        }
-        Ok(s)
+            locks: Arc::new(locks),
+        })
     }
 
     /// The directory a domain alone writes.
@@ -145,20 +155,20 @@ impl StateDir {
     }
 
     fn shared(&self) -> PathBuf {
-        self.root.join("shared")
+        self.root.join(SHARED)
     }
     fn locks_dir(&self) -> PathBuf {
-        self.shared().join("locks")
+        self.shared().join(LOCKS)
     }
     fn staged_dir(&self) -> PathBuf {
-        self.shared().join("staged")
+        self.shared().join(STAGED)
     }
     /// Where the node plugin takes the controller's changes of staged volumes.
     pub(crate) fn handoff_socket(&self) -> PathBuf {
         self.shared().join("node.sock")
     }
     pub(crate) fn frozen_dir(&self) -> PathBuf {
-        self.shared().join("frozen")
+        self.shared().join(FROZEN)
     }
 
     /// Takes a domain's part of the state for this process, or refuses when
@@ -223,10 +233,13 @@ impl StateDir {
     }
 
     fn try_lock_volume(&self, id: VolumeId) -> Result<Option<VolumeLock>> {
-        let path = self.locks_dir().join(id.to_string());
-        let lock = LockFile::try_exclusive(&path).context(|| format!("locking volume {id}"))?;
+        let lock = self
+            .locks
+            .try_exclusive(&id.to_string())
+            .context(|| format!("locking volume {id}"))?;
         Ok(lock.map(|lock| VolumeLock {
             lock,
+            dir: self.locks.clone(),
             staged: self.staged_dir().join(id.to_string()),
         }))
     }
@@ -406,6 +419,7 @@ impl StateDir {
 #[derive(Debug)]
 pub struct VolumeLock {
     lock: LockFile,
+    dir: Arc<LockDir>,
     staged: PathBuf,
 }
 
@@ -435,8 +449,8 @@ impl VolumeLock {
     /// Removes the lock file of a volume that is gone.
     pub fn remove(self) -> Result<()> {
         let path = self.lock.path().to_path_buf();
-        self.lock
-            .remove()
+        self.dir
+            .remove(self.lock)
             .context(|| format!("removing {}", path.display()))
     }
 }
