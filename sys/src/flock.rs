@@ -141,30 +141,42 @@ pub const MAX_SPARES: usize = 4096;
 const SPARE_BUSY_RETRIES: u32 = 3;
 
 impl LockDir {
-    /// The lock files of `dir`, which must exist; the spares found there are
-    /// taken into use, those beyond [`MAX_SPARES`] removed.
-    pub fn open(dir: &Path) -> Result<LockDir> {
-        let entries = std::fs::read_dir(dir).map_err(|e| SysError::io("list", dir, e))?;
-        let mut spares = Vec::new();
+    /// The lock files of `dir`. Spares it holds already are taken into use at
+    /// the first [`list`](Self::list): a start does not wait for a listing of
+    /// every volume's lock.
+    pub fn open(dir: &Path) -> LockDir {
+        LockDir {
+            dir: dir.to_path_buf(),
+            spares: Mutex::new(Vec::new()),
+            next: AtomicU64::new(0),
+        }
+    }
+
+    /// The names of the locks in the directory (not the spares). The spares
+    /// found are taken into use; those beyond [`MAX_SPARES`] are removed.
+    pub fn list(&self) -> Result<Vec<String>> {
+        let entries =
+            std::fs::read_dir(&self.dir).map_err(|e| SysError::io("list", &self.dir, e))?;
+        let mut names = Vec::new();
+        let mut found = Vec::new();
         for entry in entries.flatten() {
-            if !entry
-                .file_name()
-                .to_string_lossy()
-                .starts_with(SPARE_PREFIX)
-            {
-                continue;
-            }
-            if spares.len() < MAX_SPARES {
-                spares.push(entry.path());
-            } else {
-                let _ = crate::file::remove_file_if_exists(&entry.path());
+            let name = entry.file_name().to_string_lossy().into_owned();
+            if name.starts_with(SPARE_PREFIX) {
+                found.push(entry.path());
+            } else if !name.starts_with('.') {
+                names.push(name);
             }
         }
-        Ok(LockDir {
-            dir: dir.to_path_buf(),
-            spares: Mutex::new(spares),
-            next: AtomicU64::new(0),
-        })
+        let mut spares = self.spares.lock().unwrap_or_else(|p| p.into_inner());
+        let known: std::collections::HashSet<PathBuf> = spares.iter().cloned().collect();
+        for path in found.into_iter().filter(|p| !known.contains(p)) {
+            if spares.len() < MAX_SPARES {
+                spares.push(path);
+            } else {
+                let _ = crate::file::remove_file_if_exists(&path);
+            }
+        }
+        Ok(names)
     }
 
     pub fn path(&self, name: &str) -> PathBuf {
@@ -432,7 +444,7 @@ mod tests {
     #[test]
     fn a_removed_lock_file_becomes_the_file_of_the_next_new_name() {
         let dir = tempfile::tempdir().unwrap();
-        let locks = LockDir::open(dir.path()).unwrap();
+        let locks = LockDir::open(dir.path());
         let a = locks.try_exclusive("a").unwrap().expect("a");
         let inode = ino(&locks.path("a"));
         locks.remove(a).unwrap();
@@ -457,14 +469,19 @@ mod tests {
     #[test]
     fn spares_are_found_again_and_shared_with_another_process_by_rename() {
         let dir = tempfile::tempdir().unwrap();
-        let first = LockDir::open(dir.path()).unwrap();
+        let first = LockDir::open(dir.path());
         let a = first.try_exclusive("a").unwrap().unwrap();
         let b = first.try_exclusive("b").unwrap().unwrap();
         first.remove(a).unwrap();
         first.remove(b).unwrap();
-        // Another process (or the next start) finds both spares.
-        let other = LockDir::open(dir.path()).unwrap();
+        // Another process (or the next start) finds both spares once it lists
+        // the locks.
+        let other = LockDir::open(dir.path());
+        assert_eq!(other.spares(), 0);
+        assert!(other.list().unwrap().is_empty());
         assert_eq!(other.spares(), 2);
+        assert!(first.list().unwrap().is_empty());
+        assert_eq!(first.spares(), 2, "a listing adds no spare twice");
         let x = other.try_exclusive("x").unwrap().unwrap();
         let y = other.try_exclusive("y").unwrap().unwrap();
         assert_eq!(other.spares(), 0);
@@ -481,8 +498,11 @@ mod tests {
         for i in 0..MAX_SPARES + 5 {
             std::fs::write(dir.path().join(format!("{SPARE_PREFIX}old-{i}")), b"").unwrap();
         }
-        let locks = LockDir::open(dir.path()).unwrap();
+        std::fs::write(dir.path().join("held"), b"").unwrap();
+        let locks = LockDir::open(dir.path());
+        assert_eq!(locks.list().unwrap(), vec!["held".to_string()]);
         assert_eq!(locks.spares(), MAX_SPARES);
+        std::fs::remove_file(dir.path().join("held")).unwrap();
         assert_eq!(names(dir.path()).len(), MAX_SPARES);
         // Full: a removal removes the file.
         let a = locks.try_exclusive("a").unwrap().unwrap();
@@ -504,7 +524,7 @@ mod tests {
     #[test]
     fn a_lock_on_a_file_moved_after_its_open_is_taken_again() {
         let dir = tempfile::tempdir().unwrap();
-        let locks = LockDir::open(dir.path()).unwrap();
+        let locks = LockDir::open(dir.path());
         let a = locks.try_exclusive("a").unwrap().unwrap();
         let early = open_lock_file(&locks.path("a"), false).unwrap();
         locks.remove(a).unwrap();

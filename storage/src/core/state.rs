@@ -141,11 +141,10 @@ impl StateDir {
         for dir in [&locks, &shared.join(STAGED), &shared.join(FROZEN)] {
             file::mkdir_p_mode(dir, 0o700).context(|| format!("making {}", dir.display()))?;
         }
-        let locks = LockDir::open(&locks).context(|| format!("listing {}", locks.display()))?;
         Ok(StateDir {
             root: root.to_path_buf(),
             sweep: Arc::default(),
-            locks: Arc::new(locks),
+            locks: Arc::new(LockDir::open(&locks)),
         })
     }
 
@@ -156,9 +155,6 @@ impl StateDir {
 
     fn shared(&self) -> PathBuf {
         self.root.join(SHARED)
-    }
-    fn locks_dir(&self) -> PathBuf {
-        self.shared().join(LOCKS)
     }
     fn staged_dir(&self) -> PathBuf {
         self.shared().join(STAGED)
@@ -309,7 +305,13 @@ impl StateDir {
 
     /// Ids with a lock file (for the sweep of locks of volumes that are gone).
     pub fn locked_ids(&self) -> Vec<VolumeId> {
-        list_ids(&self.locks_dir())
+        match self.locks.list() {
+            Ok(names) => names.iter().filter_map(|n| VolumeId::parse(n)).collect(),
+            Err(e) => {
+                tracing::warn!(error = %e, "could not list the volume locks");
+                Vec::new()
+            }
+        }
     }
 
     /// Ids the node has staged.

@@ -84,6 +84,29 @@ fn a_restart_removes_the_lock_files_of_gone_volumes_only() {
     drop(holder);
 }
 
+/// A deleted volume's lock file is kept as a spare; the next start takes it
+/// into use with its sweep, and the next new volume's lock is that file.
+#[test]
+fn a_restart_takes_the_spare_lock_files_into_use() {
+    use std::os::unix::fs::MetadataExt;
+    let mut w = World::new();
+    let locks = w.state_dir().join("shared/locks");
+    let old = w.create("pvc-old", ext4());
+    let inode = std::fs::metadata(locks.join(&old)).unwrap().ino();
+    w.c().delete_volume(&old).unwrap();
+    let spares: Vec<_> = std::fs::read_dir(&locks).unwrap().flatten().collect();
+    assert_eq!(spares.len(), 1);
+    assert!(spares[0]
+        .file_name()
+        .to_string_lossy()
+        .starts_with(".spare-"));
+    w.reopen();
+    w.c().settle();
+    let new = w.create("pvc-new", ext4());
+    assert_eq!(std::fs::metadata(locks.join(&new)).unwrap().ino(), inode);
+    assert_eq!(std::fs::read_dir(&locks).unwrap().count(), 1);
+}
+
 #[test]
 fn a_lock_listed_as_gone_is_kept_when_its_volume_is_made_before_the_sweep_takes_it() {
     let w = World::new();
