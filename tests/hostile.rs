@@ -89,8 +89,10 @@ fn walk(dir: &Path, skip: &[&Path], out: &mut BTreeMap<String, String>) {
             continue;
         }
         // Filesystem templates are the driver's cache, made in the background
-        // after a valid create (tests/templates.rs checks them).
-        if is_journal(&p) || p.file_name().is_some_and(|n| n == ".templates") {
+        // after a valid create (tests/templates.rs checks them); so are the
+        // files of removed volume locks, kept as spares for the next volumes (a
+        // call that locked a name and was refused leaves one).
+        if is_journal(&p) || p.file_name().is_some_and(|n| n == ".templates") || is_spare_lock(&p) {
             continue;
         }
         let Ok(m) = std::fs::symlink_metadata(&p) else {
@@ -102,6 +104,13 @@ fn walk(dir: &Path, skip: &[&Path], out: &mut BTreeMap<String, String>) {
             walk(&p, skip, out);
         }
     }
+}
+
+/// A spare file of the volume locks (`<state>/shared/locks/.spare-*`).
+fn is_spare_lock(p: &Path) -> bool {
+    p.parent().is_some_and(|d| d.ends_with("shared/locks"))
+        && p.file_name()
+            .is_some_and(|n| n.to_string_lossy().starts_with(".spare-"))
 }
 
 /// A record store's journal or snapshot (`log.N`, `snapshot.N`, `packed.N`):
