@@ -215,6 +215,8 @@ pub(crate) struct Scan<'a> {
     pub entries: Vec<Entry<'a>>,
     /// Where the file's good content ends: a torn end beyond it is dropped.
     pub valid_len: usize,
+    /// Whether only zeros follow `valid_len` (a journal's room for appends).
+    pub zero_tail: bool,
     /// Damage that is not a torn end, said for people.
     pub damage: Vec<String>,
     /// Records were lost whose ids are unknown: any data may be theirs.
@@ -239,6 +241,8 @@ fn frames(b: &[u8]) -> Vec<Item<'_>> {
                 });
                 at = end;
             }
+            // Zeros to the end: the room a journal keeps for its next appends.
+            Parsed::NoFrame if b[at..].iter().all(|&x| x == 0) => break,
             Parsed::NoFrame => {
                 let end = resync(b, at).unwrap_or(b.len());
                 items.push(Item::Bad {
@@ -311,6 +315,7 @@ pub(crate) fn scan(b: &[u8], journal: bool) -> Scan<'_> {
         // Whatever follows the last whole batch was never acknowledged.
         out.valid_len = committed.0;
         out.entries.truncate(committed.1);
+        out.zero_tail = b[committed.0..].iter().all(|&x| x == 0);
     } else {
         out.valid_len = b.len();
         match out.entries.last() {

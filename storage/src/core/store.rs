@@ -358,15 +358,16 @@ fn remove_stale(dir: &Path, listing: &Listing, from: u64) -> Result<()> {
     Ok(())
 }
 
-/// Opens the newest journal `newest` (cut back to its last whole batch when
-/// `torn` says where that ends; `len` is its length), or makes journal `from`
+/// Opens the newest journal `newest` (`len` is its length; `end` says where
+/// its last whole batch ends when something follows: cut off when it is a torn
+/// write, kept as room for appends when it is zeros), or makes journal `from`
 /// when there is none. Returns it with its generation and durable length.
 fn open_journal(
     dir: &Path,
     newest: Option<u64>,
     from: u64,
     len: u64,
-    torn: Option<u64>,
+    end: Option<(u64, bool)>,
 ) -> Result<(AppendFile, u64, u64)> {
     let Some(g) = newest else {
         let path = dir.join(log_name(from));
@@ -375,14 +376,15 @@ fn open_journal(
     };
     let path = dir.join(log_name(g));
     let f = AppendFile::open(&path).context(|| format!("opening {}", path.display()))?;
-    match torn {
-        Some(valid) => {
+    match end {
+        Some((valid, true)) => {
             tracing::info!(path = %path.display(), bytes = len - valid,
                 "cut an unacknowledged write off the journal");
             f.truncate(valid)
                 .context(|| format!("truncating {}", path.display()))?;
             Ok((f, g, valid))
         }
+        Some((valid, false)) => Ok((f, g, valid)),
         None => Ok((f, g, len)),
     }
 }
@@ -390,12 +392,13 @@ fn open_journal(
 impl Replay {
     /// What the scanned files say besides their entries; sets damaged files
     /// aside. Also returns where the newest journal's last whole batch ends,
-    /// when a torn write follows it.
+    /// when something follows it, and whether that is a torn write (or only
+    /// the zeros of its room for appends).
     fn tally(
         dir: &Path,
         bufs: &[(String, Vec<u8>)],
         scans: &[(String, bool, journal::Scan<'_>)],
-    ) -> (Replay, Option<u64>) {
+    ) -> (Replay, Option<(u64, bool)>) {
         let mut replay = Replay::default();
         let mut torn = None;
         for (i, (name, is_log, scan)) in scans.iter().enumerate() {
@@ -403,7 +406,7 @@ impl Replay {
                 set_aside(dir, name, &bufs[i].1, &scan.damage);
             }
             if *is_log && i + 1 == scans.len() && scan.valid_len < bufs[i].1.len() {
-                torn = Some(scan.valid_len as u64);
+                torn = Some((scan.valid_len as u64, !scan.zero_tail));
             }
             replay.blind |= scan.blind;
             if *is_log {
@@ -1966,7 +1969,9 @@ mod tests {
         }
         drop(s);
         let log = tmp.path().join("log.0");
-        let whole = std::fs::read(&log).unwrap();
+        let mut whole = std::fs::read(&log).unwrap();
+        // The batches, without the zeros of the journal's room for appends.
+        whole.truncate(journal::scan(&whole, true).valid_len);
         // A batch of two whose write reached the disk only in part.
         let mut next = Vec::new();
         journal::encode(
@@ -1998,6 +2003,52 @@ mod tests {
 
     /// A store of three records, one batch each, with the byte `at(frame size)`
     /// of its journal damaged.
+    /// The journal is written with zeros ahead of its appends, so that most
+    /// appends leave its length alone: a start keeps those zeros as the room
+    /// they are, and cuts a torn write within them.
+    #[test]
+    fn the_journal_keeps_room_for_appends_across_a_restart() {
+        let tmp = tempfile::tempdir().unwrap();
+        let log = tmp.path().join("log.0");
+        let s = open(tmp.path());
+        let mut model = BTreeMap::new();
+        step(&s, &mut model, 0).unwrap();
+        let room = std::fs::metadata(&log).unwrap().len();
+        assert_eq!(room % csi_sys::file::APPEND_ROOM, 0);
+        for i in 1..4 {
+            step(&s, &mut model, i).unwrap();
+        }
+        assert_eq!(
+            std::fs::metadata(&log).unwrap().len(),
+            room,
+            "appends within the room"
+        );
+        drop(s);
+        let bytes = std::fs::read(&log).unwrap();
+        let end = journal::scan(&bytes, true).valid_len;
+        assert!(end > 0 && bytes[end..].iter().all(|&b| b == 0));
+        let s = open(tmp.path());
+        assert_eq!(contents(&s), model);
+        assert_eq!(std::fs::read(&log).unwrap(), bytes, "the room is kept");
+        step(&s, &mut model, 4).unwrap();
+        drop(s);
+        assert_eq!(contents(&open(tmp.path())), model);
+        // A write cut short within the room: cut off, and appends go on.
+        let bytes = std::fs::read(&log).unwrap();
+        let end = journal::scan(&bytes, true).valid_len;
+        let mut torn = bytes.clone();
+        let mut next = Vec::new();
+        journal::encode(&mut next, 99, true, Kind::Remove, "r0000", b"");
+        torn[end..end + next.len() / 2].copy_from_slice(&next[..next.len() / 2]);
+        std::fs::write(&log, &torn).unwrap();
+        let s = open(tmp.path());
+        assert_eq!(contents(&s), model);
+        assert_eq!(std::fs::read(&log).unwrap(), bytes[..end], "cut back");
+        step(&s, &mut model, 5).unwrap();
+        drop(s);
+        assert_eq!(contents(&open(tmp.path())), model);
+    }
+
     fn three_with_damage(at: impl Fn(usize) -> usize) -> tempfile::TempDir {
         let tmp = tempfile::tempdir().unwrap();
         let s = open(tmp.path());
@@ -2007,7 +2058,7 @@ mod tests {
         drop(s);
         let log = tmp.path().join("log.0");
         let mut bytes = std::fs::read(&log).unwrap();
-        let i = at(bytes.len() / 3);
+        let i = at(journal::scan(&bytes, true).valid_len / 3);
         bytes[i] ^= 0x55;
         std::fs::write(&log, &bytes).unwrap();
         tmp
