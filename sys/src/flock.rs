@@ -183,7 +183,7 @@ impl LockDir {
         self.dir.join(name)
     }
 
-    /// Spares this process holds now (for the tests and the metrics).
+    /// Spares this process knows of now.
     pub fn spares(&self) -> usize {
         self.spares.lock().unwrap_or_else(|p| p.into_inner()).len()
     }
@@ -197,11 +197,9 @@ impl LockDir {
             let (file, from_spare) = match open_lock_file(&path, false) {
                 Ok(f) => (f, false),
                 Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
-                    if self.take_spare(&path)? {
-                        (open_lock_file_or_fail(&path, false)?, true)
-                    } else {
-                        (open_lock_file_or_fail(&path, true)?, false)
-                    }
+                    // Made anew if it is gone again by now.
+                    let from_spare = self.take_spare(&path)?;
+                    (open_lock_file_or_fail(&path, true)?, from_spare)
                 }
                 Err(e) => return Err(SysError::io("open lock file", &path, e)),
             };
