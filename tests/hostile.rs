@@ -110,7 +110,7 @@ fn walk(dir: &Path, skip: &[&Path], out: &mut BTreeMap<String, String>) {
 fn is_spare_lock(p: &Path) -> bool {
     p.parent().is_some_and(|d| d.ends_with("shared/locks"))
         && p.file_name()
-            .is_some_and(|n| n.to_string_lossy().starts_with(".spare-"))
+            .is_some_and(|n| csi_sys::flock::is_spare(&n.to_string_lossy()))
 }
 
 /// A record store's journal or snapshot (`log.N`, `snapshot.N`, `packed.N`):

@@ -209,7 +209,7 @@ fn check_clean(d: &Driver, dirs: &Dirs, pending: Option<&Seen>) -> std::result::
         for e in std::fs::read_dir(&dir).unwrap().flatten() {
             let name = e.file_name().to_string_lossy().into_owned();
             // The files of removed locks are kept, as spares, on purpose.
-            let spare = name.starts_with(".spare-") && dir.ends_with("state/shared/locks");
+            let spare = csi_sys::flock::is_spare(&name) && dir.ends_with("state/shared/locks");
             if (name.starts_with('.') && !spare) || name.ends_with(".corrupt") {
                 return Err(format!("{} left", e.path().display()));
             }

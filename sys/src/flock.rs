@@ -133,6 +133,11 @@ pub struct LockDir {
 }
 
 const SPARE_PREFIX: &str = ".spare-";
+
+/// Whether `name` is that of a spare lock file.
+pub fn is_spare(name: &str) -> bool {
+    name.starts_with(SPARE_PREFIX)
+}
 /// Spares kept at most; a removal beyond them removes the file.
 pub const MAX_SPARES: usize = 4096;
 /// How often a lock of a name just made from a spare is tried again when busy:
@@ -141,6 +146,11 @@ pub const MAX_SPARES: usize = 4096;
 const SPARE_BUSY_RETRIES: u32 = 3;
 
 impl LockDir {
+    /// The directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
     /// The lock files of `dir`. Spares it holds already are taken into use at
     /// the first [`list`](Self::list): a start does not wait for a listing of
     /// every volume's lock.
@@ -161,7 +171,7 @@ impl LockDir {
         let mut found = Vec::new();
         for entry in entries.flatten() {
             let name = entry.file_name().to_string_lossy().into_owned();
-            if name.starts_with(SPARE_PREFIX) {
+            if is_spare(&name) {
                 found.push(entry.path());
             } else if !name.starts_with('.') {
                 names.push(name);

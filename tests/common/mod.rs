@@ -104,7 +104,7 @@ pub fn names(dir: &Path) -> BTreeSet<String> {
 pub fn volume_locks(state: &Path) -> BTreeSet<String> {
     names(&state.join("shared/locks"))
         .into_iter()
-        .filter(|n| !n.starts_with(".spare-"))
+        .filter(|n| !csi_sys::flock::is_spare(n))
         .collect()
 }
 

@@ -125,9 +125,6 @@ pub struct FreezeMarker {
 }
 
 const SHARED: &str = "shared";
-const LOCKS: &str = "locks";
-const STAGED: &str = "staged";
-const FROZEN: &str = "frozen";
 
 /// How long a start waits for a domain's lock whose recorded holder has ended
 /// (see [`LockFile::try_exclusive_after_ended_holder`]): a restart at once after
@@ -136,16 +133,15 @@ const ORPHANED_LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(5
 
 impl StateDir {
     pub fn open(root: &Path) -> Result<StateDir> {
-        let shared = root.join(SHARED);
-        let locks = shared.join(LOCKS);
-        for dir in [&locks, &shared.join(STAGED), &shared.join(FROZEN)] {
-            file::mkdir_p_mode(dir, 0o700).context(|| format!("making {}", dir.display()))?;
-        }
-        Ok(StateDir {
+        let s = StateDir {
             root: root.to_path_buf(),
             sweep: Arc::default(),
-            locks: Arc::new(LockDir::open(&locks)),
-        })
+            locks: Arc::new(LockDir::open(&root.join(SHARED).join("locks"))),
+        };
+        for dir in [s.locks.dir().to_path_buf(), s.staged_dir(), s.frozen_dir()] {
+            file::mkdir_p_mode(&dir, 0o700).context(|| format!("making {}", dir.display()))?;
+        }
+        Ok(s)
     }
 
     /// The directory a domain alone writes.
@@ -157,14 +153,14 @@ impl StateDir {
         self.root.join(SHARED)
     }
     fn staged_dir(&self) -> PathBuf {
-        self.shared().join(STAGED)
+        self.shared().join("staged")
     }
     /// Where the node plugin takes the controller's changes of staged volumes.
     pub(crate) fn handoff_socket(&self) -> PathBuf {
         self.shared().join("node.sock")
     }
     pub(crate) fn frozen_dir(&self) -> PathBuf {
-        self.shared().join(FROZEN)
+        self.shared().join("frozen")
     }
 
     /// Takes a domain's part of the state for this process, or refuses when

@@ -400,13 +400,13 @@ impl Replay {
         scans: &[(String, bool, journal::Scan<'_>)],
     ) -> (Replay, Option<(u64, bool)>) {
         let mut replay = Replay::default();
-        let mut torn = None;
+        let mut end = None;
         for (i, (name, is_log, scan)) in scans.iter().enumerate() {
             if !scan.damage.is_empty() {
                 set_aside(dir, name, &bufs[i].1, &scan.damage);
             }
             if *is_log && i + 1 == scans.len() && scan.valid_len < bufs[i].1.len() {
-                torn = Some((scan.valid_len as u64, !scan.zero_tail));
+                end = Some((scan.valid_len as u64, !scan.zero_tail));
             }
             replay.blind |= scan.blind;
             if *is_log {
@@ -415,7 +415,7 @@ impl Replay {
                 replay.last_batch = replay.last_batch.max(last.unwrap_or(0));
             }
         }
-        (replay, torn)
+        (replay, end)
     }
 
     /// Files set aside earlier: their damaged entries stay quarantined.
@@ -475,7 +475,7 @@ impl<R: Record> Store<R> {
                 .map(|(_, _, scan)| scan.entries.len() as u64)
                 .sum(),
         };
-        let (mut replay, torn) = Replay::tally(dir, &bufs, &scans);
+        let (mut replay, journal_end) = Replay::tally(dir, &bufs, &scans);
         replay.note_set_aside(dir, &listing.corrupt);
         let loaded = Loaded::<R>::from_scans(image, &scans);
         tracing::debug!(dir = %dir.display(), records = loaded.records.len(), from_image,
@@ -505,7 +505,8 @@ impl<R: Record> Store<R> {
 
         let logged = replay.logged;
         let last_len = bufs.last().map_or(0, |b| b.1.len()) as u64;
-        let (file, gen, len) = open_journal(dir, logs.last().copied(), from, last_len, torn)?;
+        let (file, gen, len) =
+            open_journal(dir, logs.last().copied(), from, last_len, journal_end)?;
         let born: Vec<R::Id> = born.into_iter().collect();
         let journal_born = born.iter().map(|id| (gen, *id)).collect();
         let (blind, next_batch) = (replay.blind, replay.last_batch + 1);
@@ -2001,8 +2002,6 @@ mod tests {
         assert_eq!(contents(&open(tmp.path())), model);
     }
 
-    /// A store of three records, one batch each, with the byte `at(frame size)`
-    /// of its journal damaged.
     /// The journal is written with zeros ahead of its appends, so that most
     /// appends leave its length alone: a start keeps those zeros as the room
     /// they are, and cuts a torn write within them.
@@ -2049,6 +2048,8 @@ mod tests {
         assert_eq!(contents(&open(tmp.path())), model);
     }
 
+    /// A store of three records, one batch each, with the byte `at(frame size)`
+    /// of its journal damaged.
     fn three_with_damage(at: impl Fn(usize) -> usize) -> tempfile::TempDir {
         let tmp = tempfile::tempdir().unwrap();
         let s = open(tmp.path());

@@ -72,7 +72,7 @@ fn a_restart_removes_the_lock_files_of_gone_volumes_only() {
         .unwrap()
         .flatten()
         .map(|e| e.file_name().to_string_lossy().into_owned())
-        .filter(|name| !name.starts_with(".spare-"))
+        .filter(|name| !csi_sys::flock::is_spare(name))
         .collect();
     left.sort();
     let mut want = vec![live, staged, held];
@@ -96,10 +96,9 @@ fn a_restart_takes_the_spare_lock_files_into_use() {
     w.c().delete_volume(&old).unwrap();
     let spares: Vec<_> = std::fs::read_dir(&locks).unwrap().flatten().collect();
     assert_eq!(spares.len(), 1);
-    assert!(spares[0]
-        .file_name()
-        .to_string_lossy()
-        .starts_with(".spare-"));
+    assert!(csi_sys::flock::is_spare(
+        &spares[0].file_name().to_string_lossy()
+    ));
     w.reopen();
     w.c().settle();
     let new = w.create("pvc-new", ext4());

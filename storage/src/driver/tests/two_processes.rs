@@ -98,7 +98,7 @@ fn the_controller_does_not_delete_a_volume_the_node_has_staged() {
         std::fs::read_dir(w.state_dir().join("shared/locks"))
             .unwrap()
             .flatten()
-            .all(|e| e.file_name().to_string_lossy().starts_with(".spare-")),
+            .all(|e| csi_sys::flock::is_spare(&e.file_name().to_string_lossy())),
         "the lock file of a deleted volume goes with it (kept as a spare)"
     );
 }
