@@ -360,7 +360,7 @@ CUSTOM_VALUES = {
     "pools": [{"name": "fast", "path": "/mnt/nvme/example-csi"}, {"name": "default", "path": "/srv/pool"}],
     "dataDir": "/srv/example-csi",
     "driver": {"logLevel": "debug", "logFormat": "text", "mutableParameters": ["directIO"],
-               "maxVolumesPerNode": 16, "defaultFsType": "xfs",
+               "maxVolumesPerNode": 16, "defaultFsType": "xfs", "expediteFreeze": True,
                "image": {"repository": "example-csi/csi-driver", "tag": "", "pullPolicy": "Always"}},
     "metrics": {"port": 9911},
     "sidecars": {"logLevel": 5},
@@ -425,6 +425,9 @@ def check_custom_rendering(name, flavor, docs, r):
         r.check((flags.get("--max-volumes-per-node") == ["16"]) == serves_node,
                 f"{w}: --max-volumes-per-node=16 exactly where the driver serves the node ({mode})",
                 str(flags.get("--max-volumes-per-node")))
+        r.check((flags.get("--expedite-freeze") == [None]) == serves_controller,
+                f"{w}: --expedite-freeze exactly where the driver serves the controller ({mode})",
+                str(flags.get("--expedite-freeze")))
         for c in spec["containers"]:
             if c is not drv and c["name"] != "liveness-probe":
                 r.check(cm.flag(c, "--v") == "5", f"{w}/{c['name']}: sidecar --v=5")
@@ -527,6 +530,7 @@ REJECTED = [
     ("an unknown mutable parameter", {"driver": {"mutableParameters": ["iops"]}},
      ["/driver/mutableParameters/0"]),
     ("a negative max volumes per node", {"driver": {"maxVolumesPerNode": -1}}, ["/driver/maxVolumesPerNode"]),
+    ("expediteFreeze not a boolean", {"driver": {"expediteFreeze": "yes"}}, ["/driver/expediteFreeze"]),
     ("a metrics port a sidecar uses", {"metrics": {"port": 9898}}, ["/metrics/port"]),
     ("a pool name given twice", {"pools": [{"name": "a", "path": "/a"}, {"name": "a", "path": "/b"}]},
      ['the name "a" is given twice']),

@@ -141,6 +141,7 @@ fn config(cli: &Cli, nodeid: &str, pools: Vec<(String, PathBuf)>) -> Config {
     cfg.heavy_operations = cli.heavy_operations as usize;
     cfg.cleanup_orphans = cli.cleanup_orphans;
     cfg.freeze_timeout = Duration::from_secs(cli.freeze_timeout);
+    cfg.expedite_freeze = cli.expedite_freeze;
     cfg.pool_full_percent = cli.pool_full_percent;
     cfg
 }

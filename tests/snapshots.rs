@@ -1625,6 +1625,120 @@ async fn root_freeze_deadline_thaws_and_undoes_the_snapshot() {
     h.retry_and_restore("snap-held").await;
 }
 
+/// The kernel's switch of expedited grace periods.
+const RCU_EXPEDITED: &str = "/sys/kernel/rcu_expedited";
+
+fn rcu_expedited() -> String {
+    std::fs::read_to_string(RCU_EXPEDITED)
+        .unwrap()
+        .trim()
+        .to_string()
+}
+
+/// `--expedite-freeze`: the switch is raised for the freeze of a staged volume
+/// (the marker says so before it is), put back when the call ends, and put back
+/// by the next start after a crash with it raised. A switch raised already (by
+/// the machine's operator) is left as it is.
+#[tokio::test]
+#[ignore = "needs root: loop devices, mounts and /sys/kernel/rcu_expedited"]
+async fn root_expedited_freeze_raises_the_kernel_switch_for_the_freeze_only() {
+    require_root();
+    let before = rcu_expedited();
+    let ours = before == "0";
+    let pool = Pool::new("xfs");
+    let mut driver = Driver::start_with_env(
+        &pool,
+        &["--expedite-freeze"],
+        &[(
+            csi_storage::failpoint::ENV,
+            "freeze.before-fifreeze=1*sleep(3000)",
+        )],
+    );
+    let mut c = driver.clients().await;
+    let kind = Kind::image("xfs");
+    let v = create_volume(&mut c, "pvc-expedite", 64 * MIB, &kind, None)
+        .await
+        .unwrap();
+    let m = stage_publish(&mut c, &pool, &v.volume_id, &kind).await;
+    write_random(&m.target.join("data"), MIB as usize);
+    let data = sha256(&m.target.join("data"));
+
+    let mut c2 = driver.clients().await;
+    let id = v.volume_id.clone();
+    let snap = tokio::spawn(async move { create_snapshot(&mut c2, "snap-expedite", &id).await });
+    assert!(
+        wait_for_log(&driver, "failpoint freeze.before-fifreeze reached", 30).await,
+        "the snapshot never reached its freeze:\n{}",
+        driver.log_text()
+    );
+    let during = rcu_expedited();
+    let markers: Vec<String> = std::fs::read_dir(driver.state.join("shared/frozen"))
+        .unwrap()
+        .map(|e| std::fs::read_to_string(e.unwrap().path()).unwrap())
+        .collect();
+    let s = snap.await.unwrap().expect("the snapshot succeeds");
+    let after = rcu_expedited();
+    assert_eq!(
+        during, "1",
+        "raised for the freeze (it read {before} before)"
+    );
+    assert_eq!(markers.len(), 1, "{markers:?}");
+    assert_eq!(
+        markers[0].contains(r#""expedited":true"#),
+        ours,
+        "the marker says whether the switch is the driver's to put back: {}",
+        markers[0]
+    );
+    assert_eq!(after, before, "put back when the freeze ended");
+
+    // The snapshot holds the data.
+    let r = create_volume(
+        &mut c,
+        "pvc-expedite-r",
+        64 * MIB,
+        &kind,
+        Some(snap_source(&s.snapshot_id)),
+    )
+    .await
+    .unwrap();
+    let rm = stage_publish(&mut c, &pool, &r.volume_id, &kind).await;
+    assert_eq!(sha256(&rm.target.join("data")), data);
+    unstage(&mut c, &rm).await;
+
+    // A crash with the switch raised: the next start puts it back.
+    driver.envs = vec![(
+        csi_storage::failpoint::ENV.to_string(),
+        "freeze.before-fifreeze".to_string(),
+    )];
+    driver.restart();
+    let mut c = driver.clients().await;
+    let e = create_snapshot(&mut c, "snap-expedite-crash", &v.volume_id)
+        .await
+        .expect_err("the driver dies at the failpoint");
+    assert!(driver.wait_exit(20).is_some(), "{e:?}");
+    assert_eq!(rcu_expedited(), "1", "the crash left the switch raised");
+    driver.envs.clear();
+    driver.spawn();
+    let mut c = driver.clients().await;
+    assert_eq!(
+        rcu_expedited(),
+        before,
+        "the start after the crash put the switch back:\n{}",
+        driver.log_text()
+    );
+    let s2 = create_snapshot(&mut c, "snap-expedite-crash", &v.volume_id)
+        .await
+        .unwrap();
+    assert_eq!(rcu_expedited(), before);
+    unstage(&mut c, &m).await;
+    for sid in [&s.snapshot_id, &s2.snapshot_id] {
+        delete_snapshot(&mut c, sid).await.unwrap();
+    }
+    for id in [&r.volume_id, &v.volume_id] {
+        delete_volume(&mut c, id).await;
+    }
+}
+
 /// The client's deadline (`grpc-timeout`, 1.5 s) passes while the copy is held
 /// under the freeze (a failpoint sleeps 8 s; the freeze deadline is far): the
 /// filesystem is thawed at once, the abandoned work keeps the volume's lock until

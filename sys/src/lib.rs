@@ -19,6 +19,7 @@
 pub mod btrfs;
 pub mod cmd;
 pub mod error;
+pub mod expedite;
 pub mod extents;
 pub mod fake;
 pub mod file;

@@ -116,11 +116,16 @@ struct Freeze {
     marker: PathBuf,
     watchdog: Option<std::thread::JoinHandle<()>>,
     started: Instant,
+    /// Closed already: the drop after [`Freeze::close`] has nothing to do.
+    closed: Option<Option<Cut>>,
 }
 
 impl Freeze {
     /// Closes the window; what cut it short, if anything did.
     fn close(&mut self) -> Option<Cut> {
+        if let Some(cut) = self.closed {
+            return cut;
+        }
         let cut = {
             let mut st = self.window.lock();
             let cut = match st.phase {
@@ -145,6 +150,7 @@ impl Freeze {
             ?cut,
             "thawed"
         );
+        self.closed = Some(cut);
         cut
     }
 }
@@ -227,6 +233,10 @@ impl Controller {
             .map(|(id, _)| id.to_string())
             .unwrap_or_default();
         let marker = self.state.frozen_dir().join(format!("{key}.json"));
+        // The marker says first whether the kernel's switch of expedited grace
+        // periods is to be raised: a crash before it is put back leaves it to the
+        // next start.
+        let expedite = self.expediter.join();
         self.state.write_freeze_marker(
             &marker,
             &FreezeMarker {
@@ -234,10 +244,16 @@ impl Controller {
                 pid: std::process::id(),
                 volumes: ids.clone(),
                 mountpoints: mountpoints.clone(),
+                expedited: expedite.raises(),
             },
         )?;
         let (window, mut guard) = self.open_window(marker, budget)?;
-        self.freeze_each(&window, &mountpoints)?;
+        expedite.raise();
+        crate::failpoint::hit("freeze.before-fifreeze");
+        let frozen = self.freeze_each(&window, &mountpoints);
+        // Only FIFREEZE waits for grace periods; the copy and the thaw do not.
+        drop(expedite);
+        frozen?;
         crate::failpoint::hit("freeze.after-freeze");
         let out = if window.lock().phase == Phase::Open {
             Some(f())
@@ -318,6 +334,7 @@ impl Controller {
             marker,
             watchdog: None,
             started,
+            closed: None,
         };
         let watchdog = {
             let (window, fs, token) = (window.clone(), self.sys.fs.clone(), cancel::current());
@@ -360,6 +377,10 @@ impl Controller {
         for (path, marker) in self.state.freeze_markers() {
             if marker.owner != Domain::Controller {
                 continue;
+            }
+            if marker.expedited && csi_sys::expedite::put_back(self.expediter.knob()) {
+                tracing::warn!(knob = %self.expediter.knob().display(),
+                    "put back the kernel's expedited grace periods a crash during a freeze left raised");
             }
             for mp in &marker.mountpoints {
                 match self.sys.fs.thaw(mp) {

@@ -42,6 +42,8 @@ pub struct Controller {
     live: OnceLock<Arc<dyn LiveDevices>>,
     /// The sweep of lock files that start-up leaves to the background.
     sweep: Mutex<Option<JoinHandle<()>>>,
+    /// Expedited grace periods for freezes (`--expedite-freeze`).
+    pub(crate) expediter: csi_sys::expedite::Expediter,
     _owner: OwnerLock,
 }
 
@@ -67,6 +69,10 @@ impl Controller {
             templates: Default::default(),
             live: OnceLock::new(),
             sweep: Mutex::new(None),
+            expediter: csi_sys::expedite::Expediter::new(
+                &core.cfg.rcu_expedited_knob,
+                core.cfg.expedite_freeze,
+            ),
             _owner: owner,
             core,
         };

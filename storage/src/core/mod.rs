@@ -66,6 +66,12 @@ pub struct Config {
     /// How long a filesystem may stay frozen for a copy beyond the copy's expected
     /// time (none for a reflink); then it is thawed and the copy undone.
     pub freeze_timeout: Duration,
+    /// Expedite the kernel's RCU grace periods while a filesystem freezes (a
+    /// global switch, raised for the freeze only; see `csi_sys::expedite`).
+    pub expedite_freeze: bool,
+    /// The kernel's switch of expedited grace periods (a file of its own in
+    /// tests).
+    pub rcu_expedited_knob: PathBuf,
     /// A pool this full (percent of its filesystem used) is reported by
     /// NodeGetStorageHealth as nearly full; 0 turns the check off.
     pub pool_full_percent: u8,
@@ -92,6 +98,8 @@ impl Config {
             heavy_operations: 4,
             cleanup_orphans: false,
             freeze_timeout: DEFAULT_FREEZE_TIMEOUT,
+            expedite_freeze: false,
+            rcu_expedited_knob: PathBuf::from(csi_sys::expedite::KNOB),
             pool_full_percent: health::DEFAULT_POOL_FULL_PERCENT,
         }
     }

@@ -122,6 +122,10 @@ pub struct FreezeMarker {
     pub pid: u32,
     pub volumes: Vec<VolumeId>,
     pub mountpoints: Vec<PathBuf>,
+    /// The freezing process raised the kernel's switch of expedited grace
+    /// periods for it: a start after a crash puts the switch back.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub expedited: bool,
 }
 
 const SHARED: &str = "shared";
@@ -398,6 +402,7 @@ impl StateDir {
                 pid: 0,
                 volumes: VolumeId::parse(stem).into_iter().collect(),
                 mountpoints,
+                expedited: false,
             };
             self.write_freeze_marker(&self.frozen_dir().join(&name), &marker)?;
             let _ = std::fs::remove_file(&path);

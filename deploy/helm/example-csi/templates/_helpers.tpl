@@ -85,6 +85,9 @@ seccompProfile:
 {{- if and .node $d.maxVolumesPerNode }}
 - --max-volumes-per-node={{ $d.maxVolumesPerNode }}
 {{- end }}
+{{- if and .controller $d.expediteFreeze }}
+- --expedite-freeze
+{{- end }}
 {{- end }}
 
 {{/* The driver's ports and livenessProbe: the livenessprobe sidecar's port, or its own metrics port. */}}

@@ -155,6 +155,7 @@ fn a_freeze_marker_left_by_a_crash_is_thawed_at_open() {
             pid: 1,
             volumes: vec![VolumeId::parse(&id).unwrap()],
             mountpoints: vec![mp],
+            expedited: false,
         })
         .unwrap()
     };
@@ -185,4 +186,132 @@ fn snapshot_class_parameters_the_driver_does_not_use_are_ignored() {
         .create_group_snapshot("group-1", &[a.clone(), b.clone()], &params)
         .unwrap();
     assert_eq!(group.members.len(), 2);
+}
+
+/// A switch of expedited grace periods of the test's own, reading `value`.
+fn rcu_knob(w: &World, value: &str) -> PathBuf {
+    let knob = w.tmp.path().join("rcu_expedited");
+    std::fs::write(&knob, value).unwrap();
+    knob
+}
+
+fn knob_value(knob: &std::path::Path) -> String {
+    std::fs::read_to_string(knob).unwrap().trim().to_string()
+}
+
+#[test]
+fn an_expedited_freeze_raises_the_switch_for_the_freeze_only() {
+    let mut w = World::new();
+    let id = w.create_staged("pvc-a");
+    let knob = rcu_knob(&w, "0\n");
+    let k = knob.clone();
+    w.reopen_with(|cfg| {
+        cfg.expedite_freeze = true;
+        cfg.rcu_expedited_knob = k;
+    });
+    // What the switch and the marker say while FIFREEZE runs: the fake's freeze
+    // fails once, and its error is made at that moment.
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(None));
+    let (k, s, frozen) = (
+        knob.clone(),
+        seen.clone(),
+        w.state_dir().join("shared/frozen"),
+    );
+    w.fake.fail_next(FakeOp::Freeze, move || {
+        let marker = std::fs::read_dir(&frozen).unwrap().next().unwrap().unwrap();
+        let marker: crate::state::FreezeMarker =
+            serde_json::from_slice(&std::fs::read(marker.path()).unwrap()).unwrap();
+        *s.lock().unwrap() = Some((knob_value(&k), marker.expedited));
+        csi_sys::SysError::Unsupported {
+            what: "freezing (test)".into(),
+        }
+    });
+    assert!(w
+        .c()
+        .create_snapshot("snap-1", &id, &BTreeMap::new())
+        .is_err());
+    assert_eq!(
+        seen.lock().unwrap().take(),
+        Some(("1".to_string(), true)),
+        "raised during FIFREEZE, and the marker says so first"
+    );
+    assert_eq!(knob_value(&knob), "0", "put back after a failed freeze");
+
+    // A snapshot that succeeds puts it back too, and takes its copy.
+    w.c()
+        .create_snapshot("snap-1", &id, &BTreeMap::new())
+        .unwrap();
+    assert_eq!(knob_value(&knob), "0");
+    assert!(!w.fake.is_frozen(&w.staging()));
+}
+
+#[test]
+fn a_switch_the_operator_raised_stays_raised_and_a_freeze_without_the_option_leaves_it() {
+    let mut w = World::new();
+    let id = w.create_staged("pvc-a");
+    let knob = rcu_knob(&w, "1");
+    let k = knob.clone();
+    w.reopen_with(|cfg| {
+        cfg.expedite_freeze = true;
+        cfg.rcu_expedited_knob = k;
+    });
+    w.c()
+        .create_snapshot("snap-1", &id, &BTreeMap::new())
+        .unwrap();
+    assert_eq!(knob_value(&knob), "1");
+
+    std::fs::write(&knob, "0").unwrap();
+    let k = knob.clone();
+    w.reopen_with(|cfg| cfg.rcu_expedited_knob = k);
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(None));
+    let (k, s) = (knob.clone(), seen.clone());
+    w.fake.fail_next(FakeOp::Freeze, move || {
+        *s.lock().unwrap() = Some(knob_value(&k));
+        csi_sys::SysError::Unsupported {
+            what: "freezing (test)".into(),
+        }
+    });
+    assert!(w
+        .c()
+        .create_snapshot("snap-2", &id, &BTreeMap::new())
+        .is_err());
+    assert_eq!(seen.lock().unwrap().as_deref(), Some("0"));
+}
+
+#[test]
+fn a_switch_a_crash_left_raised_is_put_back_at_the_next_start() {
+    let mut w = World::new();
+    let id = w.create_staged("pvc-a");
+    let knob = rcu_knob(&w, "1");
+    let dir = w.state_dir().join("shared/frozen");
+    // A crash during a freeze, the switch raised: by the driver (the marker says
+    // so: put back), or by someone else (left as it is). The next start need not
+    // have the option.
+    for (expedited, after) in [(true, "0"), (false, "1")] {
+        std::fs::write(&knob, "1").unwrap();
+        w.sys.fs.freeze(&w.staging()).unwrap();
+        let marker = crate::state::FreezeMarker {
+            owner: crate::state::Domain::Controller,
+            pid: 1,
+            volumes: vec![VolumeId::parse(&id).unwrap()],
+            mountpoints: vec![w.staging()],
+            expedited,
+        };
+        let body = serde_json::to_vec(&marker).unwrap();
+        std::fs::write(dir.join(format!("{id}.json")), body).unwrap();
+        let k = knob.clone();
+        w.reopen_with(|cfg| cfg.rcu_expedited_knob = k);
+        assert_eq!(knob_value(&knob), after, "expedited: {expedited}");
+        assert!(!w.fake.is_frozen(&w.staging()));
+        assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0);
+    }
+}
+
+#[test]
+fn a_marker_of_an_earlier_version_reads_as_not_expedited() {
+    let old = br#"{"owner":"controller","pid":7,"volumes":[],"mountpoints":["/m"]}"#;
+    let m: crate::state::FreezeMarker = serde_json::from_slice(old).unwrap();
+    assert!(!m.expedited);
+    let written = serde_json::to_string(&m).unwrap();
+    assert!(!written.contains("expedited"), "{written}");
 }

@@ -162,6 +162,7 @@ fn only_the_controller_thaws_its_freeze_and_the_node_waits_for_it() {
         pid: 1,
         volumes: vec![VolumeId::parse(&id).unwrap()],
         mountpoints: vec![w.staging()],
+        expedited: false,
     };
     std::fs::write(
         w.state_dir().join(format!("shared/frozen/{id}.json")),
