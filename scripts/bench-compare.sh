@@ -5,7 +5,8 @@
 #
 #   sudo scripts/bench-compare.sh OUT [--stress] [--ours-only]
 #                                     [--hostpath-version vX.Y.Z] [--hostpath-bin FILE]
-#                                     [--pool-size 64G] [--work DIR] [-- csi-bench flags...]
+#                                     [--pool-size 64G] [--work DIR] [--driver-flag FLAG]...
+#                                     [-- csi-bench flags...]
 #
 # Needs root (loop devices, mounts), cargo, go, xfsprogs; stress-ng for --stress.
 # Each driver gets its own loop-mounted xfs image (same size, same mkfs options);
@@ -15,6 +16,8 @@
 # --stress runs `stress-ng --io 2 --cpu 1` beside both drivers for the whole run.
 # --ours-only measures csi-driver alone (no reference to build): the goals that
 # compare with the reference are then reported as not measured.
+# --driver-flag FLAG (repeatable) adds FLAG to csi-driver's command line, e.g.
+# --driver-flag --expedite-freeze; machine.txt names them.
 #
 # Without csi-bench flags the run measures every goal of the report: volumes
 # present up to 100,000 (the reference is given at most 10,000: each of its
@@ -37,6 +40,7 @@ OURS_ONLY=""
 WORK=/tmp/csi-bench-work
 OUT=""
 BENCH_ARGS=()
+DRIVER_FLAGS=()
 
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -46,8 +50,9 @@ while [ $# -gt 0 ]; do
         --hostpath-bin) HOSTPATH_BIN=$(realpath "$2"); shift 2 ;;
         --pool-size) POOL_SIZE=$2; shift 2 ;;
         --work) WORK=$2; shift 2 ;;
+        --driver-flag) DRIVER_FLAGS+=("$2"); shift 2 ;;
         --) shift; BENCH_ARGS=("$@"); break ;;
-        -h|--help) sed -n '2,29p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
         -*) echo "unknown flag $1" >&2; exit 2 ;;
         *) OUT=$1; shift ;;
     esac
@@ -146,7 +151,7 @@ rm -f "$WORK/a.sock" "$WORK/b.sock"
     echo "nproc: $(nproc)"
     echo "memory: $(awk '/MemTotal/{printf "%.1f GiB", $2/1048576}' /proc/meminfo)"
     echo "kernel: $(uname -r)"
-    echo "csi-driver: $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown) (release build)"
+    echo "csi-driver: $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown) (release build)${DRIVER_FLAGS[*]:+, flags: ${DRIVER_FLAGS[*]}}"
     if [ -n "$OURS_ONLY" ]; then
         echo "hostpathplugin: not measured (--ours-only)"
     else
@@ -154,7 +159,7 @@ rm -f "$WORK/a.sock" "$WORK/b.sock"
     fi
     echo "pools: xfs (mkfs.xfs -m reflink=1) on ${POOL_SIZE} sparse images, loop-mounted"
     if [ -n "$STRESS" ]; then echo "load: stress-ng --io 2 --cpu 1 beside the drivers"; else echo "load: none added"; fi
-    echo "command: $0 $OUT ${STRESS:+--stress }${OURS_ONLY:+--ours-only }${BENCH_ARGS[*]:-}"
+    echo "command: $0 $OUT ${STRESS:+--stress }${OURS_ONLY:+--ours-only }${DRIVER_FLAGS[*]:+${DRIVER_FLAGS[*]/#/--driver-flag } }${BENCH_ARGS[*]:-}"
 } > "$OUT/machine.txt"
 cat "$OUT/machine.txt"
 
@@ -175,7 +180,7 @@ echo "== running csi-bench"
 "$BENCH" "${REFERENCE[@]}" \
     --a-name csi-driver \
     --a-endpoint "unix://$WORK/a.sock" \
-    --a-start "$DRIVER --endpoint unix://$WORK/a.sock --nodeid bench-node --pool default=$WORK/a/pool --state-dir $WORK/a/state --log-level warn" \
+    --a-start "$DRIVER --endpoint unix://$WORK/a.sock --nodeid bench-node --pool default=$WORK/a/pool --state-dir $WORK/a/state --log-level warn${DRIVER_FLAGS[*]:+ ${DRIVER_FLAGS[*]}}" \
     --a-pool "$WORK/a/pool" \
     --scratch "$WORK/scratch" \
     --out "$OUT" \
