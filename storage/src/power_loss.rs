@@ -388,7 +388,14 @@ fn a_power_loss_at_any_step_loses_nothing_acknowledged_and_leaves_nothing_half_m
         after.push(seen(&driver));
     }
     drop(driver);
-    let ops = rec.ops();
+    // Freeze markers are written without a sync (a freeze ends with the kernel
+    // that holds it), and a start removes whatever a power loss leaves of them,
+    // readable or not (unit tests: `controller::tests::freeze`). Left in, their
+    // writes would never be synced and would multiply every later crash point's
+    // states by theirs; they are taken out of the replay.
+    let frozen = dirs.data.join("state/shared/frozen");
+    let mut ops = rec.ops();
+    ops.retain(|op| op.path().is_none_or(|p| p.parent() != Some(frozen.as_path())));
     drop(rec);
     assert!(
         after[4].snapshots.values().all(|s| s.2.as_bytes() == DATA),

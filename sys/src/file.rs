@@ -451,6 +451,18 @@ pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     write_atomic_with(path, |w| w.write_all(bytes))
 }
 
+/// Like [`write_atomic`] without its syncs, for what matters only while the
+/// running kernel does (a freeze): a reader, and a process started again after a
+/// crash, see the old or the new content, never a mix; after a power loss the file
+/// may be missing, empty or hold part of the new content, so a reader must
+/// treat an unreadable one as left by a power loss.
+pub fn write_atomic_unsynced(path: &Path, bytes: &[u8]) -> Result<()> {
+    let mut r = Replacement::create(path)?;
+    r.write_all(bytes)
+        .map_err(|e| SysError::io("write", &r.tmp, e))?;
+    r.put_in_place(false)
+}
+
 /// Like [`write_atomic`], for content too large to hold at once: `fill` writes
 /// it in pieces into the temporary file, which is then synced and renamed over
 /// `path`, and the folder synced.
@@ -508,7 +520,12 @@ impl Replacement {
     }
 
     /// Makes the content durable and puts it in place of `path`.
-    pub fn commit(mut self) -> Result<()> {
+    pub fn commit(self) -> Result<()> {
+        self.put_in_place(true)
+    }
+
+    /// Puts the content in place of `path`, synced before and after when `durable`.
+    fn put_in_place(mut self, durable: bool) -> Result<()> {
         let Some(out) = self.out.take() else {
             return Ok(());
         };
@@ -516,14 +533,19 @@ impl Replacement {
             let writer = out
                 .into_inner()
                 .map_err(|e| SysError::io("write", &self.tmp, e.into_error()))?;
-            fsync(&writer.file, &self.tmp)?;
+            if durable {
+                fsync(&writer.file, &self.tmp)?;
+            }
             fs::rename(&self.tmp, &self.path)
                 .map_err(|e| SysError::io("rename over", &self.path, e))?;
             note(|| FsOp::Rename {
                 from: self.tmp.clone(),
                 to: self.path.clone(),
             });
-            fsync_dir(parent_dir(&self.path))
+            if durable {
+                fsync_dir(parent_dir(&self.path))?;
+            }
+            Ok(())
         })();
         if res.is_err() {
             let _ = remove_file_if_exists(&self.tmp);
@@ -984,6 +1006,37 @@ fn give_to_group(path: &Path, meta: &fs::Metadata, gid: u32) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_unsynced_atomic_write_replaces_the_file_and_leaves_no_temporary() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("marker.json");
+        #[cfg(feature = "fs-recording")]
+        let rec = crate::fsrecord::Recording::start(dir.path());
+        write_atomic_unsynced(&path, b"first").unwrap();
+        write_atomic_unsynced(&path, b"second").unwrap();
+        assert_eq!(std::fs::read(&path).unwrap(), b"second");
+        let names: Vec<_> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        assert_eq!(names, vec![std::ffi::OsString::from("marker.json")]);
+        #[cfg(feature = "fs-recording")]
+        {
+            let ops = rec.ops();
+            assert!(
+                !ops.iter()
+                    .any(|op| matches!(op, FsOp::Fsync { .. } | FsOp::SyncData { .. })),
+                "no sync: {ops:?}"
+            );
+            assert_eq!(
+                ops.iter()
+                    .filter(|op| matches!(op, FsOp::Rename { .. }))
+                    .count(),
+                2
+            );
+        }
+    }
 
     #[test]
     fn an_append_file_grows_in_steps_of_zeros_and_appends_within_them_keep_its_length() {

@@ -93,7 +93,8 @@ pub enum FsOp {
 
 #[cfg(feature = "fs-recording")]
 impl FsOp {
-    fn path(&self) -> Option<&std::path::Path> {
+    /// The path the operation changes (a rename's destination); None for a mark.
+    pub fn path(&self) -> Option<&std::path::Path> {
         match self {
             FsOp::Create { path, .. }
             | FsOp::Write { path, .. }

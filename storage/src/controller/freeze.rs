@@ -374,7 +374,13 @@ impl Controller {
     /// Thaws what a crash of this domain left frozen; the markers of another
     /// owner are its own to thaw.
     pub(crate) fn thaw_left_frozen(&self) {
-        for (path, marker) in self.state.freeze_markers() {
+        let (markers, unreadable) = self.state.read_freeze_markers();
+        for path in unreadable {
+            // Torn by a power loss, which also ended the freeze it was for.
+            tracing::warn!(path = %path.display(), "removed an unreadable freeze marker");
+            let _ = file::remove_file_if_exists(&path);
+        }
+        for (path, marker) in markers {
             if marker.owner != Domain::Controller {
                 continue;
             }

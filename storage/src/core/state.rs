@@ -319,12 +319,19 @@ impl StateDir {
         list_ids(&self.staged_dir())
     }
 
-    /// Every freeze marker, with its path.
+    /// Every freeze marker, with its path. An unreadable one (only a power loss,
+    /// which also ended its freeze, leaves one: see [`Self::write_freeze_marker`])
+    /// is passed over.
     pub fn freeze_markers(&self) -> Vec<(PathBuf, FreezeMarker)> {
+        self.read_freeze_markers().0
+    }
+
+    /// The freeze markers, and apart the paths of the unreadable ones.
+    pub(crate) fn read_freeze_markers(&self) -> (Vec<(PathBuf, FreezeMarker)>, Vec<PathBuf>) {
+        let (mut out, mut unreadable) = (Vec::new(), Vec::new());
         let Ok(entries) = std::fs::read_dir(self.frozen_dir()) else {
-            return Vec::new();
+            return (out, unreadable);
         };
-        let mut out = Vec::new();
         for entry in entries.flatten() {
             let path = entry.path();
             if entry.file_name().to_string_lossy().starts_with('.') {
@@ -335,10 +342,10 @@ impl StateDir {
                 .and_then(|b| serde_json::from_slice(&b).ok())
             {
                 Some(m) => out.push((path, m)),
-                None => tracing::warn!(path = %path.display(), "unreadable freeze marker; kept"),
+                None => unreadable.push(path),
             }
         }
-        out
+        (out, unreadable)
     }
 
     /// A freeze of `id` in progress, or left by a process that died frozen.
@@ -411,9 +418,14 @@ impl StateDir {
         Ok(())
     }
 
+    /// A freeze lasts no longer than the running kernel, so its marker is not
+    /// synced: a process started after a crash finds it whole (it is renamed into
+    /// place), and after a power loss, which ended the freeze, it may be missing
+    /// or unreadable ([`StateDir::freeze_markers`] leaves those to the
+    /// controller's start, which removes them).
     pub(crate) fn write_freeze_marker(&self, path: &Path, m: &FreezeMarker) -> Result<()> {
         let body = serde_json::to_vec(m).unwrap_or_default();
-        file::write_atomic(path, &body).context(|| "writing the freeze marker".into())
+        file::write_atomic_unsynced(path, &body).context(|| "writing the freeze marker".into())
     }
 }
 
