@@ -395,7 +395,10 @@ fn a_power_loss_at_any_step_loses_nothing_acknowledged_and_leaves_nothing_half_m
     // states by theirs; they are taken out of the replay.
     let frozen = dirs.data.join("state/shared/frozen");
     let mut ops = rec.ops();
-    ops.retain(|op| op.path().is_none_or(|p| p.parent() != Some(frozen.as_path())));
+    ops.retain(|op| {
+        op.path()
+            .is_none_or(|p| p.parent() != Some(frozen.as_path()))
+    });
     drop(rec);
     assert!(
         after[4].snapshots.values().all(|s| s.2.as_bytes() == DATA),
