@@ -857,7 +857,7 @@ fault_tests! {
     root_fault_expand_volume_after_grow: "expand-volume.after-grow", LIVE, Expand("v1");
     root_fault_modify_volume_after_attributes: "modify-volume.after-attributes", LIVE, Modify("v1");
     root_fault_modify_volume_after_commit: "modify-volume.after-commit", LIVE, Modify("v1");
-    root_fault_create_snapshot_after_intent: "create-snapshot.after-intent", LIVE, Snapshot("s1", "v1");
+    root_fault_create_snapshot_before_data: "create-snapshot.before-data", LIVE, Snapshot("s1", "v1");
     root_fault_create_snapshot_after_data: "create-snapshot.after-data", LIVE, Snapshot("s1", "v1");
     root_fault_create_snapshot_after_commit: "create-snapshot.after-commit", LIVE, Snapshot("s1", "v1");
     root_fault_snapshot_after_copy: "snapshot.after-copy", LIVE, Snapshot("s1", "v1");

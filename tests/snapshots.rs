@@ -967,7 +967,7 @@ async fn root_crash_at_every_snapshot_failpoint_recovers() {
     rig.check("at start").await;
 
     for fp in [
-        "create-snapshot.after-intent",
+        "create-snapshot.before-data",
         "create-snapshot.after-data",
         "create-snapshot.after-commit",
     ] {

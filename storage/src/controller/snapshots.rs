@@ -101,8 +101,12 @@ impl Controller {
             .filter(|v| v.state == RecordState::Ready)
             .ok_or_else(|| Error::not_found(format!("source volume {vid} does not exist")))?;
         let mut rec = self.snapshot_record(sid, name.to_string(), &vol, None);
-        self.snapshots.put(&rec)?;
-        failpoint::hit("create-snapshot.after-intent");
+        // No intent record is written: the id comes from the name, so data that a
+        // crash leaves without a record is found by the retry (removed just below)
+        // or by the orphan sweep at start. One record write, after the data is
+        // durable, is what makes the snapshot exist.
+        self.remove_snapshot_data(&rec)?;
+        failpoint::hit("create-snapshot.before-data");
         let made = self
             .pool(&vol.pool)
             .map(|p| p.volume_path(vid, vol.backing, false));
@@ -113,7 +117,7 @@ impl Controller {
             self.heavy(|| self.with_frozen(&[(vid, src)], || self.copy_to_snapshot(&vol, &rec)))?
         });
         if let Err(e) = made {
-            return Err(e.with_cleanup(self.roll_back_snapshot(&rec)));
+            return Err(e.with_cleanup(self.remove_snapshot_data(&rec)));
         }
         failpoint::hit("create-snapshot.after-data");
         rec.state = RecordState::Ready;

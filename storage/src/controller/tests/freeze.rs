@@ -41,18 +41,16 @@ fn a_snapshot_of_an_unstaged_image_freezes_nothing() {
 fn a_failed_snapshot_copy_still_thaws() {
     let w = World::new();
     let id = w.create_staged("pvc-a");
-    // The copy cannot create its destination: something is in its way.
+    // The copy cannot read its source: the image is moved away for the first try.
     let sid = SnapshotId::for_name("snap-1");
-    let blocker = w
-        .tmp
-        .path()
-        .join("pool/snapshots")
-        .join(format!("{sid}.img"));
-    std::fs::create_dir(&blocker).unwrap();
-    std::fs::write(blocker.join("f"), b"x").unwrap();
+    let image = w.tmp.path().join("pool/volumes").join(format!("{id}.img"));
+    let aside = w.tmp.path().join("aside.img");
+    std::fs::rename(&image, &aside).unwrap();
 
     let err = w.c().create_snapshot("snap-1", &id, &BTreeMap::new());
     assert_eq!(kind(err), Kind::System);
+    assert!(w.pool_files("snapshots").is_empty());
+    std::fs::rename(&aside, &image).unwrap();
     let c = w.fake.counters();
     assert_eq!((c.freeze, c.thaw), (1, 1));
     assert!(!w.fake.is_frozen(&w.staging()));

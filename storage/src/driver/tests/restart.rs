@@ -36,6 +36,40 @@ fn records_survive_a_reopen() {
     assert_eq!(w.pool_files("volumes"), vec![format!("{id}.img")]);
 }
 
+/// A snapshot is recorded once its data is there, with no record before: data a
+/// crash left in the copy is removed by the next start, or by a retry that comes
+/// first, and the snapshot the retry makes holds the volume's data.
+#[test]
+fn snapshot_data_a_crash_left_without_a_record_is_removed_by_the_start_or_the_retry() {
+    let mut w = World::new();
+    let id = w.create("pvc-a", ext4()).to_string();
+    let image = w.tmp.path().join("pool/volumes").join(format!("{id}.img"));
+    std::fs::write(&image, b"the volume's data").unwrap();
+    let sid = crate::ids::SnapshotId::for_name("snap-1");
+    let left = w
+        .tmp
+        .path()
+        .join("pool/snapshots")
+        .join(format!("{sid}.img"));
+
+    // Left by a crash, then a start: gone.
+    std::fs::write(&left, b"torn").unwrap();
+    w.reopen();
+    assert!(w.pool_files("snapshots").is_empty());
+
+    // Left by a crash, and the retry comes first (as in the same process after
+    // a failed copy): replaced by the volume's data.
+    std::fs::write(&left, b"torn").unwrap();
+    let snap = w
+        .c()
+        .create_snapshot("snap-1", &id, &BTreeMap::new())
+        .unwrap();
+    assert_eq!(snap.id, sid);
+    assert_eq!(std::fs::read(&left).unwrap(), b"the volume's data");
+    w.reopen();
+    assert_eq!(w.c().get_snapshot(&sid.to_string()).unwrap(), snap);
+}
+
 #[test]
 fn an_unreadable_record_is_set_aside_and_its_data_kept() {
     let mut w = World::new();
