@@ -861,7 +861,7 @@ fault_tests! {
     root_fault_create_snapshot_after_data: "create-snapshot.after-data", LIVE, Snapshot("s1", "v1");
     root_fault_create_snapshot_after_commit: "create-snapshot.after-commit", LIVE, Snapshot("s1", "v1");
     root_fault_snapshot_after_copy: "snapshot.after-copy", LIVE, Snapshot("s1", "v1");
-    root_fault_delete_snapshot_after_intent: "delete-snapshot.after-intent",
+    root_fault_delete_snapshot_after_commit: "delete-snapshot.after-commit",
         [Create("v1"), Stage("v1"), Publish("v1"), Write("v1"), Snapshot("s1", "v1"), Snapshot("s2", "v1")],
         DeleteSnapshot("s1");
     root_fault_create_group_snapshot_after_intent: "create-group-snapshot.after-intent", LIVE2, Group("g1", &["v1", "v2"]);

@@ -977,7 +977,7 @@ async fn root_crash_at_every_snapshot_failpoint_recovers() {
     rig.crash("freeze.after-freeze", Op::Snapshot("snap-freeze"))
         .await;
     rig.crash(
-        "delete-snapshot.after-intent",
+        "delete-snapshot.after-commit",
         Op::DeleteSnapshot("snap-freeze"),
     )
     .await;

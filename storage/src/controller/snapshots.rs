@@ -8,7 +8,7 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use csi_sys::{btrfs, file};
 
-use crate::data::{parse_token, remove_data, shorten};
+use crate::data::{drop_data, parse_token, remove_data, shorten};
 use crate::error::{Context, Error, Result};
 use crate::failpoint;
 use crate::ids::{validate_name, GroupSnapshotId, SnapshotId, VolumeId};
@@ -188,7 +188,7 @@ impl Controller {
             return Ok(());
         };
         let _guard = self.locks.try_lock([format!("snapshot:{sid}")])?;
-        let Some(mut rec) = self.snapshots.get(sid) else {
+        let Some(rec) = self.snapshots.get(sid) else {
             for pool in self.pools.values() {
                 for b in [Backing::Image, Backing::Directory] {
                     remove_data(&pool.snapshot_path(sid, b))?;
@@ -201,10 +201,15 @@ impl Controller {
                 "snapshot {sid} belongs to group snapshot {g}; delete the group instead"
             )));
         }
-        rec.state = RecordState::Deleting;
-        self.snapshots.put(&rec)?;
-        failpoint::hit("delete-snapshot.after-intent");
-        self.roll_back_snapshot(&rec)?;
+        // The record goes first, in one journal write, then the data without a
+        // sync of its folder: data a crash leaves (or a power loss brings back)
+        // has no record, and the start-up sweep or a retry removes it.
+        self.snapshots.remove(sid)?;
+        failpoint::hit("delete-snapshot.after-commit");
+        let pool = self.pool(&rec.pool)?;
+        let path = pool.snapshot_path(rec.id, rec.backing);
+        drop_data(&path)?;
+        drop_data(&crate::pool::Pool::tmp_path(&path))?;
         tracing::info!(snapshot.id = %sid, "snapshot deleted");
         Ok(())
     }

@@ -57,6 +57,12 @@ pub(crate) fn remove_data(path: &Path) -> Result<()> {
     remove_data_with(path, true)
 }
 
+/// Removes data whose record is gone already, without a sync of its folder:
+/// what a power loss brings back has no record, and start-up removes it.
+pub(crate) fn drop_data(path: &Path) -> Result<()> {
+    remove_data_with(path, false)
+}
+
 /// The same, durable only when `sync`.
 fn remove_data_with(path: &Path, sync: bool) -> Result<()> {
     let meta = match std::fs::symlink_metadata(path) {

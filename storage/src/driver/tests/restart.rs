@@ -145,9 +145,10 @@ fn a_lock_listed_as_gone_is_kept_when_its_volume_is_made_before_the_sweep_takes_
     let w = World::new();
     let locks = w.state_dir().join("shared/locks");
     let id = crate::ids::VolumeId::for_name("pvc-late");
-    std::fs::write(locks.join(id.to_string()), b"").unwrap();
     let c = w.c();
+    // The start's own sweep ends first: it would remove the file made below.
     c.settle();
+    std::fs::write(locks.join(id.to_string()), b"").unwrap();
     // Listed as gone, then made by a CreateVolume before the sweep gets to it.
     let gone = crate::controller::gone_volume_locks(c, &c.volumes);
     assert_eq!(gone, vec![id]);
