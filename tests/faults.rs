@@ -871,6 +871,7 @@ fault_tests! {
         [Create("v1"), Stage("v1"), Publish("v1"), Write("v1"), Create("v2"), Group("g1", &["v1", "v2"])],
         DeleteGroup("g1");
     root_fault_freeze_after_freeze: "freeze.after-freeze", LIVE, Snapshot("s1", "v1");
+    root_fault_freeze_before_fifreeze: "freeze.before-fifreeze", LIVE, Snapshot("s1", "v1");
     root_fault_freeze_after_volume_lock: "freeze.after-volume-lock", LIVE, Snapshot("s1", "v1");
     root_fault_delete_volume_after_volume_lock: "delete-volume.after-volume-lock",
         [Create("v1"), Create("v2")], Delete("v1");
