@@ -289,6 +289,28 @@ pub fn copy_file(src: &Path, dst: &Path) -> Result<bool> {
     }
 }
 
+/// [`copy_file`] whose reflink is not made durable, for a copy that must end
+/// quickly (its source frozen meanwhile); [`make_new_file_durable`] makes it
+/// durable afterwards. A sparse copy (no reflink) is synced as it is made.
+pub fn copy_file_unsynced(src: &Path, dst: &Path) -> Result<bool> {
+    let s = open_read(src)?;
+    match create_unsynced_with(dst, 0o600, |d| clone_into(d, &s, src, dst)) {
+        Ok(()) => Ok(true),
+        Err(e) if e.is_unsupported() => {
+            tracing::debug!(src = %src.display(), dst = %dst.display(), "no reflink, sparse copy");
+            sparse_copy(src, dst).map(|()| false)
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// Makes a file made by this process durable: its data, length and attributes,
+/// then its entry in its folder.
+pub fn make_new_file_durable(path: &Path) -> Result<()> {
+    sync_path(path)?;
+    fsync_dir(parent_dir(path))
+}
+
 /// Copy the directory tree `src_dir` into `dst_dir` (created when missing; entries
 /// must not exist in it yet). Regular files go through [`copy_file`] (reflinks where
 /// possible), symlinks are recreated (never followed), fifos and device nodes are

@@ -116,7 +116,7 @@ impl Controller {
         let made = made.and_then(|src| {
             self.heavy(|| self.with_frozen(&[(vid, src)], || self.copy_to_snapshot(&vol, &rec)))?
         });
-        if let Err(e) = made {
+        if let Err(e) = made.and_then(|()| self.make_snapshot_durable(&rec)) {
             return Err(e.with_cleanup(self.remove_snapshot_data(&rec)));
         }
         failpoint::hit("create-snapshot.after-data");
@@ -150,7 +150,9 @@ impl Controller {
     }
 
     /// Copies a volume's data into a snapshot (the caller takes a heavy-operation
-    /// slot, then freezes).
+    /// slot, then freezes). An image's reflink is made durable after the thaw
+    /// ([`Self::make_snapshot_durable`]): the volume's writers need not wait for
+    /// the sync.
     fn copy_to_snapshot(&self, vol: &VolumeRecord, snap: &SnapshotRecord) -> Result<()> {
         let pool = self.pool(&vol.pool)?;
         let src = pool.volume_path(vol.id, vol.backing, false);
@@ -158,7 +160,7 @@ impl Controller {
         let at = || format!("copying volume {} into snapshot {}", vol.id, snap.id);
         match vol.backing {
             Backing::Image => {
-                let reflinked = file::copy_file(&src, &dst).context(at)?;
+                let reflinked = file::copy_file_unsynced(&src, &dst).context(at)?;
                 tracing::debug!(snapshot.id = %snap.id, reflinked, "image copied");
             }
             Backing::Subvolume => btrfs::subvolume_snapshot(&src, &dst, true).context(at)?,
@@ -166,6 +168,16 @@ impl Controller {
         }
         failpoint::hit("snapshot.after-copy");
         Ok(())
+    }
+
+    /// Makes an image snapshot's copy durable, before its record names it (the
+    /// other kinds are durable as they are made).
+    fn make_snapshot_durable(&self, snap: &SnapshotRecord) -> Result<()> {
+        if snap.backing != Backing::Image {
+            return Ok(());
+        }
+        let path = self.pool(&snap.pool)?.snapshot_path(snap.id, snap.backing);
+        file::make_new_file_durable(&path).context(|| format!("syncing snapshot {}", snap.id))
     }
 
     fn remove_snapshot_data(&self, rec: &SnapshotRecord) -> Result<()> {
@@ -373,7 +385,10 @@ impl Controller {
                 }
                 Ok(())
             })
-        })?
+        })??;
+        members
+            .iter()
+            .try_for_each(|m| self.make_snapshot_durable(m))
     }
 
     fn group_with_members(&self, group: GroupSnapshotRecord) -> Result<GroupSnapshot> {

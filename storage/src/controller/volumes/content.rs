@@ -96,7 +96,8 @@ impl Controller {
                 // consistent filesystem; a snapshot does not change.
                 // The slot is taken before the freeze, so a frozen source never waits
                 // for another copy to finish.
-                let copy = || file::copy_file(src, &path).context(at);
+                // The copy is made durable below, after the thaw and with its length.
+                let copy = || file::copy_file_unsynced(src, &path).context(at);
                 let reflinked = match rec.source {
                     Some(ContentSource::Volume(v)) => {
                         self.heavy(|| self.with_frozen(&[(v, src.to_path_buf())], copy))??
@@ -105,6 +106,7 @@ impl Controller {
                 };
                 failpoint::hit("create-volume.after-copy");
                 file::grow(&path, rec.size).context(at)?;
+                file::make_new_file_durable(&path).context(at)?;
                 tracing::debug!(volume.id = %rec.id, reflinked, "image copied");
             }
             (Backing::Subvolume, None) => {
