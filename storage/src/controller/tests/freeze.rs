@@ -316,3 +316,48 @@ fn a_marker_of_an_earlier_version_reads_as_not_expedited() {
     let written = serde_json::to_string(&m).unwrap();
     assert!(!written.contains("expedited"), "{written}");
 }
+
+/// The members of a group are frozen at once; when one freeze fails, the ones
+/// that froze are thawed, nothing is copied, and a retry freezes and thaws all.
+#[test]
+fn a_group_whose_member_fails_to_freeze_leaves_nothing_frozen_and_copies_nothing() {
+    let w = World::new();
+    let stage_at = |name: &str| {
+        let id = w.create(name, ext4());
+        let staging = w.tmp.path().join(format!("staging-{name}"));
+        w.n()
+            .node_stage(crate::node::Stage {
+                volume_id: id.clone(),
+                staging_path: staging.display().to_string(),
+                capability: Some(ext4()),
+                volume_context: BTreeMap::new(),
+            })
+            .unwrap();
+        (id, staging)
+    };
+    let (a, sa) = stage_at("pvc-a");
+    let (b, sb) = stage_at("pvc-b");
+    w.fake.fail_next(FakeOp::Freeze, eio("freeze"));
+    let err = w
+        .c()
+        .create_group_snapshot("group-1", &[a.clone(), b.clone()], &BTreeMap::new());
+    assert_eq!(kind(err), Kind::System);
+    assert!(!w.fake.is_frozen(&sa) && !w.fake.is_frozen(&sb));
+    let c = w.fake.counters();
+    assert_eq!(
+        (c.freeze, c.thaw),
+        (2, 1),
+        "both freezes tried, the member that froze thawed"
+    );
+    assert!(w.pool_files("snapshots").is_empty());
+    assert_eq!(w.c().snapshot_count(), 0);
+
+    let group = w
+        .c()
+        .create_group_snapshot("group-1", &[a, b], &BTreeMap::new())
+        .unwrap();
+    assert_eq!(group.members.len(), 2);
+    assert!(!w.fake.is_frozen(&sa) && !w.fake.is_frozen(&sb));
+    let c = w.fake.counters();
+    assert_eq!((c.freeze, c.thaw), (4, 3));
+}
