@@ -4,7 +4,7 @@
 //! writers (`freeze_super`: write, page fault, filesystem). A normal grace period
 //! lasts several milliseconds on a kernel with a low tick rate and lazy RCU (about
 //! 8 ms each on a 250 Hz kernel), so an idle filesystem takes 20–30 ms to freeze
-//! whatever its size. Expedited, a grace period ends within tens of microseconds,
+//! whatever its size. Expedited, a grace period ends well within a millisecond,
 //! at the price of an interrupt to every CPU.
 //!
 //! The kernel's switch, `/sys/kernel/rcu_expedited`, is global. An [`Expediter`]
@@ -22,10 +22,7 @@ pub const KNOB: &str = "/sys/kernel/rcu_expedited";
 /// The switch as read: Some(true) raised, Some(false) normal, None unreadable.
 fn read(knob: &Path) -> Option<bool> {
     let text = std::fs::read_to_string(knob).ok()?;
-    match text.trim() {
-        "0" => Some(false),
-        v => v.parse::<i64>().ok().map(|n| n != 0),
-    }
+    text.trim().parse::<i64>().ok().map(|n| n != 0)
 }
 
 fn write(knob: &Path, on: bool) -> std::io::Result<()> {
