@@ -277,3 +277,16 @@ pub(crate) fn params(kv: &[(&str, &str)]) -> BTreeMap<String, String> {
         .map(|(k, v)| (k.to_string(), v.to_string()))
         .collect()
 }
+
+/// The marker a controller writes before it freezes `mountpoint` for the volume
+/// `id`, as it lies in `shared/frozen`: what a crash during the freeze leaves.
+pub(crate) fn controller_freeze_marker(id: &str, mountpoint: PathBuf, expedited: bool) -> Vec<u8> {
+    serde_json::to_vec(&crate::state::FreezeMarker {
+        owner: crate::state::Domain::Controller,
+        pid: 1,
+        volumes: vec![VolumeId::parse(id).unwrap()],
+        mountpoints: vec![mountpoint],
+        expedited,
+    })
+    .unwrap()
+}

@@ -11,7 +11,7 @@
 //! raises it only when it reads 0 (a 1 is someone else's and is left alone), keeps
 //! it raised while any freeze of the process needs it, and puts it back to 0 when
 //! the last one ends. What raised it and crashed before putting it back is
-//! undone by [`put_back`] at the next start (the freeze's marker says so).
+//! undone by [`Expediter::put_back`] at the next start (the freeze's marker says so).
 
 use std::path::{Path, PathBuf};
 use std::sync::{Mutex, MutexGuard};
@@ -60,8 +60,10 @@ impl Expediter {
         }
     }
 
-    pub fn knob(&self) -> &Path {
-        &self.knob
+    /// Puts the switch back to 0 after a crash of a process that had raised it
+    /// (nothing when it reads 0 already), enabled or not. Whether it was written.
+    pub fn put_back(&self) -> bool {
+        read(&self.knob) == Some(true) && write(&self.knob, false).is_ok()
     }
 
     fn lock(&self) -> MutexGuard<'_, State> {
@@ -134,12 +136,6 @@ impl Drop for Window<'_> {
             e.fail(&mut st, "putting back", err);
         }
     }
-}
-
-/// Puts the switch back to 0 after a crash of a process that had raised it
-/// (nothing when it reads 0 already). Whether it was written.
-pub fn put_back(knob: &Path) -> bool {
-    read(knob) == Some(true) && write(knob, false).is_ok()
 }
 
 #[cfg(test)]
@@ -233,9 +229,10 @@ mod tests {
     #[test]
     fn put_back_lowers_a_raised_switch_only() {
         let (_d, path) = knob("1");
-        assert!(put_back(&path));
+        let e = Expediter::new(&path, false);
+        assert!(e.put_back());
         assert_eq!(value(&path), "0");
-        assert!(!put_back(&path));
+        assert!(!e.put_back());
         assert_eq!(value(&path), "0");
     }
 }

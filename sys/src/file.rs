@@ -279,22 +279,24 @@ impl RangeCopier<'_> {
 /// Copy `src` to the new file `dst`: a reflink when the filesystem can (returns
 /// true), else a sparse-aware copy (returns false).
 pub fn copy_file(src: &Path, dst: &Path) -> Result<bool> {
-    match reflink(src, dst) {
-        Ok(()) => Ok(true),
-        Err(e) if e.is_unsupported() => {
-            tracing::debug!(src = %src.display(), dst = %dst.display(), "no reflink, sparse copy");
-            sparse_copy(src, dst).map(|()| false)
-        }
-        Err(e) => Err(e),
-    }
+    copy_file_with(src, dst, true)
 }
 
 /// [`copy_file`] whose reflink is not made durable, for a copy that must end
 /// quickly (its source frozen meanwhile); [`make_new_file_durable`] makes it
 /// durable afterwards. A sparse copy (no reflink) is synced as it is made.
 pub fn copy_file_unsynced(src: &Path, dst: &Path) -> Result<bool> {
+    copy_file_with(src, dst, false)
+}
+
+fn copy_file_with(src: &Path, dst: &Path, durable: bool) -> Result<bool> {
     let s = open_read(src)?;
-    match create_unsynced_with(dst, 0o600, |d| clone_into(d, &s, src, dst)) {
+    let clone = |d: &File| clone_into(d, &s, src, dst);
+    let reflinked = match durable {
+        true => create_with(dst, 0o600, clone),
+        false => create_unsynced_with(dst, 0o600, clone),
+    };
+    match reflinked {
         Ok(()) => Ok(true),
         Err(e) if e.is_unsupported() => {
             tracing::debug!(src = %src.display(), dst = %dst.display(), "no reflink, sparse copy");

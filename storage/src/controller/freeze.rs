@@ -117,15 +117,13 @@ struct Freeze {
     watchdog: Option<std::thread::JoinHandle<()>>,
     started: Instant,
     /// Closed already: the drop after [`Freeze::close`] has nothing to do.
-    closed: Option<Option<Cut>>,
+    closed: bool,
 }
 
 impl Freeze {
     /// Closes the window; what cut it short, if anything did.
     fn close(&mut self) -> Option<Cut> {
-        if let Some(cut) = self.closed {
-            return cut;
-        }
+        self.closed = true;
         let cut = {
             let mut st = self.window.lock();
             let cut = match st.phase {
@@ -150,14 +148,15 @@ impl Freeze {
             ?cut,
             "thawed"
         );
-        self.closed = Some(cut);
         cut
     }
 }
 
 impl Drop for Freeze {
     fn drop(&mut self) {
-        self.close();
+        if !self.closed {
+            self.close();
+        }
     }
 }
 
@@ -334,7 +333,7 @@ impl Controller {
             marker,
             watchdog: None,
             started,
-            closed: None,
+            closed: false,
         };
         let watchdog = {
             let (window, fs, token) = (window.clone(), self.sys.fs.clone(), cancel::current());
@@ -417,9 +416,10 @@ impl Controller {
             if marker.owner != Domain::Controller {
                 continue;
             }
-            if marker.expedited && csi_sys::expedite::put_back(self.expediter.knob()) {
-                tracing::warn!(knob = %self.expediter.knob().display(),
-                    "put back the kernel's expedited grace periods a crash during a freeze left raised");
+            if marker.expedited && self.expediter.put_back() {
+                tracing::warn!(
+                    "put back the kernel's expedited grace periods a crash during a freeze left raised"
+                );
             }
             for mp in &marker.mountpoints {
                 match self.sys.fs.thaw(mp) {

@@ -181,10 +181,24 @@ impl Controller {
     }
 
     fn remove_snapshot_data(&self, rec: &SnapshotRecord) -> Result<()> {
+        self.remove_snapshot_data_with(rec, remove_data)
+    }
+
+    /// Removes the data of a snapshot whose record is gone, without a sync: what
+    /// a power loss brings back has no record, and start-up removes it.
+    fn drop_snapshot_data(&self, rec: &SnapshotRecord) -> Result<()> {
+        self.remove_snapshot_data_with(rec, drop_data)
+    }
+
+    fn remove_snapshot_data_with(
+        &self,
+        rec: &SnapshotRecord,
+        remove: fn(&std::path::Path) -> Result<()>,
+    ) -> Result<()> {
         let pool = self.pool(&rec.pool)?;
         let path = pool.snapshot_path(rec.id, rec.backing);
-        remove_data(&path)?;
-        remove_data(&crate::pool::Pool::tmp_path(&path))
+        remove(&path)?;
+        remove(&crate::pool::Pool::tmp_path(&path))
     }
 
     fn roll_back_snapshot(&self, rec: &SnapshotRecord) -> Result<()> {
@@ -218,10 +232,7 @@ impl Controller {
         // has no record, and the start-up sweep or a retry removes it.
         self.snapshots.remove(sid)?;
         failpoint::hit("delete-snapshot.after-commit");
-        let pool = self.pool(&rec.pool)?;
-        let path = pool.snapshot_path(rec.id, rec.backing);
-        drop_data(&path)?;
-        drop_data(&crate::pool::Pool::tmp_path(&path))?;
+        self.drop_snapshot_data(&rec)?;
         tracing::info!(snapshot.id = %sid, "snapshot deleted");
         Ok(())
     }

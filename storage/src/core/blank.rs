@@ -60,12 +60,7 @@ pub(crate) fn make(path: &Path, rec: &VolumeRecord) -> Result<()> {
 
 /// Makes an image and its entry durable: before anything can write data into it.
 pub(crate) fn make_durable(image: &Path) -> Result<()> {
-    let at = || format!("syncing {}", image.display());
-    file::sync_path(image).context(at)?;
-    if let Some(dir) = image.parent() {
-        file::fsync_dir(dir).context(at)?;
-    }
-    Ok(())
+    file::make_new_file_durable(image).context(|| format!("syncing {}", image.display()))
 }
 
 impl Core {

@@ -5,7 +5,7 @@ use csi_sys::fake::FakeOp;
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 
-use crate::ids::{SnapshotId, VolumeId};
+use crate::ids::SnapshotId;
 use crate::testkit::*;
 
 #[test]
@@ -147,16 +147,7 @@ fn a_freeze_marker_left_by_a_crash_is_thawed_at_open() {
     // A crash between freeze and thaw: frozen, and the marker written before it.
     w.sys.fs.freeze(&w.staging()).unwrap();
     let dir = w.state_dir().join("shared/frozen");
-    let marker = |mp: PathBuf| {
-        serde_json::to_vec(&crate::state::FreezeMarker {
-            owner: crate::state::Domain::Controller,
-            pid: 1,
-            volumes: vec![VolumeId::parse(&id).unwrap()],
-            mountpoints: vec![mp],
-            expedited: false,
-        })
-        .unwrap()
-    };
+    let marker = |mp: PathBuf| controller_freeze_marker(&id, mp, false);
     std::fs::write(dir.join(format!("{id}.json")), marker(w.staging())).unwrap();
     // A marker naming a path that is no longer mounted does not stop the start.
     std::fs::write(dir.join("other.json"), marker(w.tmp.path().join("gone"))).unwrap();
@@ -200,32 +191,45 @@ fn knob_value(knob: &std::path::Path) -> String {
     std::fs::read_to_string(knob).unwrap().trim().to_string()
 }
 
+/// Restarts the driver on `knob` as its switch, with `--expedite-freeze` or not.
+fn reopen_with_knob(w: &mut World, knob: &std::path::Path, expedite: bool) {
+    let knob = knob.to_path_buf();
+    w.reopen_with(|cfg| {
+        cfg.expedite_freeze = expedite;
+        cfg.rcu_expedited_knob = knob;
+    });
+}
+
+/// Makes the fake's next FIFREEZE fail, and keeps what `look` sees at that
+/// moment (the error is made while the freeze runs).
+fn fail_next_freeze_seeing<T: Send + 'static>(
+    w: &World,
+    look: impl FnOnce() -> T + Send + 'static,
+) -> std::sync::Arc<std::sync::Mutex<Option<T>>> {
+    let seen = std::sync::Arc::new(std::sync::Mutex::new(None));
+    let s = seen.clone();
+    w.fake.fail_next(FakeOp::Freeze, move || {
+        *s.lock().unwrap() = Some(look());
+        csi_sys::SysError::Unsupported {
+            what: "freezing (test)".into(),
+        }
+    });
+    seen
+}
+
 #[test]
 fn an_expedited_freeze_raises_the_switch_for_the_freeze_only() {
     let mut w = World::new();
     let id = w.create_staged("pvc-a");
     let knob = rcu_knob(&w, "0\n");
-    let k = knob.clone();
-    w.reopen_with(|cfg| {
-        cfg.expedite_freeze = true;
-        cfg.rcu_expedited_knob = k;
-    });
-    // What the switch and the marker say while FIFREEZE runs: the fake's freeze
-    // fails once, and its error is made at that moment.
-    let seen = std::sync::Arc::new(std::sync::Mutex::new(None));
-    let (k, s, frozen) = (
-        knob.clone(),
-        seen.clone(),
-        w.state_dir().join("shared/frozen"),
-    );
-    w.fake.fail_next(FakeOp::Freeze, move || {
+    reopen_with_knob(&mut w, &knob, true);
+    // What the switch and the marker say while FIFREEZE runs.
+    let (k, frozen) = (knob.clone(), w.state_dir().join("shared/frozen"));
+    let seen = fail_next_freeze_seeing(&w, move || {
         let marker = std::fs::read_dir(&frozen).unwrap().next().unwrap().unwrap();
         let marker: crate::state::FreezeMarker =
             serde_json::from_slice(&std::fs::read(marker.path()).unwrap()).unwrap();
-        *s.lock().unwrap() = Some((knob_value(&k), marker.expedited));
-        csi_sys::SysError::Unsupported {
-            what: "freezing (test)".into(),
-        }
+        (knob_value(&k), marker.expedited)
     });
     assert!(w
         .c()
@@ -251,27 +255,16 @@ fn a_switch_the_operator_raised_stays_raised_and_a_freeze_without_the_option_lea
     let mut w = World::new();
     let id = w.create_staged("pvc-a");
     let knob = rcu_knob(&w, "1");
-    let k = knob.clone();
-    w.reopen_with(|cfg| {
-        cfg.expedite_freeze = true;
-        cfg.rcu_expedited_knob = k;
-    });
+    reopen_with_knob(&mut w, &knob, true);
     w.c()
         .create_snapshot("snap-1", &id, &BTreeMap::new())
         .unwrap();
     assert_eq!(knob_value(&knob), "1");
 
     std::fs::write(&knob, "0").unwrap();
+    reopen_with_knob(&mut w, &knob, false);
     let k = knob.clone();
-    w.reopen_with(|cfg| cfg.rcu_expedited_knob = k);
-    let seen = std::sync::Arc::new(std::sync::Mutex::new(None));
-    let (k, s) = (knob.clone(), seen.clone());
-    w.fake.fail_next(FakeOp::Freeze, move || {
-        *s.lock().unwrap() = Some(knob_value(&k));
-        csi_sys::SysError::Unsupported {
-            what: "freezing (test)".into(),
-        }
-    });
+    let seen = fail_next_freeze_seeing(&w, move || knob_value(&k));
     assert!(w
         .c()
         .create_snapshot("snap-2", &id, &BTreeMap::new())
@@ -291,17 +284,9 @@ fn a_switch_a_crash_left_raised_is_put_back_at_the_next_start() {
     for (expedited, after) in [(true, "0"), (false, "1")] {
         std::fs::write(&knob, "1").unwrap();
         w.sys.fs.freeze(&w.staging()).unwrap();
-        let marker = crate::state::FreezeMarker {
-            owner: crate::state::Domain::Controller,
-            pid: 1,
-            volumes: vec![VolumeId::parse(&id).unwrap()],
-            mountpoints: vec![w.staging()],
-            expedited,
-        };
-        let body = serde_json::to_vec(&marker).unwrap();
+        let body = controller_freeze_marker(&id, w.staging(), expedited);
         std::fs::write(dir.join(format!("{id}.json")), body).unwrap();
-        let k = knob.clone();
-        w.reopen_with(|cfg| cfg.rcu_expedited_knob = k);
+        reopen_with_knob(&mut w, &knob, false);
         assert_eq!(knob_value(&knob), after, "expedited: {expedited}");
         assert!(!w.fake.is_frozen(&w.staging()));
         assert_eq!(std::fs::read_dir(&dir).unwrap().count(), 0);

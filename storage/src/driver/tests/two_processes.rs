@@ -157,16 +157,9 @@ fn only_the_controller_thaws_its_freeze_and_the_node_waits_for_it() {
     stage_on(&node, &w, &id, &ext4()).unwrap();
     // The controller died during a copy: frozen, its marker written before.
     w.sys.fs.freeze(&w.staging()).unwrap();
-    let marker = crate::state::FreezeMarker {
-        owner: crate::state::Domain::Controller,
-        pid: 1,
-        volumes: vec![VolumeId::parse(&id).unwrap()],
-        mountpoints: vec![w.staging()],
-        expedited: false,
-    };
     std::fs::write(
         w.state_dir().join(format!("shared/frozen/{id}.json")),
-        serde_json::to_vec(&marker).unwrap(),
+        controller_freeze_marker(&id, w.staging(), false),
     )
     .unwrap();
     w.driver = None;
