@@ -360,7 +360,7 @@ CUSTOM_VALUES = {
     "pools": [{"name": "fast", "path": "/mnt/nvme/example-csi"}, {"name": "default", "path": "/srv/pool"}],
     "dataDir": "/srv/example-csi",
     "driver": {"logLevel": "debug", "logFormat": "text", "mutableParameters": ["directIO"],
-               "maxVolumesPerNode": 16, "defaultFsType": "xfs", "expediteFreeze": True,
+               "maxVolumesPerNode": 16, "defaultFsType": "xfs", "expediteFreeze": False,
                "image": {"repository": "example-csi/csi-driver", "tag": "", "pullPolicy": "Always"}},
     "metrics": {"port": 9911},
     "sidecars": {"logLevel": 5},
@@ -425,8 +425,8 @@ def check_custom_rendering(name, flavor, docs, r):
         r.check((flags.get("--max-volumes-per-node") == ["16"]) == serves_node,
                 f"{w}: --max-volumes-per-node=16 exactly where the driver serves the node ({mode})",
                 str(flags.get("--max-volumes-per-node")))
-        r.check((flags.get("--expedite-freeze") == [None]) == serves_controller,
-                f"{w}: --expedite-freeze exactly where the driver serves the controller ({mode})",
+        r.check((flags.get("--expedite-freeze") == ["false"]) == serves_controller,
+                f"{w}: --expedite-freeze=false exactly where the driver serves the controller ({mode})",
                 str(flags.get("--expedite-freeze")))
         for c in spec["containers"]:
             if c is not drv and c["name"] != "liveness-probe":

@@ -146,8 +146,13 @@ pub struct Cli {
     /// While a filesystem freezes for a snapshot or clone, expedite the kernel's
     /// RCU grace periods (/sys/kernel/rcu_expedited, raised for the freeze only and
     /// put back; left alone when already raised): a freeze takes a few ms instead
-    /// of three normal grace periods, at the price of an interrupt to every CPU.
-    #[arg(long, env = "CSI_EXPEDITE_FREEZE")]
+    /// of three normal grace periods, at the price of an interrupt to every busy
+    /// CPU while it runs. On by default; --expedite-freeze=false leaves the
+    /// kernel's switch alone.
+    #[arg(long, env = "CSI_EXPEDITE_FREEZE", default_value_t = true,
+          num_args = 0..=1, require_equals = true, default_missing_value = "true",
+          action = clap::ArgAction::Set,
+          value_parser = clap::builder::BoolishValueParser::new())]
     pub expedite_freeze: bool,
 
     /// Percent of a pool's filesystem in use at which NodeGetStorageHealth reports
@@ -218,4 +223,36 @@ pub fn parse() -> Result<Cli, std::process::ExitCode> {
 pub enum Command {
     /// Call CSI RPCs on a socket (this driver's or any other) and print the answer.
     Client(crate::client::ClientArgs),
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn expedite(flags: &[&str]) -> Result<bool, clap::Error> {
+        let mut args = vec!["csi-driver", "--nodeid=n1"];
+        args.extend_from_slice(flags);
+        Cli::try_parse_from(args).map(|c| c.expedite_freeze)
+    }
+
+    #[test]
+    fn freezes_are_expedited_unless_turned_off() {
+        assert!(expedite(&[]).unwrap(), "on by default");
+        assert!(expedite(&["--expedite-freeze"]).unwrap());
+        for on in ["true", "1", "yes", "on"] {
+            assert!(
+                expedite(&[&format!("--expedite-freeze={on}")]).unwrap(),
+                "{on}"
+            );
+        }
+        for off in ["false", "0", "no", "off"] {
+            assert!(
+                !expedite(&[&format!("--expedite-freeze={off}")]).unwrap(),
+                "{off}"
+            );
+        }
+        assert!(expedite(&["--expedite-freeze=maybe"]).is_err());
+        // The last of two wins, as for every flag.
+        assert!(!expedite(&["--expedite-freeze", "--expedite-freeze=false"]).unwrap());
+    }
 }

@@ -51,6 +51,7 @@ impl World {
             .unwrap();
         std::fs::create_dir(tmp.path().join("pool")).unwrap();
         std::fs::create_dir(tmp.path().join("pods")).unwrap();
+        std::fs::write(tmp.path().join("rcu_expedited"), "0\n").unwrap();
         let (sys, fake) = csi_sys::fake::system();
         let mut w = World {
             tmp,
@@ -62,12 +63,16 @@ impl World {
         w
     }
 
+    /// The driver's defaults, but for the kernel's switch of expedited grace
+    /// periods: a file of the world's own, never the machine's.
     pub(crate) fn config(&self) -> Config {
-        Config::new(
+        let mut cfg = Config::new(
             "node-1",
             &self.tmp.path().join("state"),
             vec![("default".into(), self.tmp.path().join("pool"))],
-        )
+        );
+        cfg.rcu_expedited_knob = self.tmp.path().join("rcu_expedited");
+        cfg
     }
 
     /// Drops the driver and opens a new one on the same state, pool and fake

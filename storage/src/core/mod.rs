@@ -98,7 +98,7 @@ impl Config {
             heavy_operations: 4,
             cleanup_orphans: false,
             freeze_timeout: DEFAULT_FREEZE_TIMEOUT,
-            expedite_freeze: false,
+            expedite_freeze: true,
             rcu_expedited_knob: PathBuf::from(csi_sys::expedite::KNOB),
             pool_full_percent: health::DEFAULT_POOL_FULL_PERCENT,
         }

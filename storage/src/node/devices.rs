@@ -251,11 +251,12 @@ mod tests {
             std::fs::write(&other, b"x").unwrap();
             fake.loops.attach(&other, rw).unwrap();
         }
-        let cfg = Config::new(
+        let mut cfg = Config::new(
             "node-1",
             &root.join("state"),
             vec![("default".into(), root.join("pool"))],
         );
+        cfg.rcu_expedited_knob = root.join("no-rcu-expedited");
         let driver = Driver::open(cfg, sys).unwrap();
         let (c, n) = (driver.controller().unwrap(), driver.node().unwrap());
         let path = |p: &str| root.join(p).display().to_string();

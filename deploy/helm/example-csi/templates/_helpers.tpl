@@ -85,8 +85,8 @@ seccompProfile:
 {{- if and .node $d.maxVolumesPerNode }}
 - --max-volumes-per-node={{ $d.maxVolumesPerNode }}
 {{- end }}
-{{- if and .controller $d.expediteFreeze }}
-- --expedite-freeze
+{{- if and .controller (not $d.expediteFreeze) }}
+- --expedite-freeze=false
 {{- end }}
 {{- end }}
 

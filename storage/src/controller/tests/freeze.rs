@@ -217,12 +217,14 @@ fn fail_next_freeze_seeing<T: Send + 'static>(
     seen
 }
 
+/// By default (the world's config is the driver's, on a switch of its own).
 #[test]
 fn an_expedited_freeze_raises_the_switch_for_the_freeze_only() {
-    let mut w = World::new();
+    let w = World::new();
     let id = w.create_staged("pvc-a");
     let knob = rcu_knob(&w, "0\n");
-    reopen_with_knob(&mut w, &knob, true);
+    let cfg = w.config();
+    assert!(cfg.expedite_freeze && cfg.rcu_expedited_knob == knob);
     // What the switch and the marker say while FIFREEZE runs.
     let (k, frozen) = (knob.clone(), w.state_dir().join("shared/frozen"));
     let seen = fail_next_freeze_seeing(&w, move || {
