@@ -69,6 +69,12 @@ pub struct Args {
     #[arg(long)]
     b_max_volumes: Option<usize>,
 
+    /// Start each round without first writing back what the machine holds dirty
+    /// (by default a `sync` comes first, so that no round pays for the writeback
+    /// of the one before it: the other driver's copies above all).
+    #[arg(long)]
+    no_settle: bool,
+
     /// Scenarios to run (comma-separated): create-delete, scale, snapshot, node, startup, memory, all.
     #[arg(long, value_delimiter = ',', default_value = "all")]
     scenarios: Vec<String>,
@@ -201,6 +207,9 @@ async fn run(args: Args) -> Result<(), String> {
         for (i, t) in targets.iter_mut().enumerate() {
             eprintln!("== round {} / {}: {}", round + 1, args.rounds, t.spec.name);
             let most = if i == 0 { None } else { args.b_max_volumes };
+            if !args.no_settle {
+                settle().await;
+            }
             let figs = run_round(t, &args, &chosen, round, most).await?;
             results[i].push(figs);
             // Keep what was measured so far, in case a later round fails.
@@ -215,6 +224,22 @@ async fn run(args: Args) -> Result<(), String> {
         std::fs::read_to_string(args.out.join("results.txt")).unwrap_or_default()
     );
     Ok(())
+}
+
+/// Writes back what is dirty on the machine before a round. A snapshot of the
+/// reference driver is a copy of the data through the page cache, written back
+/// after its call returns: without this, the next round (the other driver's)
+/// would measure its operations beside gigabytes of writeback. Bounded: a
+/// `sync` that takes longer than two minutes is left to finish on its own.
+async fn settle() {
+    let started = std::time::Instant::now();
+    let sync = tokio::task::spawn_blocking(nix::unistd::sync);
+    let waited = tokio::time::timeout(std::time::Duration::from_secs(120), sync).await;
+    let ms = started.elapsed().as_millis();
+    match waited {
+        Ok(_) => eprintln!("  settled: sync took {ms} ms"),
+        Err(_) => eprintln!("  settle: sync still running after {ms} ms; going on"),
+    }
 }
 
 fn targets_names(results: &[Vec<Figures>], args: &Args) -> Vec<String> {
