@@ -367,6 +367,21 @@ fn workload() -> Vec<Step> {
 
 #[test]
 fn a_power_loss_at_any_step_loses_nothing_acknowledged_and_leaves_nothing_half_made() {
+    // The workload's compactions fold a few images each: an fsync each.
+    power_loss_at_every_step(None);
+}
+
+#[test]
+fn a_power_loss_at_any_step_with_compactions_that_sync_the_pool_filesystem() {
+    // Every compaction makes the images it folds durable with one syncfs.
+    power_loss_at_every_step(Some(1));
+}
+
+/// Runs the workload once, recording its file-system operations, then starts
+/// the driver on every state a power loss could leave and retries the call in
+/// flight. `syncfs_from` is how many images a compaction's barrier needs before
+/// it syncs the pool's filesystem instead of each image.
+fn power_loss_at_every_step(syncfs_from: Option<usize>) {
     // Journals small enough that the workload compacts them several times, on the
     // path of its calls, so that the compactions' steps are crash points too.
     crate::store::TEST_TUNING.with(|t| {
@@ -375,6 +390,7 @@ fn a_power_loss_at_any_step_loses_nothing_acknowledged_and_leaves_nothing_half_m
             inline: true,
         }))
     });
+    crate::core::blank::TEST_SYNCFS_FROM.with(|c| c.set(syncfs_from));
     let dirs = Dirs::new();
     let steps = workload();
 
@@ -403,6 +419,16 @@ fn a_power_loss_at_any_step_loses_nothing_acknowledged_and_leaves_nothing_half_m
             .is_none_or(|p| p.parent() != Some(frozen.as_path()))
     });
     drop(rec);
+    // Which way the compactions made their images durable.
+    let pool_syncs = ops
+        .iter()
+        .filter(|op| matches!(op, FsOp::SyncFs { path } if path.ends_with("volumes")))
+        .count();
+    assert_eq!(
+        pool_syncs > 0,
+        syncfs_from.is_some(),
+        "syncs of the pool's filesystem by compactions: {pool_syncs}"
+    );
     assert!(
         after[4].snapshots.values().all(|s| s.2.as_bytes() == DATA),
         "the snapshot holds the data: {:?}",

@@ -387,11 +387,16 @@ pub fn copy_tree(src_dir: &Path, dst_dir: &Path) -> Result<()> {
         apply_metadata(d, m)?;
     }
     // One syncfs makes the whole copy durable, cheaper than an fsync per file.
-    let dir = open_read(dst_dir)?;
-    nix::unistd::syncfs(&dir).map_err(|e| SysError::io("syncfs", dst_dir, e.into()))?;
-    note(|| FsOp::SyncFs {
-        path: dst_dir.into(),
-    });
+    syncfs(dst_dir)
+}
+
+/// syncfs of the filesystem holding `path`: everything written to it so far,
+/// data and metadata of every file, is durable (and a writeback error since the
+/// last syncfs is reported).
+pub fn syncfs(path: &Path) -> Result<()> {
+    let f = open_read(path)?;
+    nix::unistd::syncfs(&f).map_err(|e| SysError::io("syncfs", path, e.into()))?;
+    note(|| FsOp::SyncFs { path: path.into() });
     Ok(())
 }
 

@@ -77,8 +77,8 @@ pub type Barrier = Box<dyn Fn(&[String]) -> Result<()> + Send + Sync>;
 /// compaction) per hold of the read lock: a writer waits for one chunk at most.
 const CHUNK: usize = 512;
 
-/// Ids handed to the compaction barrier per call (each call syncs their data,
-/// then their folder once).
+/// Ids handed to the compaction barrier per call (each call makes their data
+/// durable, with an fsync each and one of their folder or with one syncfs).
 const BARRIER_PART: usize = 1024;
 
 /// Entries a start may parse beyond twice the live records before the removals
@@ -718,8 +718,8 @@ impl<R: Record> Store<R> {
 impl<R: Record> Drop for Store<R> {
     fn drop(&mut self) {
         if self.inner.handles.fetch_sub(1, Ordering::AcqRel) == 1 {
-            // A stop need not wait for a compaction (an fsync per image the
-            // journals made, then the whole snapshot): the journals it would
+            // A stop need not wait for a compaction (the images the journals
+            // made synced, then the whole snapshot): the journals it would
             // fold are kept, and the next one folds them.
             self.inner.closing.store(true, Ordering::Release);
         }
@@ -961,6 +961,7 @@ impl<R: Record> Inner<R> {
     /// before it into a new snapshot and removes them. A crash at any point
     /// leaves files that open reads back to the same records.
     fn compact(&self) -> Result<()> {
+        let started = std::time::Instant::now();
         let gen = self.lock().gen + 1;
         let path = self.dir.join(log_name(gen));
         // An empty journal an earlier attempt made and never used.
@@ -1007,6 +1008,7 @@ impl<R: Record> Inner<R> {
                 barrier(part)?;
             }
         }
+        let barrier_ms = started.elapsed().as_secs_f64() * 1000.0;
         let written = self.write_snapshot_of_memory(gen)?;
         failpoint::hit("store.compact.after-snapshot");
         {
@@ -1023,6 +1025,8 @@ impl<R: Record> Inner<R> {
             // Left behind, open removes it.
             let _ = file::remove_file_if_exists(&self.dir.join(name));
         }
+        tracing::info!(dir = %self.dir.display(), records = written, born = born.len(),
+            barrier_ms, took_ms = started.elapsed().as_secs_f64() * 1000.0, "compacted");
         Ok(())
     }
 }
