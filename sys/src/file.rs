@@ -391,8 +391,8 @@ pub fn copy_tree(src_dir: &Path, dst_dir: &Path) -> Result<()> {
 }
 
 /// syncfs of the filesystem holding `path`: everything written to it so far,
-/// data and metadata of every file, is durable (and a writeback error since the
-/// last syncfs is reported).
+/// data and metadata of every file, is durable (and a writeback error of that
+/// filesystem that no caller has been told of yet is reported).
 pub fn syncfs(path: &Path) -> Result<()> {
     let f = open_read(path)?;
     nix::unistd::syncfs(&f).map_err(|e| SysError::io("syncfs", path, e.into()))?;
