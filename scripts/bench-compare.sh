@@ -159,7 +159,7 @@ rm -f "$WORK/a.sock" "$WORK/b.sock"
     fi
     echo "pools: xfs (mkfs.xfs -m reflink=1) on ${POOL_SIZE} sparse images, loop-mounted"
     if [ -n "$STRESS" ]; then echo "load: stress-ng --io 2 --cpu 1 beside the drivers"; else echo "load: none added"; fi
-    echo "command: $0 $OUT ${STRESS:+--stress }${OURS_ONLY:+--ours-only }${DRIVER_FLAGS[*]:+${DRIVER_FLAGS[*]/#/--driver-flag } }${BENCH_ARGS[*]:+-- ${BENCH_ARGS[*]}}"
+    echo "command: $0 $OUT ${STRESS:+--stress }${OURS_ONLY:+--ours-only }${HOSTPATH_BIN:+--hostpath-bin $HOSTPATH_BIN }${DRIVER_FLAGS[*]:+${DRIVER_FLAGS[*]/#/--driver-flag } }${BENCH_ARGS[*]:+-- ${BENCH_ARGS[*]}}"
 } > "$OUT/machine.txt"
 cat "$OUT/machine.txt"
 
