@@ -251,8 +251,7 @@ pub struct QgroupInfo {
 /// first, since qgroup numbers are only updated when a transaction commits.
 pub fn qgroup_info(subvol_path: &Path) -> Result<QgroupInfo> {
     let id = subvolume_id(subvol_path)?;
-    let dir = std::fs::File::open(subvol_path).map_err(|e| SysError::io("open", subvol_path, e))?;
-    nix::unistd::syncfs(&dir).map_err(|e| SysError::io("syncfs", subvol_path, e.into()))?;
+    crate::file::syncfs(subvol_path)?;
     let args: [&std::ffi::OsStr; 6] = [
         "qgroup".as_ref(),
         "show".as_ref(),

@@ -106,7 +106,7 @@ impl Core {
 /// fsyncs of one compaction ran for tens of seconds beside the calls it served.
 /// A syncfs also writes back what volumes wrote through their loop devices and
 /// the kernel had not written yet; a part this large makes that worth it.
-pub(crate) const SYNCFS_FROM: usize = 32;
+const SYNCFS_FROM: usize = 32;
 
 #[cfg(test)]
 thread_local! {
@@ -128,30 +128,40 @@ fn syncfs_from() -> usize {
 /// folded, in the pools' volume folders `dirs`, made durable.
 pub(crate) fn barrier(dirs: Vec<PathBuf>) -> Barrier {
     Box::new(move |ids: &[String]| {
-        for dir in &dirs {
-            if ids.len() >= syncfs_from() {
-                // Their entries, lengths, attributes and data, all at once.
-                match file::syncfs(dir) {
-                    // A pool that never held an image.
-                    Err(e) if e.is_not_found() => {}
-                    r => r.context(|| format!("syncing the filesystem of {}", dir.display()))?,
-                }
-                continue;
+        let each = ids.len() < syncfs_from();
+        dirs.iter().try_for_each(|dir| {
+            if each {
+                sync_each(dir, ids)
+            } else {
+                sync_filesystem(dir)
             }
-            let mut synced = false;
-            for id in ids {
-                let path = dir.join(format!("{id}.img"));
-                match file::sync_path(&path) {
-                    Ok(()) => synced = true,
-                    // Removed since, or not an image.
-                    Err(e) if e.is_not_found() => {}
-                    Err(e) => return Err(e).context(|| format!("syncing {}", path.display())),
-                }
-            }
-            if synced {
-                file::fsync_dir(dir).context(|| format!("syncing {}", dir.display()))?;
-            }
-        }
-        Ok(())
+        })
     })
+}
+
+/// The images `ids` in `dir`, an fsync each, then `dir` once.
+fn sync_each(dir: &Path, ids: &[String]) -> Result<()> {
+    let mut synced = false;
+    for id in ids {
+        let path = dir.join(format!("{id}.img"));
+        match file::sync_path(&path) {
+            Ok(()) => synced = true,
+            // Removed since, or not an image.
+            Err(e) if e.is_not_found() => {}
+            Err(e) => return Err(e).context(|| format!("syncing {}", path.display())),
+        }
+    }
+    if synced {
+        file::fsync_dir(dir).context(|| format!("syncing {}", dir.display()))?;
+    }
+    Ok(())
+}
+
+/// Every image in `dir`, its entry, length, attributes and data, at once.
+fn sync_filesystem(dir: &Path) -> Result<()> {
+    match file::syncfs(dir) {
+        // A pool that never held an image.
+        Err(e) if e.is_not_found() => Ok(()),
+        r => r.context(|| format!("syncing the filesystem of {}", dir.display())),
+    }
 }

@@ -1000,6 +1000,7 @@ impl<R: Record> Inner<R> {
                 .map(|(_, id)| id.to_string())
                 .collect()
         };
+        let barrier_started = std::time::Instant::now();
         if let Some(barrier) = self.barrier.get() {
             // A part at a time, so that a closing store is not kept waiting
             // for all of them.
@@ -1008,7 +1009,7 @@ impl<R: Record> Inner<R> {
                 barrier(part)?;
             }
         }
-        let barrier_ms = started.elapsed().as_secs_f64() * 1000.0;
+        let barrier_ms = barrier_started.elapsed().as_secs_f64() * 1000.0;
         let written = self.write_snapshot_of_memory(gen)?;
         failpoint::hit("store.compact.after-snapshot");
         {
