@@ -878,6 +878,8 @@ fault_tests! {
     root_fault_node_after_volume_lock: "node.after-volume-lock", [Create("v1")], Stage("v1");
     root_fault_stage_after_intent: "stage.after-intent", [Create("v1")], Stage("v1");
     root_fault_stage_after_attach: "stage.after-attach", [Create("v1")], Stage("v1");
+    root_fault_stage_before_unmark: "stage.before-unmark", [Create("v1")], Stage("v1");
+    root_fault_stage_after_fill: "stage.after-fill", [Create("v1")], Stage("v1");
     root_fault_stage_after_mkfs: "stage.after-mkfs", [Create("v1")], Stage("v1");
     root_fault_stage_after_mount: "stage.after-mount", [Create("v1")], Stage("v1");
     root_fault_stage_after_commit: "stage.after-commit", [Create("v1")], Stage("v1");

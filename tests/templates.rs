@@ -1,8 +1,11 @@
-//! Filesystem templates through the real binary: a volume made from one mounts
-//! with its own UUID (xfs without nouuid) and keeps data; ext4, xfs and btrfs; a
-//! filesystem type it does not hold is refused; a pool that cannot reflink
-//! formats at stage as before; templates are not orphans, and a template cut
-//! short by a crash or damaged is never used.
+//! Filesystem templates through the real binary: a new volume is marked at
+//! create and filled from its template at its first stage (its extents shared
+//! with the template), mounts with its own UUID (xfs without nouuid) and keeps
+//! data; ext4, xfs and btrfs; a filesystem type it does not hold is refused; a
+//! pool that cannot reflink formats at stage as before; templates are not
+//! orphans, and a template cut short by a crash or damaged is never used; a fill
+//! cut short by a crash is made again, and one whose UUID a power loss took in
+//! part is formatted anew.
 
 mod common;
 
@@ -56,15 +59,40 @@ impl Fx {
         }
     }
 
-    /// Creates a volume once the template of `fs` exists: it is made from it.
+    /// Creates a volume once the template of `fs` exists: its first stage fills
+    /// it from the template.
     async fn create_from_template(&mut self, name: &str, fs: &str) -> String {
         self.c
             .create(&format!("{name}-first"), GIB, cap(fs), &[])
             .await;
         self.wait_template(fs);
         let id = self.c.create(name, GIB, cap(fs), &[]).await;
-        assert_eq!(fresh_mark(&self.image(&id)).as_deref(), Some(fs));
+        assert_eq!(pending_mark(&self.image(&id)).as_deref(), Some(fs));
+        assert_eq!(fresh_mark(&self.image(&id)), None);
+        assert_eq!(blkid(&self.image(&id), "TYPE"), "", "blank until staged");
         id
+    }
+
+    /// Stages `id` with the driver set to end at `failpoint`, then starts the
+    /// driver again without it.
+    async fn crash_stage_at(&mut self, id: &str, fs: &str, failpoint: &str) {
+        self.driver.envs = vec![("EXAMPLE_CSI_FAILPOINTS".into(), failpoint.into())];
+        self.driver.restart();
+        self.c = self.driver.clients().await;
+        let staging = self.pool.scratch(&format!("staging-{id}"));
+        let r = self
+            .c
+            .node
+            .node_stage_volume(stage_req(id, &staging, cap(fs)))
+            .await;
+        assert!(r.is_err(), "{failpoint} was not reached");
+        assert!(
+            self.driver.wait_exit(30).is_some(),
+            "the driver ended at {failpoint}"
+        );
+        self.driver.envs.clear();
+        self.driver.spawn();
+        self.c = self.driver.clients().await;
     }
 
     async fn expand(&mut self, id: &str, bytes: i64) {
@@ -112,6 +140,19 @@ fn fresh_mark(image: &Path) -> Option<String> {
         .map(|v| v.split(' ').next().unwrap_or_default().to_string())
 }
 
+/// The filesystem type the pending mark of a new image names.
+fn pending_mark(image: &Path) -> Option<String> {
+    csi_sys::xattr::get(image, "example-csi.fromTemplate")
+        .unwrap()
+        .map(|v| String::from_utf8(v).unwrap())
+}
+
+/// Whether `image` shares extents with another file (a reflink of a template),
+/// as `filefrag -v` shows them.
+fn shares_extents(image: &Path) -> bool {
+    sh("filefrag", &["-v", image.to_str().unwrap()]).contains("shared")
+}
+
 /// A tag of `blkid -p`; empty when it finds no filesystem (its exit status 2).
 fn blkid(path: &Path, tag: &str) -> String {
     let out = std::process::Command::new("blkid")
@@ -144,6 +185,9 @@ async fn root_volumes_from_templates_mount_with_their_own_uuid_and_keep_data() {
     for fs in ["ext4", "xfs", "btrfs"] {
         let a = fx.create_from_template(&format!("a-{fs}"), fs).await;
         let b = fx.c.create(&format!("b-{fs}"), GIB, cap(fs), &[]).await;
+
+        let (sa, ta) = fx.stage_publish(&a, fs).await;
+        let (sb, tb) = fx.stage_publish(&b, fs).await;
         let template_uuid = blkid(&fx.template(fs), "UUID");
         let (ua, ub) = (blkid(&fx.image(&a), "UUID"), blkid(&fx.image(&b), "UUID"));
         assert!(!template_uuid.is_empty());
@@ -151,14 +195,22 @@ async fn root_volumes_from_templates_mount_with_their_own_uuid_and_keep_data() {
             ua != template_uuid && ub != template_uuid && ua != ub,
             "{fs}: {ua} {ub}"
         );
-
-        let (sa, ta) = fx.stage_publish(&a, fs).await;
-        let (sb, tb) = fx.stage_publish(&b, fs).await;
-        assert_eq!(
-            fresh_mark(&fx.image(&a)),
-            None,
-            "cleared at the first stage"
-        );
+        for id in [&a, &b] {
+            assert!(
+                shares_extents(&fx.image(id)),
+                "{fs}: filled from the template"
+            );
+            assert_eq!(
+                fresh_mark(&fx.image(id)),
+                None,
+                "cleared at the first stage"
+            );
+            assert_eq!(
+                pending_mark(&fx.image(id)),
+                None,
+                "cleared at the first stage"
+            );
+        }
         if fs == "xfs" {
             // Two volumes of one template, mounted together, neither with nouuid.
             for s in [&sa, &sb] {
@@ -192,9 +244,11 @@ async fn root_a_template_volume_refuses_another_filesystem_type() {
     assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
     assert!(err.message().contains("xfs"), "{err:?}");
     assert!(mounts_below(&staging).is_empty());
-    // Still fresh and whole: the right type stages.
+    // Filled from its template and still fresh: the right type stages.
     assert_eq!(fresh_mark(&fx.image(&id)).as_deref(), Some("xfs"));
-    fx.stage_publish(&id, "xfs").await;
+    assert_eq!(pending_mark(&fx.image(&id)), None);
+    let (staging, _) = fx.stage_publish(&id, "xfs").await;
+    assert!(!mount_options(&staging).contains("nouuid"));
 }
 
 #[tokio::test]
@@ -207,7 +261,7 @@ async fn root_a_pool_without_reflink_formats_at_stage() {
     std::thread::sleep(Duration::from_millis(500));
     assert!(!fx.templates().exists());
     for id in [&a, &b] {
-        assert_eq!(fresh_mark(&fx.image(id)), None);
+        assert_eq!(pending_mark(&fx.image(id)), None);
         assert_eq!(blkid(&fx.image(id), "TYPE"), "", "blank until staged");
         fx.stage_publish(id, "xfs").await;
         assert_eq!(blkid(&fx.image(id), "TYPE"), "xfs");
@@ -235,7 +289,9 @@ async fn root_templates_are_not_orphans_and_damaged_ones_are_removed() {
     assert!(fx.image(&id).is_file(), "the volume is untouched");
     // The kept template still serves.
     let next = fx.c.create("next", GIB, cap("ext4"), &[]).await;
-    assert_eq!(fresh_mark(&fx.image(&next)).as_deref(), Some("ext4"));
+    assert_eq!(pending_mark(&fx.image(&next)).as_deref(), Some("ext4"));
+    fx.stage_publish(&next, "ext4").await;
+    assert!(shares_extents(&fx.image(&next)));
 }
 
 #[tokio::test]
@@ -261,16 +317,15 @@ async fn root_a_template_cut_short_by_a_crash_is_never_used() {
     fx.driver.spawn();
     fx.c = fx.driver.clients().await;
     assert!(!half.exists(), "start-up removed it");
-    let blank = fx.c.create("second", GIB, cap("xfs"), &[]).await;
-    assert_eq!(
-        fresh_mark(&fx.image(&blank)),
-        None,
-        "no template: a blank image"
-    );
+    let early = fx.c.create("second", GIB, cap("xfs"), &[]).await;
+    assert_eq!(blkid(&fx.image(&early), "TYPE"), "", "a blank image");
     fx.wait_template("xfs");
+    // Made before its template, staged after it: filled from it all the same.
     let made = fx.c.create("third", GIB, cap("xfs"), &[]).await;
-    assert_eq!(fresh_mark(&fx.image(&made)).as_deref(), Some("xfs"));
-    fx.stage_publish(&made, "xfs").await;
+    for id in [&early, &made] {
+        fx.stage_publish(id, "xfs").await;
+        assert!(shares_extents(&fx.image(id)));
+    }
 }
 
 #[tokio::test]
@@ -280,12 +335,9 @@ async fn root_a_template_volume_expanded_before_its_first_stage_is_grown() {
     let mut fx = fixture("xfs", &[]).await;
     let id = fx.create_from_template("v", "xfs").await;
     fx.expand(&id, 2 * GIB).await;
-    assert_eq!(
-        fresh_mark(&fx.image(&id)),
-        None,
-        "a grown image is no longer fresh"
-    );
+    // No template of the new size: formatted at the stage.
     let (staging, _) = fx.stage_publish(&id, "xfs").await;
+    assert!(!shares_extents(&fx.image(&id)));
     let s = nix::sys::statvfs::statvfs(&staging).unwrap();
     let size = s.blocks() * s.fragment_size();
     assert!(
@@ -294,11 +346,13 @@ async fn root_a_template_volume_expanded_before_its_first_stage_is_grown() {
     );
 }
 
-/// A new image is not synced when it is made; a power loss before its first
-/// stage may keep the copy and its mark but only some of the writes that gave it
-/// its UUID (here: the template's first superblock put back). The first stage
-/// finds the UUID incomplete and formats the never-used image anew; an intact
-/// copy keeps the UUID it was given.
+/// The fill of a first stage is synced before the image is attached; a power
+/// loss before that may keep the copy and its mark but only some of the writes
+/// that gave it its UUID (here: the stage ended between the fill and its sync,
+/// and the template's first superblock put back). The next stage finds the UUID
+/// incomplete and formats the never-used image anew; a fill whose stage ended
+/// before it cleared the pending mark is made again; an intact fill keeps the
+/// UUID it was given.
 #[tokio::test]
 #[ignore = "needs root: loop devices, mkfs and mounts"]
 async fn root_a_template_copy_whose_uuid_was_partly_lost_is_formatted_at_its_first_stage() {
@@ -307,11 +361,22 @@ async fn root_a_template_copy_whose_uuid_was_partly_lost_is_formatted_at_its_fir
     for fs in ["ext4", "xfs", "btrfs"] {
         let intact = fx.create_from_template(&format!("intact-{fs}"), fs).await;
         let torn = fx.c.create(&format!("torn-{fs}"), GIB, cap(fs), &[]).await;
+        let again = fx.c.create(&format!("again-{fs}"), GIB, cap(fs), &[]).await;
+        fx.crash_stage_at(&intact, fs, "stage.after-fill").await;
+        fx.crash_stage_at(&torn, fs, "stage.after-fill").await;
+        fx.crash_stage_at(&again, fs, "stage.before-unmark").await;
         assert_eq!(fresh_mark(&fx.image(&torn)).as_deref(), Some(fs));
+        assert_eq!(pending_mark(&fx.image(&again)).as_deref(), Some(fs));
         let given = blkid(&fx.image(&intact), "UUID");
         let template_uuid = blkid(&fx.template(fs), "UUID");
+        assert!(given != template_uuid, "{fs}");
         fx.lose_uuid_writes(&torn, fs);
 
+        let (sa, ta) = fx.stage_publish(&again, fs).await;
+        assert!(shares_extents(&fx.image(&again)), "{fs}: filled again");
+        let refilled = blkid(&fx.image(&again), "UUID");
+        assert!(refilled != template_uuid && refilled != given, "{fs}");
+        fx.c.unpublish_and_unstage(&again, &ta, &sa).await;
         let (si, ti) = fx.stage_publish(&intact, fs).await;
         assert_eq!(
             blkid(&fx.image(&intact), "UUID"),
@@ -335,8 +400,9 @@ async fn root_a_template_copy_whose_uuid_was_partly_lost_is_formatted_at_its_fir
     }
 }
 
-/// The same loss, then an expansion before the first stage: the expansion settles
-/// the copy (formatted anew at the stage) before it unmarks it.
+/// The same loss, then the stage undone and an expansion before the next stage:
+/// the expansion settles the copy (formatted anew at the stage) before it
+/// unmarks it.
 #[tokio::test]
 #[ignore = "needs root: loop devices, mkfs and mounts"]
 async fn root_a_partly_lost_template_copy_expanded_before_its_first_stage_is_formatted() {
@@ -344,6 +410,12 @@ async fn root_a_partly_lost_template_copy_expanded_before_its_first_stage_is_for
     let mut fx = fixture("xfs", &[]).await;
     let id = fx.create_from_template("v", "xfs").await;
     let template_uuid = blkid(&fx.template("xfs"), "UUID");
+    fx.crash_stage_at(&id, "xfs", "stage.after-fill").await;
+    let staging = fx.pool.scratch(&format!("staging-{id}"));
+    fx.c.node
+        .node_unstage_volume(unstage_req(&id, &staging))
+        .await
+        .unwrap();
     fx.lose_uuid_writes(&id, "xfs");
     fx.expand(&id, 2 * GIB).await;
     assert_eq!(fresh_mark(&fx.image(&id)), None);

@@ -159,8 +159,9 @@ pub fn reflink(src: &Path, dst: &Path) -> Result<()> {
     create_with(dst, 0o600, |d| clone_into(d, &s, src, dst))
 }
 
-/// Shares every extent of `s` (opened from `src`) with the empty file `d` (at
-/// `dst`) with FICLONE. Unsupported when the filesystem cannot.
+/// Shares every extent of `s` (opened from `src`) with the file `d` (at `dst`)
+/// with FICLONE: what `d` held over the source's length is replaced.
+/// Unsupported when the filesystem cannot.
 pub(crate) fn clone_into(d: &File, s: &File, src: &Path, dst: &Path) -> Result<()> {
     // SAFETY: FICLONE takes the source's descriptor by value; both stay open
     // for the duration of the call.

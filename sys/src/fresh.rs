@@ -164,6 +164,36 @@ pub fn clone_template(
     Ok(())
 }
 
+/// Fills the existing image `dst`, of the template's length and never attached,
+/// with a reflink of the template `template` and gives it the filesystem UUID
+/// `uuid`; whatever `dst` held is replaced. Nothing of it is durable yet: the
+/// caller syncs it before anything is written to it, and [`carries_uuid`] tells
+/// a copy whose UUID a power loss took in part. The template's modification
+/// time is set to now, as by [`clone_template`].
+pub fn fill_from_template(template: &Path, dst: &Path, fstype: &str, uuid: [u8; 16]) -> Result<()> {
+    let src = open(template, false)?;
+    let d = open(dst, true)?;
+    let len = |f: &File, path: &Path| {
+        f.metadata()
+            .map(|m| m.len())
+            .map_err(|e| SysError::io("reading the size of", path, e))
+    };
+    let (have, want) = (len(&d, dst)?, len(&src, template)?);
+    if have != want {
+        return Err(SysError::InvalidArgument {
+            what: format!(
+                "{} has {have} bytes, the template {} {want}",
+                dst.display(),
+                template.display()
+            ),
+        });
+    }
+    crate::file::clone_into(&d, &src, template, dst)?;
+    write_uuid(&src, template, &d, dst, fstype, uuid)?;
+    let _ = src.set_modified(std::time::SystemTime::now());
+    Ok(())
+}
+
 /// Whether the copy of a template at `image` carries `uuid` in every place
 /// [`renew_uuid`] writes it, each checksum right: false for a copy of which a
 /// power loss kept only some of those writes (or none).

@@ -1,7 +1,8 @@
 //! Filesystem templates: a formatted image per (filesystem, size, mkfs options)
 //! in a hidden folder of each pool that can reflink, so that a new image volume
-//! is a reflink of one, with its own UUID, instead of a blank file the node must
-//! format at its first stage (mkfs is most of a first stage's time).
+//! gets its filesystem as a reflink of one, with its own UUID, instead of a mkfs
+//! at its first stage (mkfs is most of a first stage's time). CreateVolume only
+//! marks the new image; its first stage makes the reflink (see `core::fresh`).
 //!
 //! ```text
 //! <pool>/.templates/<fs>-<size>-f<format>.img    a finished template
@@ -9,9 +10,10 @@
 //! ```
 //!
 //! A template is made off the caller's path, by one background thread, the first
-//! time a volume of its filesystem and size is asked for (that volume is blank, as
-//! without templates); it is made under its temporary name, fsynced, renamed and
-//! its folder fsynced, so a finished name always holds a whole template. At start
+//! time a volume of its filesystem and size is asked for (a volume whose first
+//! stage comes before the template is formatted, as without templates); it is
+//! made under its temporary name, fsynced, renamed and its folder fsynced, so a
+//! finished name always holds a whole template. At start
 //! the temporary files are removed and each template is checked; one that fails
 //! is removed, never reflinked. At most [`PER_POOL`] templates are kept per pool
 //! (the least recently used goes), none is made in a pool without room for the
@@ -52,19 +54,8 @@ pub(crate) struct Templates {
     pending: Arc<Mutex<BTreeSet<Job>>>,
 }
 
-/// The folder of a pool's templates.
-pub fn templates_dir(pool: &Pool) -> PathBuf {
-    pool.root.join(".templates")
-}
-
-fn file_name(fs_type: &str, size: u64) -> String {
-    format!("{fs_type}-{size}-f{TEMPLATE_FORMAT}.img")
-}
-
-/// Whether templates serve volumes of this pool and filesystem.
-fn serves(pool: &Pool, fs_type: &str) -> bool {
-    pool.reflink && sysfresh::FS_TYPES.contains(&fs_type)
-}
+pub use crate::fresh::templates_dir;
+use crate::fresh::{file_name, serves};
 
 impl Templates {
     /// Makes the new image `dst` of a volume of `fs_type` and `size` from the
@@ -105,6 +96,18 @@ impl Templates {
                 let _ = file::remove_file_if_exists(&template);
                 false
             }
+        }
+    }
+
+    /// Asks for the template of `fs_type` and `size` in `pool` when templates
+    /// serve them and there is none yet, so that first stages find it. Never waits.
+    pub(crate) fn want(&self, pool: &Pool, fs_type: &str, size: u64) {
+        if serves(pool, fs_type) && !templates_dir(pool).join(file_name(fs_type, size)).is_file() {
+            self.request(Job {
+                dir: templates_dir(pool),
+                fs_type: fs_type.to_string(),
+                size,
+            });
         }
     }
 

@@ -18,6 +18,7 @@ use crate::core::Core;
 use crate::data::remove_data;
 use crate::error::{Context, Result};
 use crate::model::{Backing, RecordState, VolumeRecord};
+use crate::pool::Pool;
 use crate::settings::attr_name;
 use crate::store::Barrier;
 
@@ -46,12 +47,15 @@ pub(crate) fn attributes(rec: &VolumeRecord) -> Vec<(String, Vec<u8>)> {
         .collect()
 }
 
-/// Makes the image of a new volume with its attributes; nothing of it is
-/// durable yet. Fails with AlreadyExists when the path exists.
-pub(crate) fn make(path: &Path, rec: &VolumeRecord) -> Result<()> {
+/// Makes the image of a new volume of `pool` with its attributes, marked to be
+/// filled from a template at its first stage when templates serve its
+/// filesystem (see `fresh`); nothing of it is durable yet. Fails with
+/// AlreadyExists when the path exists.
+pub(crate) fn make(path: &Path, rec: &VolumeRecord, pool: &Pool) -> Result<()> {
     let at = || format!("making volume {} at {}", rec.id, path.display());
     file::create_sparse_unsynced(path, rec.size).context(at)?;
-    for (name, value) in attributes(rec) {
+    let pending = crate::fresh::pending_mark(pool, rec.fs_type.as_deref());
+    for (name, value) in attributes(rec).into_iter().chain(pending) {
         xattr::set(path, &name, &value)
             .context(|| format!("recording {name} on {}", path.display()))?;
     }
@@ -87,7 +91,7 @@ impl Core {
             tracing::warn!(volume.id = %rec.id, path = %path.display(),
                 "making again the new image a power loss took");
             let remade = remove_data(&path)
-                .and_then(|()| make(&path, &rec))
+                .and_then(|()| make(&path, &rec, pool))
                 .and_then(|()| make_durable(&path));
             if let Err(e) = remade {
                 whole = false;

@@ -1,24 +1,105 @@
-//! The mark of an image made from a template: it holds a filesystem (of the type
-//! the mark names) that has never been mounted and already has its own UUID (the
-//! one the mark names). The controller sets it when it makes the image; the node
-//! reads it at the first stage, and then skips what a filesystem of unknown
+//! Filesystems from templates (see `controller::templates`), and the marks that
+//! say where an image stands.
+//!
+//! A new empty image of a pool whose templates serve its filesystem carries the
+//! pending mark, naming that filesystem: CreateVolume makes nothing more (a
+//! reflink and the UUID's writes cost more than the rest of a create). At the
+//! first stage, before the image is first attached, the node fills it from the
+//! template of its filesystem and length, when there is one, with a UUID of its
+//! own, sets the fresh mark and clears the pending one; without a template the
+//! image stays blank and the stage formats it. The pending mark is cleared last,
+//! so a crash or a power loss before that leaves it to be filled again: a reflink
+//! replaces whatever a cut-short fill left.
+//!
+//! The fresh mark says that the image holds a filesystem (of the type the mark
+//! names) that has never been mounted and already has its own UUID (the one the
+//! mark names). The stage that set it then skips what a filesystem of unknown
 //! history needs (the probe, the check, the growth, `nouuid`), and clears it
 //! before the first mount.
 //!
-//! The copy is not made durable when it is made: its first stage syncs it before
-//! attaching it. A power loss before that may keep the copy and its mark but only
-//! some of the writes that gave it its UUID; the first stage then finds the UUID
+//! The fill is not made durable when it is made: the stage syncs the image before
+//! attaching it. A power loss before that may keep the fill and its mark but only
+//! some of the writes that gave it its UUID; the next stage then finds the UUID
 //! incomplete and, as nothing was ever written to that filesystem, empties the
 //! image, which is then formatted as a blank one.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
-use csi_sys::{fresh as sysfresh, xattr};
+use csi_sys::fresh::{self as sysfresh, TEMPLATE_FORMAT};
+use csi_sys::{file, xattr};
 
 use crate::error::{Context, Result};
+use crate::failpoint;
+use crate::pool::Pool;
 use crate::settings::attr_name;
 
 const MARK: &str = "freshFilesystem";
+/// The mark of a new image to be filled from a template at its first stage.
+const PENDING: &str = "fromTemplate";
+
+/// The folder of a pool's templates.
+pub fn templates_dir(pool: &Pool) -> PathBuf {
+    pool.root.join(".templates")
+}
+
+/// The file name of the template of `fs_type` and `size`.
+pub(crate) fn file_name(fs_type: &str, size: u64) -> String {
+    format!("{fs_type}-{size}-f{TEMPLATE_FORMAT}.img")
+}
+
+/// Whether templates serve volumes of this pool and filesystem.
+pub(crate) fn serves(pool: &Pool, fs_type: &str) -> bool {
+    pool.reflink && sysfresh::FS_TYPES.contains(&fs_type)
+}
+
+/// The xattr name and value that mark a new image of `pool` to be filled from
+/// the template of `fs_type` at its first stage; None when templates do not
+/// serve it.
+pub(crate) fn pending_mark(pool: &Pool, fs_type: Option<&str>) -> Option<(String, Vec<u8>)> {
+    let fs_type = fs_type.filter(|fs| serves(pool, fs))?;
+    Some((attr_name(PENDING), fs_type.as_bytes().to_vec()))
+}
+
+/// The filesystem a pending mark names; None when there is no mark (or it names
+/// no filesystem templates make: the image is then left blank).
+fn read_pending(image: &Path) -> Result<Option<String>> {
+    let value = xattr::get(image, &attr_name(PENDING))
+        .context(|| format!("reading the marks of {}", image.display()))?;
+    Ok(value.map(|v| String::from_utf8_lossy(&v).into_owned()))
+}
+
+/// Before an image is first attached: when it carries the pending mark, fills it
+/// from the template of its filesystem and length in `pool` (or leaves it blank
+/// when there is none, or it cannot be used), then clears the mark.
+pub(crate) fn fill_pending(pool: &Pool, image: &Path) -> Result<()> {
+    let Some(fs_type) = read_pending(image)? else {
+        return Ok(());
+    };
+    let at = || format!("filling {} from a template", image.display());
+    let len = file::file_len(image).context(at)?;
+    let template = templates_dir(pool).join(file_name(&fs_type, len));
+    let filled = serves(pool, &fs_type) && template.is_file() && {
+        let uuid = *uuid::Uuid::new_v4().as_bytes();
+        let (name, value) = mark(&fs_type, uuid);
+        let done = sysfresh::fill_from_template(&template, image, &fs_type, uuid)
+            .context(at)
+            .and_then(|()| xattr::set(image, &name, &value).context(at));
+        if let Err(e) = &done {
+            tracing::warn!(image = %image.display(), template = %template.display(), error = %e,
+                "could not fill the image from its template; it is formatted instead");
+        }
+        done.is_ok()
+    };
+    if !filled {
+        // Blank, whatever a fill cut short left: the stage formats it.
+        sysfresh::discard(image).context(at)?;
+        clear(image)?;
+    }
+    failpoint::hit("stage.before-unmark");
+    xattr::remove(image, &attr_name(PENDING)).context(at)?;
+    failpoint::hit("stage.after-fill");
+    Ok(())
+}
 
 /// The xattr name and value that mark an image as holding a fresh `fs_type`
 /// with the filesystem UUID `uuid`.

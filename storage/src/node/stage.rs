@@ -149,7 +149,7 @@ impl Node {
             return self.finish_stage(rec, staging, &group);
         }
 
-        let dev = self.attach(&loc.path, &devices)?;
+        let dev = self.attach(loc, &devices)?;
         rec.loop_devices = Some(devices::listed(&devices, Some(&dev)));
         failpoint::hit("stage.after-attach");
         if cap.is_block() {
@@ -388,10 +388,13 @@ impl Node {
     /// it now), attached if there is none, with the settings recorded on the image.
     /// A setting that cannot be read or applied fails the stage: a volume is never
     /// served without what was asked for it.
-    fn attach(&self, image: &Path, devices: &[LoopDevice]) -> Result<LoopDevice> {
-        // A new image may not be durable yet (core::blank, core::fresh); data goes
-        // in after this.
+    fn attach(&self, loc: &Located, devices: &[LoopDevice]) -> Result<LoopDevice> {
+        let image = loc.path.as_path();
+        // A new image is filled from its template before it is first attached,
+        // and may not be durable yet (core::blank, core::fresh); data goes in
+        // after this.
         if devices.is_empty() {
+            crate::fresh::fill_pending(self.pool(&loc.pool)?, image)?;
             crate::fresh::settle(image)?;
         }
         crate::core::blank::make_durable(image)?;

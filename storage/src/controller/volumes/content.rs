@@ -69,18 +69,13 @@ impl Controller {
         let path = pool.volume_path(rec.id, rec.backing, rec.ephemeral);
         let at = || format!("making volume {} at {}", rec.id, path.display());
         match (rec.backing, source) {
-            // Its record alone makes a blank image durable (see core::blank); one
-            // made from a template is synced with the attributes start-up checks.
+            // Its record alone makes a blank image durable (see core::blank); the
+            // first stage fills it from a template (see core::fresh).
             (Backing::Image, None) if blank::is_fresh_image(rec) => {
-                let attrs = blank::attributes(rec);
-                let from_template = rec
-                    .fs_type
-                    .as_deref()
-                    .is_some_and(|fs| self.templates.fill(pool, fs, rec.size, &path, &attrs));
-                return match from_template {
-                    true => Ok(()),
-                    false => blank::make(&path, rec),
-                };
+                if let Some(fs) = rec.fs_type.as_deref() {
+                    self.templates.want(pool, fs, rec.size);
+                }
+                return blank::make(&path, rec, pool);
             }
             (Backing::Image, None) => {
                 let from_template = rec
