@@ -431,3 +431,32 @@ async fn root_a_partly_lost_template_copy_expanded_before_its_first_stage_is_for
     assert!(s.blocks() * s.fragment_size() > GIB as u64 * 3 / 2);
     std::fs::write(target.join("data"), b"kept").unwrap();
 }
+
+/// A volume made for a filesystem and staged first for block access is the
+/// caller's device: left blank, not filled from the template, and unmarked, so
+/// that no later stage fills it over what was written.
+#[tokio::test]
+#[ignore = "needs root: loop devices, mkfs and mounts"]
+async fn root_a_template_volume_staged_for_block_access_is_left_blank_and_unmarked() {
+    require_root();
+    let mut fx = fixture("xfs", &[]).await;
+    let id = fx.create_from_template("v", "xfs").await;
+    let staging = fx.pool.scratch("staging-block");
+    fx.c.node
+        .node_stage_volume(stage_req(&id, &staging, block_cap(writer())))
+        .await
+        .unwrap();
+    let image = fx.image(&id);
+    assert_eq!(pending_mark(&image), None);
+    assert_eq!(fresh_mark(&image), None);
+    assert!(!shares_extents(&image));
+    assert_eq!(blkid(&image, "TYPE"), "", "the device holds nothing");
+    fx.c.node
+        .node_unstage_volume(unstage_req(&id, &staging))
+        .await
+        .unwrap();
+    let (_, target) = fx.stage_publish(&id, "xfs").await;
+    assert!(!shares_extents(&image), "formatted, not filled");
+    assert_eq!(blkid(&image, "TYPE"), "xfs");
+    std::fs::write(target.join("data"), b"kept").unwrap();
+}

@@ -70,15 +70,16 @@ fn read_pending(image: &Path) -> Result<Option<String>> {
 
 /// Before an image is first attached: when it carries the pending mark, fills it
 /// from the template of its filesystem and length in `pool` (or leaves it blank
-/// when there is none, or it cannot be used), then clears the mark.
-pub(crate) fn fill_pending(pool: &Pool, image: &Path) -> Result<()> {
+/// when there is none, it cannot be used, or the image is to be `filled` not: a
+/// stage for block access), then clears the mark.
+pub(crate) fn fill_pending(pool: &Pool, image: &Path, fill: bool) -> Result<()> {
     let Some(fs_type) = read_pending(image)? else {
         return Ok(());
     };
     let at = || format!("filling {} from a template", image.display());
     let len = file::file_len(image).context(at)?;
     let template = templates_dir(pool).join(file_name(&fs_type, len));
-    let filled = serves(pool, &fs_type) && template.is_file() && {
+    let filled = fill && serves(pool, &fs_type) && template.is_file() && {
         let uuid = *uuid::Uuid::new_v4().as_bytes();
         let (name, value) = mark(&fs_type, uuid);
         let done = sysfresh::fill_from_template(&template, image, &fs_type, uuid)

@@ -149,7 +149,7 @@ impl Node {
             return self.finish_stage(rec, staging, &group);
         }
 
-        let dev = self.attach(loc, &devices)?;
+        let dev = self.attach(loc, &devices, cap.is_block())?;
         rec.loop_devices = Some(devices::listed(&devices, Some(&dev)));
         failpoint::hit("stage.after-attach");
         if cap.is_block() {
@@ -388,14 +388,18 @@ impl Node {
     /// it now), attached if there is none, with the settings recorded on the image.
     /// A setting that cannot be read or applied fails the stage: a volume is never
     /// served without what was asked for it.
-    fn attach(&self, loc: &Located, devices: &[LoopDevice]) -> Result<LoopDevice> {
+    fn attach(&self, loc: &Located, devices: &[LoopDevice], block: bool) -> Result<LoopDevice> {
         let image = loc.path.as_path();
-        // A new image is filled from its template before it is first attached,
-        // and may not be durable yet (core::blank, core::fresh); data goes in
-        // after this.
+        // A new image is filled from its template before it is first attached
+        // for a filesystem, and may not be durable yet (core::blank, core::fresh);
+        // data goes in after this. A device for block access is the caller's to
+        // write: a later stage must never take it for a fresh filesystem.
         if devices.is_empty() {
-            crate::fresh::fill_pending(self.pool(&loc.pool)?, image)?;
+            crate::fresh::fill_pending(self.pool(&loc.pool)?, image, !block)?;
             crate::fresh::settle(image)?;
+            if block {
+                crate::fresh::clear(image)?;
+            }
         }
         crate::core::blank::make_durable(image)?;
         let settings = recorded_settings(image)?;
