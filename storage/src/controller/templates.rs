@@ -13,12 +13,12 @@
 //! time a volume of its filesystem and size is asked for (a volume whose first
 //! stage comes before the template is formatted, as without templates); it is
 //! made under its temporary name, fsynced, renamed and its folder fsynced, so a
-//! finished name always holds a whole template. At start
-//! the temporary files are removed and each template is checked; one that fails
-//! is removed, never reflinked. At most [`PER_POOL`] templates are kept per pool
-//! (the least recently used goes), none is made in a pool without room for the
-//! volume it serves, and all of a pool's go when a volume needs their space.
-//! Their space is the pool's, so GetCapacity (statvfs) counts it as used.
+//! finished name always holds a whole template. At start the temporary files are
+//! removed and each template is checked; one that fails is removed, never
+//! reflinked. At most [`PER_POOL`] templates are kept per pool (the least
+//! recently used goes), none is made in a pool without room for the volume it
+//! serves, and all of a pool's go when a volume needs their space. Their space is
+//! the pool's, so GetCapacity (statvfs) counts it as used.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};

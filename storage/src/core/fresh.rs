@@ -69,9 +69,10 @@ fn read_pending(image: &Path) -> Result<Option<String>> {
 }
 
 /// Before an image is first attached: when it carries the pending mark, fills it
-/// from the template of its filesystem and length in `pool` (or leaves it blank
-/// when there is none, it cannot be used, or the image is to be `filled` not: a
-/// stage for block access), then clears the mark.
+/// from the template of its filesystem and length in `pool`, then clears the
+/// mark. The image is left blank instead when there is no such template, when
+/// the template cannot be used, or when `fill` is false (a stage for block
+/// access).
 pub(crate) fn fill_pending(pool: &Pool, image: &Path, fill: bool) -> Result<()> {
     let Some(fs_type) = read_pending(image)? else {
         return Ok(());
