@@ -3,7 +3,8 @@
 //! real binaries. Each mode owns its state, a second process of a mode refuses
 //! to start, and what the two must coordinate (a freeze against an unmount, a
 //! delete against a stage) goes through the volume's lock file; the races are
-//! forced with failpoints.
+//! forced with failpoints. The node plugin fills a new volume from the template
+//! the controller made.
 
 mod common;
 
@@ -368,4 +369,44 @@ async fn root_a_delete_and_a_stage_from_the_two_processes_exclude_each_other() {
         "the lock files of deleted volumes are gone: {locks:?}"
     );
     assert!(loops_below(&pool.path).is_empty());
+}
+
+/// The controller makes a filesystem's template; the node plugin, in its own
+/// process, fills a new volume from it at the first stage: the volume's extents
+/// are shared with the template, its UUID is its own, and it keeps data.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root: loop devices and mounts"]
+async fn root_the_node_process_fills_a_new_volume_from_the_controllers_template() {
+    require_root();
+    let pool = Pool::new("xfs");
+    let (ctl, node) = start(&pool, "", "");
+    let mut c = ctl.clients().await;
+    let mut n = node.clients().await;
+    let cap = mount_cap("xfs", writer());
+    create_volume_id(&mut c.controller, "pvc-first", 512 * MIB, cap.clone()).await;
+    let template = pool
+        .path
+        .join(format!(".templates/xfs-{}-f1.img", 512 * MIB));
+    wait_for("the xfs template", 120, || template.is_file());
+    let id = create_volume_id(&mut c.controller, "pvc-filled", 512 * MIB, cap.clone()).await;
+    let image = pool.path.join(format!("volumes/{id}.img"));
+    let (staging, target) = (pool.scratch("staging"), pool.scratch("target"));
+    n.stage_and_publish(&id, &staging, &target, &cap).await;
+    let filefrag = sh("filefrag", &["-v", image.to_str().unwrap()]);
+    assert!(
+        filefrag.contains("shared"),
+        "filled from the template: {filefrag}"
+    );
+    let uuid = |p: &Path| {
+        sh(
+            "blkid",
+            &["-p", "-s", "UUID", "-o", "value", p.to_str().unwrap()],
+        )
+    };
+    assert_ne!(uuid(&image), uuid(&template));
+    std::fs::write(target.join("data"), b"kept").unwrap();
+    n.unpublish_and_unstage(&id, &target, &staging).await;
+    n.stage_and_publish(&id, &staging, &target, &cap).await;
+    assert_eq!(std::fs::read(target.join("data")).unwrap(), b"kept");
+    n.unpublish_and_unstage(&id, &target, &staging).await;
 }
