@@ -173,12 +173,7 @@ pub fn clone_template(
 pub fn fill_from_template(template: &Path, dst: &Path, fstype: &str, uuid: [u8; 16]) -> Result<()> {
     let src = open(template, false)?;
     let d = open(dst, true)?;
-    let len = |f: &File, path: &Path| {
-        f.metadata()
-            .map(|m| m.len())
-            .map_err(|e| SysError::io("reading the size of", path, e))
-    };
-    let (have, want) = (len(&d, dst)?, len(&src, template)?);
+    let (have, want) = (len_of(&d, dst)?, len_of(&src, template)?);
     if have != want {
         return Err(SysError::InvalidArgument {
             what: format!(
@@ -199,10 +194,7 @@ pub fn fill_from_template(template: &Path, dst: &Path, fstype: &str, uuid: [u8; 
 /// power loss kept only some of those writes (or none).
 pub fn carries_uuid(image: &Path, fstype: &str, uuid: [u8; 16]) -> Result<bool> {
     let f = open(image, false)?;
-    let len = f
-        .metadata()
-        .map_err(|e| SysError::io("reading the size of", image, e))?
-        .len();
+    let len = len_of(&f, image)?;
     let holds = |offset: u64, size: usize, at: usize| -> Result<Vec<u8>> {
         let b = read(&f, image, offset, size)?;
         Ok(if b[at..at + 16] == uuid {
@@ -262,10 +254,7 @@ pub fn carries_uuid(image: &Path, fstype: &str, uuid: [u8; 16]) -> Result<bool> 
 /// attributes kept), so that it is formatted at its first stage as a blank image.
 pub fn discard(image: &Path) -> Result<()> {
     let f = open(image, true)?;
-    let len = f
-        .metadata()
-        .map_err(|e| SysError::io("reading the size of", image, e))?
-        .len();
+    let len = len_of(&f, image)?;
     f.set_len(0)
         .and_then(|()| f.set_len(len))
         .map_err(|e| SysError::io("emptying", image, e))
@@ -305,6 +294,13 @@ fn not_fresh(image: &Path, fstype: &str, why: &str) -> SysError {
     }
 }
 
+/// The length of `f`, opened from `path`.
+fn len_of(f: &File, path: &Path) -> Result<u64> {
+    f.metadata()
+        .map(|m| m.len())
+        .map_err(|e| SysError::io("reading the size of", path, e))
+}
+
 fn open(image: &Path, write: bool) -> Result<File> {
     OpenOptions::new()
         .read(true)
@@ -323,10 +319,7 @@ fn read(f: &File, image: &Path, offset: u64, len: usize) -> Result<Vec<u8>> {
 /// The blocks to rewrite, each checked; an error when the filesystem is not of
 /// the expected shape, so nothing is written to anything else.
 fn plan(f: &File, image: &Path, fstype: &str) -> Result<Vec<Block>> {
-    let len = f
-        .metadata()
-        .map_err(|e| SysError::io("reading the size of", image, e))?
-        .len();
+    let len = len_of(f, image)?;
     let image = Image {
         f,
         path: image,

@@ -55,7 +55,7 @@ pub(crate) struct Templates {
 }
 
 pub use crate::fresh::templates_dir;
-use crate::fresh::{file_name, serves};
+use crate::fresh::{file_name, serves, template_path};
 
 impl Templates {
     /// Makes the new image `dst` of a volume of `fs_type` and `size` from the
@@ -71,18 +71,9 @@ impl Templates {
         dst: &Path,
         attrs: &[(String, Vec<u8>)],
     ) -> bool {
-        if !serves(pool, fs_type) {
+        let Some(template) = self.lookup(pool, fs_type, size) else {
             return false;
-        }
-        let template = templates_dir(pool).join(file_name(fs_type, size));
-        if !template.is_file() {
-            self.request(Job {
-                dir: templates_dir(pool),
-                fs_type: fs_type.to_string(),
-                size,
-            });
-            return false;
-        }
+        };
         let uuid = *uuid::Uuid::new_v4().as_bytes();
         let (name, value) = fresh::mark(fs_type, uuid);
         let all: Vec<(&str, &[u8])> = std::iter::once((name.as_str(), value.as_slice()))
@@ -102,13 +93,25 @@ impl Templates {
     /// Asks for the template of `fs_type` and `size` in `pool` when templates
     /// serve them and there is none yet, so that first stages find it. Never waits.
     pub(crate) fn want(&self, pool: &Pool, fs_type: &str, size: u64) {
-        if serves(pool, fs_type) && !templates_dir(pool).join(file_name(fs_type, size)).is_file() {
-            self.request(Job {
-                dir: templates_dir(pool),
-                fs_type: fs_type.to_string(),
-                size,
-            });
+        self.lookup(pool, fs_type, size);
+    }
+
+    /// The finished template of `fs_type` and `size` in `pool`; None when
+    /// templates do not serve them or there is none yet (then it is asked for).
+    fn lookup(&self, pool: &Pool, fs_type: &str, size: u64) -> Option<PathBuf> {
+        if !serves(pool, fs_type) {
+            return None;
         }
+        let template = template_path(pool, fs_type, size);
+        if template.is_file() {
+            return Some(template);
+        }
+        self.request(Job {
+            dir: templates_dir(pool),
+            fs_type: fs_type.to_string(),
+            size,
+        });
+        None
     }
 
     /// The pool's free and total bytes; when `size` does not fit in what is free,

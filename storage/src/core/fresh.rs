@@ -47,6 +47,11 @@ pub(crate) fn file_name(fs_type: &str, size: u64) -> String {
     format!("{fs_type}-{size}-f{TEMPLATE_FORMAT}.img")
 }
 
+/// Where the template of `fs_type` and `size` in `pool` is, when it is made.
+pub(crate) fn template_path(pool: &Pool, fs_type: &str, size: u64) -> PathBuf {
+    templates_dir(pool).join(file_name(fs_type, size))
+}
+
 /// Whether templates serve volumes of this pool and filesystem.
 pub(crate) fn serves(pool: &Pool, fs_type: &str) -> bool {
     pool.reflink && sysfresh::FS_TYPES.contains(&fs_type)
@@ -79,19 +84,17 @@ pub(crate) fn fill_pending(pool: &Pool, image: &Path, fill: bool) -> Result<()> 
     };
     let at = || format!("filling {} from a template", image.display());
     let len = file::file_len(image).context(at)?;
-    let template = templates_dir(pool).join(file_name(&fs_type, len));
-    let filled = fill && serves(pool, &fs_type) && template.is_file() && {
-        let uuid = *uuid::Uuid::new_v4().as_bytes();
-        let (name, value) = mark(&fs_type, uuid);
-        let done = sysfresh::fill_from_template(&template, image, &fs_type, uuid)
-            .context(at)
-            .and_then(|()| xattr::set(image, &name, &value).context(at));
-        if let Err(e) = &done {
-            tracing::warn!(image = %image.display(), template = %template.display(), error = %e,
-                "could not fill the image from its template; it is formatted instead");
-        }
-        done.is_ok()
-    };
+    let template = template_path(pool, &fs_type, len);
+    let usable = fill && serves(pool, &fs_type) && template.is_file();
+    let filled = usable
+        && match fill_from(&template, image, &fs_type) {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::warn!(image = %image.display(), error = %e,
+                    "could not fill the image from its template; it is formatted instead");
+                false
+            }
+        };
     if !filled {
         // Blank, whatever a fill cut short left: the stage formats it.
         sysfresh::discard(image).context(at)?;
@@ -101,6 +104,15 @@ pub(crate) fn fill_pending(pool: &Pool, image: &Path, fill: bool) -> Result<()> 
     xattr::remove(image, &attr_name(PENDING)).context(at)?;
     failpoint::hit("stage.after-fill");
     Ok(())
+}
+
+/// Fills `image` from `template` with a new UUID, and marks it fresh with it.
+fn fill_from(template: &Path, image: &Path, fs_type: &str) -> Result<()> {
+    let at = || format!("filling {} from {}", image.display(), template.display());
+    let uuid = *uuid::Uuid::new_v4().as_bytes();
+    let (name, value) = mark(fs_type, uuid);
+    sysfresh::fill_from_template(template, image, fs_type, uuid).context(at)?;
+    xattr::set(image, &name, &value).context(at)
 }
 
 /// The xattr name and value that mark an image as holding a fresh `fs_type`
