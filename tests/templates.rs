@@ -1,7 +1,8 @@
 //! Filesystem templates through the real binary: a new volume is marked at
 //! create and filled from its template at its first stage (its extents shared
 //! with the template), mounts with its own UUID (xfs without nouuid) and keeps
-//! data; ext4, xfs and btrfs; a filesystem type it does not hold is refused; a
+//! data; ext4, xfs and btrfs; a new volume takes the filesystem type its first
+//! stage asks for and refuses another once mounted; a
 //! pool that cannot reflink formats at stage as before; templates are not
 //! orphans, and a template cut short by a crash or damaged is never used; a fill
 //! cut short by a crash is made again, and one whose UUID a power loss took in
@@ -231,23 +232,44 @@ async fn root_volumes_from_templates_mount_with_their_own_uuid_and_keep_data() {
 
 #[tokio::test]
 #[ignore = "needs root: loop devices, mkfs and mounts"]
-async fn root_a_template_volume_refuses_another_filesystem_type() {
+async fn root_a_new_volume_takes_the_filesystem_its_first_stage_asks_for_then_keeps_it() {
     require_root();
     let mut fx = fixture("xfs", &[]).await;
-    let id = fx.create_from_template("v", "xfs").await;
-    let staging = fx.pool.scratch("staging");
-    let err =
-        fx.c.node
-            .node_stage_volume(stage_req(&id, &staging, cap("ext4")))
-            .await
-            .unwrap_err();
-    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
-    assert!(err.message().contains("xfs"), "{err:?}");
-    assert!(mounts_below(&staging).is_empty());
-    // Filled from its template and still fresh: the right type stages.
-    assert_eq!(fresh_mark(&fx.image(&id)).as_deref(), Some("xfs"));
-    assert_eq!(pending_mark(&fx.image(&id)), None);
-    let (staging, _) = fx.stage_publish(&id, "xfs").await;
+    // Pending: filled at the stage with the filesystem the stage names.
+    let pending = fx.create_from_template("pending", "xfs").await;
+    // Filled with xfs and fresh (a stage that ended before its mount), then
+    // staged as ext4: formatted, as nothing was ever written to it.
+    let fresh = fx.create_from_template("fresh", "xfs").await;
+    fx.crash_stage_at(&fresh, "xfs", "stage.after-fill").await;
+    assert_eq!(fresh_mark(&fx.image(&fresh)).as_deref(), Some("xfs"));
+    for id in [&pending, &fresh] {
+        let (staging, target) = fx.stage_publish(id, "ext4").await;
+        assert_eq!(blkid(&fx.image(id), "TYPE"), "ext4");
+        assert!(mount_options(&staging).starts_with("rw"));
+        assert_eq!(fresh_mark(&fx.image(id)), None);
+        assert_eq!(pending_mark(&fx.image(id)), None);
+        std::fs::write(target.join("data"), b"kept").unwrap();
+        fx.c.unpublish_and_unstage(id, &target, &staging).await;
+
+        // Mounted once: another type is refused and the data stays.
+        let staging = fx.pool.scratch(&format!("again-{id}"));
+        let err =
+            fx.c.node
+                .node_stage_volume(stage_req(id, &staging, cap("xfs")))
+                .await
+                .unwrap_err();
+        assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
+        assert!(err.message().contains("holds ext4"), "{err:?}");
+        assert!(mounts_below(&staging).is_empty());
+        let (staging, target) = fx.stage_publish(id, "ext4").await;
+        assert_eq!(std::fs::read(target.join("data")).unwrap(), b"kept");
+        fx.c.unpublish_and_unstage(id, &target, &staging).await;
+    }
+    // Asked for none: the filesystem CreateVolume chose, from its template.
+    let chosen = fx.create_from_template("chosen", "xfs").await;
+    let (staging, _) = fx.stage_publish(&chosen, "").await;
+    assert_eq!(blkid(&fx.image(&chosen), "TYPE"), "xfs");
+    assert!(shares_extents(&fx.image(&chosen)));
     assert!(!mount_options(&staging).contains("nouuid"));
 }
 

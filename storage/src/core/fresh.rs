@@ -5,17 +5,19 @@
 //! pending mark, naming that filesystem: CreateVolume makes nothing more (a
 //! reflink and the UUID's writes cost more than the rest of a create). At the
 //! first stage, before the image is first attached, the node fills it from the
-//! template of its filesystem and length, when there is one, with a UUID of its
-//! own, sets the fresh mark and clears the pending one; without a template the
-//! image stays blank and the stage formats it. The pending mark is cleared last,
-//! so a crash or a power loss before that leaves it to be filled again: a reflink
-//! replaces whatever a cut-short fill left.
+//! template of the filesystem that stage asks for (the one CreateVolume chose,
+//! unless the stage names another) and of the image's length, when there is
+//! one, with a UUID of its own, sets the fresh mark and clears the pending one;
+//! without a template the image stays blank and the stage formats it. The
+//! pending mark is cleared last, so a crash or a power loss before that leaves it
+//! to be filled again: a reflink replaces whatever a cut-short fill left.
 //!
 //! The fresh mark says that the image holds a filesystem (of the type the mark
 //! names) that has never been mounted and already has its own UUID (the one the
 //! mark names). The stage that set it then skips what a filesystem of unknown
 //! history needs (the probe, the check, the growth, `nouuid`), and clears it
-//! before the first mount.
+//! before the first mount. A stage that asks for another filesystem formats
+//! the image with it instead: nothing was ever written to the fresh one.
 //!
 //! The fill is not made durable when it is made: the stage syncs the image before
 //! attaching it. A power loss before that may keep the fill and its mark but only
@@ -65,8 +67,8 @@ pub(crate) fn pending_mark(pool: &Pool, fs_type: Option<&str>) -> Option<(String
     Some((attr_name(PENDING), fs_type.as_bytes().to_vec()))
 }
 
-/// The filesystem a pending mark names; None when there is no mark (or it names
-/// no filesystem templates make: the image is then left blank).
+/// The filesystem a pending mark names (the one CreateVolume chose); None when
+/// there is no mark.
 fn read_pending(image: &Path) -> Result<Option<String>> {
     let value = xattr::get(image, &attr_name(PENDING))
         .context(|| format!("reading the marks of {}", image.display()))?;
@@ -74,27 +76,33 @@ fn read_pending(image: &Path) -> Result<Option<String>> {
 }
 
 /// Before an image is first attached: when it carries the pending mark, fills it
-/// from the template of its filesystem and length in `pool`, then clears the
-/// mark. The image is left blank instead when there is no such template, when
-/// the template cannot be used, or when `fill` is false (a stage for block
-/// access).
-pub(crate) fn fill_pending(pool: &Pool, image: &Path, fill: bool) -> Result<()> {
-    let Some(fs_type) = read_pending(image)? else {
+/// from the template in `pool` of its filesystem and length, then clears the
+/// mark. Its filesystem is the one the stage names (`fill` is `Some(named)`),
+/// else the one CreateVolume chose, which the mark names. The image is left
+/// blank instead when there is no such template, when the template cannot be
+/// used, or for a stage for block access (`fill` None).
+pub(crate) fn fill_pending(pool: &Pool, image: &Path, fill: Option<Option<&str>>) -> Result<()> {
+    let Some(chosen) = read_pending(image)? else {
         return Ok(());
     };
     let at = || format!("filling {} from a template", image.display());
     let len = file::file_len(image).context(at)?;
-    let template = template_path(pool, &fs_type, len);
-    let usable = fill && serves(pool, &fs_type) && template.is_file();
-    let filled = usable
-        && match fill_from(&template, image, &fs_type) {
-            Ok(()) => true,
-            Err(e) => {
-                tracing::warn!(image = %image.display(), error = %e,
+    let usable = fill
+        .map(|named| named.unwrap_or(&chosen))
+        .filter(|fs| serves(pool, fs))
+        .map(|fs| (fs, template_path(pool, fs, len)))
+        .filter(|(_, template)| template.is_file());
+    let filled =
+        usable.is_some_and(
+            |(fs_type, template)| match fill_from(&template, image, fs_type) {
+                Ok(()) => true,
+                Err(e) => {
+                    tracing::warn!(image = %image.display(), error = %e,
                     "could not fill the image from its template; it is formatted instead");
-                false
-            }
-        };
+                    false
+                }
+            },
+        );
     if !filled {
         // Blank, whatever a fill cut short left: the stage formats it.
         sysfresh::discard(image).context(at)?;

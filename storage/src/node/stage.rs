@@ -149,7 +149,8 @@ impl Node {
             return self.finish_stage(rec, staging, &group);
         }
 
-        let dev = self.attach(loc, &devices, cap.is_block())?;
+        let named = named_fs(cap, context);
+        let dev = self.attach(loc, &devices, cap.is_block(), named.as_deref())?;
         rec.loop_devices = Some(devices::listed(&devices, Some(&dev)));
         failpoint::hit("stage.after-attach");
         if cap.is_block() {
@@ -331,8 +332,9 @@ impl Node {
     }
 
     /// The filesystem on the device and whether it was made just now (by mkfs
-    /// here, or from a template: `known`): a blank device gets the one asked for;
-    /// one that holds a filesystem is never reformatted.
+    /// here, or from a template: `known`): a blank device, or one whose fresh
+    /// filesystem was never mounted, gets the one asked for; one that holds a
+    /// filesystem with a history is never reformatted.
     fn filesystem_of(
         &self,
         id: VolumeId,
@@ -341,14 +343,20 @@ impl Node {
         context: &BTreeMap<String, String>,
         known: Option<String>,
     ) -> Result<(String, bool)> {
-        let wanted = cap
-            .fs_type()
-            .map(String::from)
-            .or_else(|| context.get("fsType").cloned())
+        let named = named_fs(cap, context);
+        let wanted = named
+            .clone()
             .unwrap_or_else(|| self.cfg.default_fstype.clone());
-        let from_template = known.is_some();
         let found = match known {
-            Some(fs) => Some(fs),
+            // A filesystem never mounted holds nothing: one of another type than
+            // the stage names is replaced (the fresh mark is cleared before the
+            // mount; a crash before that finds the mark and formats again).
+            Some(fs) if named.as_ref().is_some_and(|n| *n != fs) => {
+                tracing::info!(volume.id = %id, have = fs, wanted,
+                    "a new volume's filesystem is not the one asked for; it is made anew");
+                None
+            }
+            Some(fs) => return Ok((fs, true)),
             None => self
                 .sys
                 .fs
@@ -379,7 +387,7 @@ impl Node {
                          reformatted"
                     )));
                 }
-                Ok((have, from_template))
+                Ok((have, false))
             }
         }
     }
@@ -388,14 +396,22 @@ impl Node {
     /// it now), attached if there is none, with the settings recorded on the image.
     /// A setting that cannot be read or applied fails the stage: a volume is never
     /// served without what was asked for it.
-    fn attach(&self, loc: &Located, devices: &[LoopDevice], block: bool) -> Result<LoopDevice> {
+    /// `named` is the filesystem the stage names, if any.
+    fn attach(
+        &self,
+        loc: &Located,
+        devices: &[LoopDevice],
+        block: bool,
+        named: Option<&str>,
+    ) -> Result<LoopDevice> {
         let image = loc.path.as_path();
         // A new image is filled from its template before it is first attached
         // for a filesystem, and may not be durable yet (core::blank, core::fresh);
         // data goes in after this. A device for block access is the caller's to
         // write: a later stage must never take it for a fresh filesystem.
         if devices.is_empty() {
-            crate::fresh::fill_pending(self.pool(&loc.pool)?, image, !block)?;
+            let fill = (!block).then_some(named);
+            crate::fresh::fill_pending(self.pool(&loc.pool)?, image, fill)?;
             crate::fresh::settle(image)?;
             if block {
                 crate::fresh::clear(image)?;
@@ -464,4 +480,12 @@ impl Node {
         failpoint::hit("stage.after-commit");
         Ok(())
     }
+}
+
+/// The filesystem a stage names: its capability's, else the one CreateVolume
+/// chose (the volume context); None when it names none.
+fn named_fs(cap: &Capability, context: &BTreeMap<String, String>) -> Option<String> {
+    cap.fs_type()
+        .map(String::from)
+        .or_else(|| context.get("fsType").cloned())
 }
