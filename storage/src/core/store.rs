@@ -227,7 +227,33 @@ pub fn unpack<'a, V: Deserialize<'a>>(bytes: &'a [u8]) -> Option<V> {
     }
 }
 
-type Outcome = Arc<OnceLock<std::result::Result<(), String>>>;
+/// A queued change's caller: the batch's outcome, set once by the leader that
+/// wrote it, and the thread to wake then (or to ask to lead the next batch).
+struct Waiter {
+    outcome: OnceLock<std::result::Result<(), String>>,
+    /// Set when the caller is to lead the next batch (no batch is being written).
+    lead: AtomicBool,
+    thread: std::thread::Thread,
+}
+
+type Outcome = Arc<Waiter>;
+
+impl Waiter {
+    fn new() -> Outcome {
+        Arc::new(Waiter {
+            outcome: OnceLock::new(),
+            lead: AtomicBool::new(false),
+            thread: std::thread::current(),
+        })
+    }
+
+    /// Parks until the outcome is set or the caller is asked to lead.
+    fn park(&self) {
+        while self.outcome.get().is_none() && !self.lead.swap(false, Ordering::AcqRel) {
+            std::thread::park();
+        }
+    }
+}
 
 struct Pending<R: Record> {
     op: Op<R>,
@@ -566,7 +592,7 @@ impl<R: Record> Store<R> {
             id: record.id().to_string(),
             payload,
             op: Op::Put(record.id(), packed, record.settled()),
-            done: Outcome::default(),
+            done: Waiter::new(),
         })
     }
 
@@ -578,7 +604,7 @@ impl<R: Record> Store<R> {
             id: id.to_string(),
             payload: Vec::new(),
             op: Op::Remove(id),
-            done: Outcome::default(),
+            done: Waiter::new(),
         })
     }
 
@@ -745,7 +771,10 @@ impl<R: Record> Inner<R> {
     }
 
     /// Queues the change and returns once the batch holding it is durable (and
-    /// applied), leading that batch when no other caller is writing.
+    /// applied), leading that batch when no other caller is writing. A caller
+    /// whose change waits sleeps on its own: the leader wakes each caller of its
+    /// batch, and the first of the next when it is done, so that no caller wakes
+    /// for another's batch or queues for the lock to learn that it is done.
     fn commit(self: &Arc<Self>, p: Pending<R>) -> Result<()> {
         let done = p.done.clone();
         let mut st = self.lock();
@@ -756,12 +785,23 @@ impl<R: Record> Inner<R> {
             )));
         }
         st.queue.push(p);
+        let outcome = || {
+            done.outcome
+                .get()
+                .map(|o| o.clone().map_err(Error::internal))
+        };
         loop {
-            if let Some(outcome) = done.get() {
-                return outcome.clone().map_err(Error::internal);
+            if let Some(outcome) = outcome() {
+                return outcome;
             }
             if st.writing {
-                st = self.wait(st);
+                drop(st);
+                done.park();
+                // Woken with the outcome, without the lock; or to lead.
+                if let Some(outcome) = outcome() {
+                    return outcome;
+                }
+                st = self.lock();
                 continue;
             }
             let (next, compact) = self.lead(st);
@@ -853,11 +893,23 @@ impl<R: Record> Inner<R> {
                 applied.extend(batch.into_iter().map(|p| p.done));
             }
         }
+        let me = std::thread::current().id();
         for done in applied {
-            let _ = done.set(res.clone());
+            let _ = done.outcome.set(res.clone());
+            if done.thread.id() != me {
+                done.thread.unpark();
+            }
         }
         st.writing = false;
+        // The next batch's leader: the first caller queued meanwhile (a caller
+        // that comes first takes the lead itself, and this one finds its change
+        // written or waits again).
+        if let Some(next) = st.queue.first() {
+            next.done.lead.store(true, Ordering::Release);
+            next.done.thread.unpark();
+        }
         let due = res.is_ok() && self.due(&mut st, live);
+        // A compaction waits for the batch to end to move to its new journal.
         self.changed.notify_all();
         (st, due)
     }
@@ -2159,6 +2211,39 @@ mod tests {
         assert_eq!(s.len(), 16);
         drop(s);
         assert_eq!(open(tmp.path()).len(), 16);
+    }
+
+    #[test]
+    fn every_queued_change_is_led_when_batches_hand_over() {
+        // Each batch's leader hands the next batch to the first caller queued
+        // behind it; a change left without a leader would keep its caller
+        // waiting. Each writer is a new thread with one change, so nothing but
+        // the hand-over can wake it.
+        let tmp = tempfile::tempdir().unwrap();
+        let s = Arc::new(open(tmp.path()));
+        for round in 0..20u32 {
+            let (tx, rx) = std::sync::mpsc::channel();
+            for t in 0..16u32 {
+                let (s, tx) = (s.clone(), tx.clone());
+                std::thread::spawn(move || {
+                    let id = round * 100 + t;
+                    let _ = tx.send(s.put(&rec(id, "v")).and_then(|()| match t % 4 {
+                        3 => s.remove(Tid(id)),
+                        _ => Ok(()),
+                    }));
+                });
+            }
+            for _ in 0..16 {
+                rx.recv_timeout(std::time::Duration::from_secs(20))
+                    .expect("a writer's change was never written")
+                    .unwrap();
+            }
+        }
+        let (queued, writing, _) = s.progress();
+        assert_eq!((queued, writing), (0, false));
+        assert_eq!(s.len(), 20 * 12);
+        drop(s);
+        assert_eq!(open(tmp.path()).len(), 20 * 12);
     }
 
     #[test]
