@@ -10,7 +10,7 @@ use csi_proto::csi::{self, controller_client::ControllerClient};
 use tokio::io::AsyncWriteExt;
 use tonic::transport::Channel;
 
-use crate::target::{create_req, mount_cap, Error, Target};
+use crate::target::{create_req, mount_cap, Error, Target, Usage};
 
 pub const MIB: i64 = 1 << 20;
 pub const GIB: i64 = 1 << 30;
@@ -166,6 +166,7 @@ pub async fn create_delete(
 ) -> Result<(), Error> {
     for &c in levels {
         let ids = Arc::new(std::sync::Mutex::new(vec![String::new(); count]));
+        let before = t.usage();
         let (ctl, ids2, tag2, params2) =
             (t.ctl.clone(), ids.clone(), tag.to_string(), params.to_vec());
         let (mut lat, wall) = fan_out(count, c, move |i| {
@@ -184,6 +185,7 @@ pub async fn create_delete(
             count as f64 / wall.as_secs_f64(),
         );
         out.latencies(&format!("create-delete/c{c}/create"), &mut lat);
+        let before = per_call(t, before, count, &format!("create-delete/c{c}/create"), out);
         let ctl = t.ctl.clone();
         let (mut lat, wall) = fan_out(count, c, move |i| {
             let mut ctl = ctl.clone();
@@ -196,8 +198,28 @@ pub async fn create_delete(
             count as f64 / wall.as_secs_f64(),
         );
         out.latencies(&format!("create-delete/c{c}/delete"), &mut lat);
+        per_call(t, before, count, &format!("create-delete/c{c}/delete"), out);
     }
     Ok(())
+}
+
+/// Puts the driver's CPU time (µs) and context switches per call since
+/// `before`, when its process is known; returns the usage now.
+fn per_call(
+    t: &Target,
+    before: Option<Usage>,
+    calls: usize,
+    prefix: &str,
+    out: &mut Figures,
+) -> Option<Usage> {
+    let now = t.usage()?;
+    if let Some(before) = before {
+        let (cpu_ns, switches) = now.since(&before);
+        let calls = calls.max(1) as f64;
+        out.put(format!("{prefix}_cpu_us"), cpu_ns as f64 / 1000.0 / calls);
+        out.put(format!("{prefix}_switches"), switches as f64 / calls);
+    }
+    Some(now)
 }
 
 /// Background volumes, so that per-operation cost can be measured against a

@@ -73,6 +73,12 @@ impl Target {
         Some(kb * 1024)
     }
 
+    /// CPU time and context switches of each of the driver's threads so far,
+    /// by thread id; None when its process is not known.
+    pub fn usage(&self) -> Option<Usage> {
+        usage_of_pid(self.pid()?)
+    }
+
     /// SIGTERM (SIGKILL after 60 s) and wait.
     pub fn stop(&mut self) {
         if let Some(mut c) = self.child.take() {
@@ -196,5 +202,83 @@ pub fn create_req(
         volume_capabilities: vec![mount_cap(fs)],
         parameters: params.iter().cloned().collect::<BTreeMap<_, _>>(),
         ..Default::default()
+    }
+}
+
+/// What [`Target::usage`] reads, for the process `pid`.
+fn usage_of_pid(pid: u32) -> Option<Usage> {
+    let mut threads = BTreeMap::new();
+    for entry in std::fs::read_dir(format!("/proc/{pid}/task"))
+        .ok()?
+        .flatten()
+    {
+        let Ok(tid) = entry.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let dir = entry.path();
+        let cpu_ns = std::fs::read_to_string(dir.join("schedstat"))
+            .ok()
+            .and_then(|s| s.split_whitespace().next()?.parse().ok());
+        let switches = std::fs::read_to_string(dir.join("status")).ok().map(|s| {
+            s.lines()
+                .filter(|l| l.contains("ctxt_switches:"))
+                .filter_map(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+                .sum()
+        });
+        if let (Some(cpu_ns), Some(switches)) = (cpu_ns, switches) {
+            threads.insert(tid, (cpu_ns, switches));
+        }
+    }
+    Some(Usage(threads))
+}
+
+/// CPU time (ns) and context switches by thread, as [`Target::usage`] read them.
+pub struct Usage(BTreeMap<u32, (u64, u64)>);
+
+impl Usage {
+    /// CPU time (ns) and context switches since `before`: the growth of each
+    /// thread there then, and all of each thread started since. A thread that
+    /// ended meanwhile leaves out what it used since `before`.
+    pub fn since(&self, before: &Usage) -> (u64, u64) {
+        self.0.iter().fold((0, 0), |(cpu, sw), (tid, &(c, s))| {
+            let (c0, s0) = before.0.get(tid).copied().unwrap_or((0, 0));
+            (cpu + c.saturating_sub(c0), sw + s.saturating_sub(s0))
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn usage_counts_each_threads_growth_and_new_threads_whole() {
+        let before = Usage(BTreeMap::from([(1, (1_000, 10)), (2, (5_000, 50))]));
+        // Thread 2 ended (what it used before is not taken off), 3 started.
+        let after = Usage(BTreeMap::from([(1, (1_700, 14)), (3, (200, 2))]));
+        assert_eq!(after.since(&before), (900, 6));
+    }
+
+    #[test]
+    fn usage_of_this_process_grows_with_work() {
+        let read =
+            || usage_of_pid(std::process::id()).expect("this process's threads are readable");
+        let own = || -> u64 {
+            let s = std::fs::read_to_string("/proc/thread-self/schedstat").unwrap();
+            s.split_whitespace().next().unwrap().parse().unwrap()
+        };
+        let before = read();
+        // Works until this thread has 20 ms more CPU time, however busy the machine.
+        let (start, deadline) = (own(), Instant::now() + Duration::from_secs(30));
+        let mut x = 0u64;
+        while own() < start + 20_000_000 {
+            assert!(Instant::now() < deadline, "no CPU time in 30 s");
+            for _ in 0..10_000 {
+                x = x.wrapping_mul(6364136223846793005).wrapping_add(1);
+            }
+        }
+        std::hint::black_box(x);
+        let (cpu_ns, _) = read().since(&before);
+        assert!(cpu_ns >= 20_000_000, "{cpu_ns} ns");
     }
 }
