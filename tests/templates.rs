@@ -154,17 +154,6 @@ fn shares_extents(image: &Path) -> bool {
     sh("filefrag", &["-v", image.to_str().unwrap()]).contains("shared")
 }
 
-/// A tag of `blkid -p`; empty when it finds no filesystem (its exit status 2).
-fn blkid(path: &Path, tag: &str) -> String {
-    let out = std::process::Command::new("blkid")
-        .args(["-p", "-s", tag, "-o", "value"])
-        .arg(path)
-        .output()
-        .unwrap();
-    assert!(matches!(out.status.code(), Some(0 | 2)), "{out:?}");
-    String::from_utf8(out.stdout).unwrap().trim().to_string()
-}
-
 fn mount_options(path: &Path) -> String {
     sh(
         "findmnt",

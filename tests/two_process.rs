@@ -397,13 +397,7 @@ async fn root_the_node_process_fills_a_new_volume_from_the_controllers_template(
         filefrag.contains("shared"),
         "filled from the template: {filefrag}"
     );
-    let uuid = |p: &Path| {
-        sh(
-            "blkid",
-            &["-p", "-s", "UUID", "-o", "value", p.to_str().unwrap()],
-        )
-    };
-    assert_ne!(uuid(&image), uuid(&template));
+    assert_ne!(blkid(&image, "UUID"), blkid(&template, "UUID"));
     std::fs::write(target.join("data"), b"kept").unwrap();
     n.unpublish_and_unstage(&id, &target, &staging).await;
     n.stage_and_publish(&id, &staging, &target, &cap).await;

@@ -28,6 +28,17 @@ pub fn require_root() {
     );
 }
 
+/// A tag of `blkid -p`; empty when it finds no filesystem (its exit status 2).
+pub fn blkid(path: &Path, tag: &str) -> String {
+    let out = Command::new("blkid")
+        .args(["-p", "-s", tag, "-o", "value"])
+        .arg(path)
+        .output()
+        .unwrap();
+    assert!(matches!(out.status.code(), Some(0 | 2)), "{out:?}");
+    String::from_utf8(out.stdout).unwrap().trim().to_string()
+}
+
 pub fn sh(cmd: &str, args: &[&str]) -> String {
     let out = Command::new(cmd)
         .args(args)

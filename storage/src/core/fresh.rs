@@ -77,19 +77,23 @@ fn read_pending(image: &Path) -> Result<Option<String>> {
 
 /// Before an image is first attached: when it carries the pending mark, fills it
 /// from the template in `pool` of its filesystem and length, then clears the
-/// mark. Its filesystem is the one the stage names (`fill` is `Some(named)`),
-/// else the one CreateVolume chose, which the mark names. The image is left
-/// blank instead when there is no such template, when the template cannot be
-/// used, or for a stage for block access (`fill` None).
-pub(crate) fn fill_pending(pool: &Pool, image: &Path, fill: Option<Option<&str>>) -> Result<()> {
+/// mark. Its filesystem is the one the stage names (`named`), else the one
+/// CreateVolume chose, which the mark names. The image is left blank instead
+/// when there is no such template, when the template cannot be used, or for a
+/// stage for `block` access.
+pub(crate) fn fill_pending(
+    pool: &Pool,
+    image: &Path,
+    block: bool,
+    named: Option<&str>,
+) -> Result<()> {
     let Some(chosen) = read_pending(image)? else {
         return Ok(());
     };
     let at = || format!("filling {} from a template", image.display());
     let len = file::file_len(image).context(at)?;
-    let usable = fill
-        .map(|named| named.unwrap_or(&chosen))
-        .filter(|fs| serves(pool, fs))
+    let usable = Some(named.unwrap_or(&chosen))
+        .filter(|fs| !block && serves(pool, fs))
         .map(|fs| (fs, template_path(pool, fs, len)))
         .filter(|(_, template)| template.is_file());
     let filled =

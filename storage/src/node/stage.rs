@@ -410,8 +410,7 @@ impl Node {
         // data goes in after this. A device for block access is the caller's to
         // write: a later stage must never take it for a fresh filesystem.
         if devices.is_empty() {
-            let fill = (!block).then_some(named);
-            crate::fresh::fill_pending(self.pool(&loc.pool)?, image, fill)?;
+            crate::fresh::fill_pending(self.pool(&loc.pool)?, image, block, named)?;
             crate::fresh::settle(image)?;
             if block {
                 crate::fresh::clear(image)?;
