@@ -37,6 +37,10 @@ const MIN_RPCS_IN_FLIGHT: usize = 48;
 /// metrics scrape and calls whose client gave up while their work still runs.
 const SPARE_BLOCKING_THREADS: usize = 16;
 
+/// How long an idle blocking thread waits for more work before it ends (tokio's
+/// default, named because the release of idle memory waits for it).
+const BLOCKING_KEEP_ALIVE: Duration = Duration::from_secs(10);
+
 /// How many RPCs may run at once, and the blocking-pool size that follows.
 /// tokio's default of 512 blocking threads would let 500 simultaneous calls
 /// each hold a thread (and its stack) while they wait for a heavy-operation slot.
@@ -100,6 +104,7 @@ fn main() -> ExitCode {
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .max_blocking_threads(blocking_threads)
+        .thread_keep_alive(BLOCKING_KEEP_ALIVE)
         .build()
     {
         Ok(r) => r,
@@ -277,6 +282,9 @@ async fn serve(
     };
 
     let router = services(&driver, metrics, rpc_limit);
+    tokio::spawn(csi_glue::memory::release_when_idle(
+        BLOCKING_KEEP_ALIVE + Duration::from_secs(1),
+    ));
     let grace = Duration::from_secs(cli.shutdown_timeout);
     listen(router, endpoint, grace, registration).await
 }

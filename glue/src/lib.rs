@@ -44,7 +44,10 @@ where
         let token = cancel::Token::new();
         let mut trip = TripOnDrop(Some(token.clone()));
         let work_span = tracing::Span::current();
+        // The driver is busy until the work ends, even when the caller left first.
+        let busy = memory::busy();
         let work = move || {
+            let _busy = busy;
             let _span = work_span.enter();
             let out = token.run(|| cancel::check().and_then(|()| f()));
             if token.is_cancelled() {
