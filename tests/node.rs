@@ -564,6 +564,41 @@ async fn root_unpublish_never_does_not_touch_foreign_mounts() {
     fx.delete(&id).await;
 }
 
+/// A first stage refused because something else is mounted at its staging path
+/// leaves nothing behind: no loop device, no record that it is staged (which
+/// would hold the volume against DeleteVolume), the foreign mount untouched.
+#[tokio::test]
+#[ignore = "needs root: loop devices and mounts"]
+async fn root_a_stage_refused_for_a_foreign_mount_at_its_path_leaves_nothing_behind() {
+    let mut fx = fixture("xfs", &[]).await;
+    let (id, cap, staging, _) = fx.volume("pvc-foreign-staging", 64 * MIB, ext4()).await;
+    std::fs::create_dir_all(&staging).unwrap();
+    sh(
+        "mount",
+        &["-t", "tmpfs", "tmpfs", staging.to_str().unwrap()],
+    );
+    let r = fx.stage(&id, &staging, &cap).await;
+    assert_eq!(code(r), Code::AlreadyExists);
+    assert_eq!(mount_count(&staging), 1, "the foreign mount is left alone");
+    assert!(
+        fx.volume_loops().is_empty(),
+        "the device the refused stage attached is detached: {:?}",
+        fx.volume_loops()
+    );
+    let deleted =
+        fx.c.controller
+            .delete_volume(csi::DeleteVolumeRequest {
+                volume_id: id.clone(),
+                secrets: Default::default(),
+            })
+            .await;
+    assert!(
+        deleted.is_ok(),
+        "nothing holds the volume after the refused stage: {deleted:?}"
+    );
+    umount(&staging);
+}
+
 #[tokio::test]
 #[ignore = "needs root: loop devices and mounts"]
 async fn root_volume_mount_group_gives_group_and_setgid() {

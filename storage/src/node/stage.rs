@@ -92,7 +92,17 @@ impl Node {
     ) -> Result<()> {
         let devices = self.devices(loc, self.node_records.get(id).as_ref())?;
         let mut mounts = self.mounts()?;
-        self.unmount_owned(id, loc, &devices, staging, &mut mounts)?;
+        // Something else mounted at the staging path (the usual reason the stage
+        // was refused) is not this stage's to undo, and no reason to keep what it
+        // attached: a device it mounted nowhere is detached below.
+        let others_at_staging = mounts
+            .iter()
+            .rev()
+            .find(|m| m.mount_point == staging)
+            .is_some_and(|m| !self.owns(&mounts, m, id, loc, &devices));
+        if !others_at_staging {
+            self.unmount_owned(id, loc, &devices, staging, &mut mounts)?;
+        }
         for d in &devices {
             if !self.is_mounted(&mut mounts, &d.device)? {
                 self.sys
