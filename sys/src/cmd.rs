@@ -138,6 +138,13 @@ pub fn run_unchecked<S: AsRef<OsStr>>(
     cmd.args(args)
         .env("PATH", search_path())
         .env("LC_ALL", "C")
+        // libblkid keeps a cache of every block device it scanned in
+        // /run/blkid/blkid.tab, written by tools that look a filesystem up by a
+        // path they cannot place (`btrfs filesystem show` on a path that is not
+        // a btrfs mount scans all devices): the driver writes nothing outside its
+        // pools and what it was asked to publish to, and its tools probe devices
+        // afresh anyway.
+        .env("BLKID_FILE", "/dev/null")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -226,6 +233,12 @@ mod tests {
     fn runs_with_an_argument_vector() {
         let out = run("printf", &["%s|", "a b", "$HOME;ls"], SHORT_TIMEOUT).unwrap();
         assert_eq!(stdout_text(&out), "a b|$HOME;ls|");
+    }
+
+    #[test]
+    fn commands_keep_no_blkid_cache() {
+        let out = run("sh", &["-c", "printf %s \"$BLKID_FILE\""], SHORT_TIMEOUT).unwrap();
+        assert_eq!(stdout_text(&out), "/dev/null");
     }
 
     #[test]
