@@ -977,6 +977,42 @@ root_cases! {
     root_node_expand_to_the_present_size_is_a_no_op_xfs_pool_dir: expand_to_present_size("xfs", &[("dir", 64 * MIB)]);
 }
 
+/// A volume's filesystem is sized and grown through a mount its path leads to:
+/// here its staging mount is hidden under a tmpfs mounted over the staging
+/// path's parent (as when the directory above is mounted again after the stage),
+/// and the expansion goes through the published mount.
+#[tokio::test]
+#[ignore = "needs root: loop devices and mounts"]
+async fn root_a_volume_grows_through_a_mount_its_path_leads_to() {
+    let mut fx = fixture("xfs", &[]).await;
+    for fs in ["btrfs", "xfs"] {
+        let cap = mount_cap(fs, writer());
+        let id =
+            fx.c.create(&format!("pvc-cover-{fs}"), 300 * MIB, cap.clone(), &[])
+                .await;
+        let cover = fx.pool.scratch(&format!("cover-{fs}"));
+        let staging = cover.join("staging");
+        let target = fx.pool.scratch("pods").join(fs);
+        std::fs::create_dir_all(&staging).unwrap();
+        fx.c.stage_and_publish(&id, &staging, &target, &cap).await;
+        sh("mount", &["-t", "tmpfs", "tmpfs", cover.to_str().unwrap()]);
+
+        let before = fs_bytes(&target);
+        controller_expand(&mut fx, &id, 400 * MIB).await;
+        let grown = node_expand(&mut fx, &id, &target, 400 * MIB, &cap).await;
+        let after = fs_bytes(&target);
+
+        umount(&cover);
+        fx.remove(&id, &staging, &target).await;
+        assert_eq!(grown.expect("NodeExpandVolume"), 400 * MIB, "{fs}");
+        assert!(
+            after >= before + 90 * MIB as u64,
+            "{fs} grown from {before} to {after} bytes"
+        );
+    }
+    assert!(fx.volume_loops().is_empty());
+}
+
 /// The kernel resizes no btrfs to less than 256 MiB: an expansion of a 128 MiB
 /// btrfs to 200 MiB says so (OUT_OF_RANGE), and the volume still stages at its
 /// present size; at 256 MiB it grows.

@@ -334,6 +334,16 @@ impl Mounter for FakeMounter {
         Ok(inner.mounts.clone())
     }
 
+    fn reachable(&self, m: &MountEntry) -> bool {
+        let inner = self.0.lock();
+        let Some(i) = inner.mounts.iter().position(|e| e.mount_id == m.mount_id) else {
+            return false;
+        };
+        !inner.mounts[i + 1..]
+            .iter()
+            .any(|later| m.mount_point.starts_with(&later.mount_point))
+    }
+
     fn mount(&self, source: &Path, target: &Path, fstype: &str, opts: &MountOptions) -> Result<()> {
         let mut inner = self.0.lock();
         inner.counters.mount += 1;

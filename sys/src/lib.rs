@@ -59,6 +59,9 @@ pub trait Mounter: Send + Sync {
     fn bind(&self, source: &Path, target: &Path, opts: &MountOptions) -> Result<()>;
     /// Unmount `target` (not lazily). Not mounted is an error of kind NotMounted.
     fn unmount(&self, target: &Path) -> Result<()>;
+    /// Whether the path of mount `m` (an entry of [`Mounter::mounts`]) leads to it:
+    /// not covered by a later mount at or above that path, not gone.
+    fn reachable(&self, m: &MountEntry) -> bool;
 }
 
 /// One attached loop device.

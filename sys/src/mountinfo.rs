@@ -49,6 +49,32 @@ impl MountEntry {
     pub fn has_super_option(&self, opt: &str) -> bool {
         self.super_options.iter().any(|o| o == opt)
     }
+
+    /// True when this mount's path leads to it: not hidden under a later mount at
+    /// or above its path (whose filesystem that path then reaches), not gone.
+    /// Tools that take a mount point (xfs_growfs, btrfs) must be given one.
+    pub fn reachable(&self) -> bool {
+        mount_id_at(&self.mount_point) == Some(self.mount_id)
+    }
+}
+
+/// The id of the mount that `path` leads to (the `mnt_id` the kernel shows for a
+/// descriptor of it; device numbers would not do: a btrfs mount's differs from
+/// what its files report).
+pub fn mount_id_at(path: &Path) -> Option<u32> {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_PATH | libc::O_CLOEXEC)
+        .open(path)
+        .ok()?;
+    let info = std::fs::read_to_string(format!("/proc/self/fdinfo/{}", f.as_raw_fd())).ok()?;
+    info.lines()
+        .find_map(|l| l.strip_prefix("mnt_id:"))?
+        .trim()
+        .parse()
+        .ok()
 }
 
 /// Path of the mount table of the calling process.
@@ -185,6 +211,29 @@ pub fn mounts_under<'a>(entries: &'a [MountEntry], path: &Path) -> Vec<&'a Mount
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_path_leads_to_the_mount_the_table_names_for_it() {
+        let table = read().unwrap();
+        let proc_mount = table
+            .iter()
+            .rev()
+            .find(|e| e.mount_point == Path::new("/proc"))
+            .expect("/proc is mounted");
+        assert_eq!(mount_id_at(Path::new("/proc")), Some(proc_mount.mount_id));
+        assert!(proc_mount.reachable());
+        // A path inside /proc that is no mount point leads to /proc's mount.
+        assert_eq!(
+            mount_id_at(Path::new("/proc/self")),
+            Some(proc_mount.mount_id)
+        );
+        assert_eq!(mount_id_at(Path::new("/no/such/path")), None);
+        let gone = MountEntry {
+            mount_point: "/no/such/path".into(),
+            ..proc_mount.clone()
+        };
+        assert!(!gone.reachable());
+    }
 
     const SAMPLE: &str = "\
 22 1 254:0 / / rw,relatime shared:1 - ext4 /dev/vda rw,discard

@@ -302,7 +302,12 @@ impl Controller {
                 if serves.is_none() {
                     continue;
                 }
-                if let Some(m) = mounts_of(&mounts, dev).first() {
+                // Frozen through a path that leads to its mount: one covered by a
+                // later mount would freeze that other filesystem instead.
+                if let Some(m) = mounts_of(&mounts, dev)
+                    .into_iter()
+                    .find(|m| self.sys.mounter.reachable(m))
+                {
                     if !mountpoints.contains(&m.mount_point) {
                         mountpoints.push(m.mount_point.clone());
                     }

@@ -68,8 +68,21 @@ impl Node {
             .device_size(&dev.device)
             .context(|| format!("sizing {}", dev.device.display()))?;
         let mounts = self.mounts()?;
-        let Some(m) = mounts_of(&mounts, &dev.device).into_iter().next().cloned() else {
+        let of_volume = mounts_of(&mounts, &dev.device);
+        if of_volume.is_empty() {
             return Ok(size); // block volume, or not mounted: nothing more to grow
+        }
+        // The tools that grow a filesystem take a path: one that leads to the
+        // volume's mount, not to whatever was mounted over it since.
+        let Some(m) = of_volume
+            .into_iter()
+            .find(|m| self.sys.mounter.reachable(m))
+            .cloned()
+        else {
+            return Err(Error::precondition(format!(
+                "volume {id} is mounted only where other mounts now cover it; \
+                 it cannot be grown online"
+            )));
         };
         self.grow_mounted(id, dev, &m, size)
     }

@@ -99,6 +99,10 @@ impl Mounter for LinuxMounter {
         crate::mountinfo::read()
     }
 
+    fn reachable(&self, m: &MountEntry) -> bool {
+        m.reachable()
+    }
+
     fn mount(&self, source: &Path, target: &Path, fstype: &str, opts: &MountOptions) -> Result<()> {
         let split = split_options(opts)?;
         valid_fstype(fstype, source)?;

@@ -348,3 +348,35 @@ fn a_group_whose_member_fails_to_freeze_leaves_nothing_frozen_and_copies_nothing
     let c = w.fake.counters();
     assert_eq!((c.freeze, c.thaw), (4, 3));
 }
+
+#[test]
+fn a_staged_image_covered_by_a_later_mount_is_frozen_through_a_path_that_leads_to_it() {
+    let w = World::new();
+    let id = w.create_staged("pvc-a");
+    let target = w.target("t");
+    w.publish(&id, &target, &ext4(), false).unwrap();
+    // A later mount at the staging path covers the volume's mount there: freezing
+    // through that path would freeze the other filesystem.
+    let other = w.tmp.path().join("other");
+    std::fs::create_dir(&other).unwrap();
+    w.sys
+        .mounter
+        .bind(&other, &w.staging(), &csi_sys::MountOptions::default())
+        .unwrap();
+    // The freeze fails: its error names the path it was asked to freeze.
+    w.fake
+        .fail_next(FakeOp::Freeze, || csi_sys::SysError::Unsupported {
+            what: "freezing (test)".into(),
+        });
+    let err = w
+        .c()
+        .create_snapshot("snap-1", &id, &BTreeMap::new())
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains(&target.display().to_string()), "{err}");
+    assert!(!err.contains(&w.staging().display().to_string()), "{err}");
+    assert!(
+        !w.fake.is_frozen(&w.staging()),
+        "the covering mount is not frozen"
+    );
+}

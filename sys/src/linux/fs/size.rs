@@ -48,15 +48,18 @@ pub(super) fn fs_size(device: &Path, fstype: &str) -> Result<u64> {
             ],
             |t| product(t, "dblocks", "blocksize"),
         ),
+        // `filesystem usage` asks the mount alone; `filesystem show` walks every
+        // btrfs mount of the node and fails when any one of them cannot be
+        // opened (one hidden under a later mount, say).
         (_, Some(mnt)) => tool_size(
             "btrfs",
             &[
                 "filesystem".as_ref(),
-                "show".as_ref(),
-                "--raw".as_ref(),
+                "usage".as_ref(),
+                "-b".as_ref(),
                 mnt.as_os_str(),
             ],
-            btrfs_show_size,
+            btrfs_usage_device_size,
         ),
         (_, None) => tool_size(
             "btrfs",
@@ -97,30 +100,31 @@ fn xfs_info_data_size(text: &str) -> Option<u64> {
     Some(value("bsize=")?.saturating_mul(value("blocks=")?))
 }
 
-/// Sum of the device sizes in `btrfs filesystem show --raw`
-/// (`devid 1 size 402653184 used 75497472 path /dev/loop0`).
-fn btrfs_show_size(text: &str) -> Option<u64> {
-    let sizes: Vec<u64> = text
-        .lines()
-        .filter(|l| l.trim_start().starts_with("devid"))
-        .filter_map(|l| {
-            let mut it = l.split_whitespace().skip_while(|t| *t != "size");
-            it.next()?;
-            it.next()?.parse().ok()
-        })
-        .collect();
-    (!sizes.is_empty()).then(|| sizes.iter().sum())
+/// The size of all the filesystem's devices in `btrfs filesystem usage -b`
+/// (`    Device size:\t\t 402653184` under `Overall:`).
+fn btrfs_usage_device_size(text: &str) -> Option<u64> {
+    text.lines()
+        .find_map(|l| l.trim_start().strip_prefix("Device size:"))?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
 }
 
-/// Where the filesystem on `device` is mounted, if it is (matched by source, which
-/// also works for btrfs's anonymous device numbers).
+/// Where the filesystem on `device` is mounted and can be reached, if it is
+/// (matched by source, which also works for btrfs's anonymous device numbers). A
+/// mount hidden under a later mount at or above its path is passed over: its path
+/// leads to another filesystem.
 fn mount_point_of(device: &Path) -> Result<Option<PathBuf>> {
     let real = std::fs::canonicalize(device).unwrap_or_else(|_| device.to_path_buf());
     let table = crate::mountinfo::read()?;
+    let reachable =
+        |e: &&crate::mountinfo::MountEntry| Path::new(&e.source) == real && e.reachable();
     Ok(table
         .iter()
-        .find(|e| e.root == Path::new("/") && Path::new(&e.source) == real)
-        .or_else(|| table.iter().find(|e| Path::new(&e.source) == real))
+        .filter(reachable)
+        .find(|e| e.root == Path::new("/"))
+        .or_else(|| table.iter().find(reachable))
         .map(|e| e.mount_point.clone()))
 }
 
@@ -148,8 +152,9 @@ mod tests {
         let xfs_info = "meta-data=/dev/loop0             isize=512    agcount=4, agsize=20480 blks\n         =                       sectsz=512   attr=2, projid32bit=1\ndata     =                       bsize=4096   blocks=81920, imaxpct=25\n         =                       sunit=0      swidth=0 blks\n";
         assert_eq!(xfs_info_data_size(xfs_info), Some(81920 * 4096));
         assert_eq!(xfs_info_data_size("nothing"), None);
-        let show = "Label: none  uuid: 0b1\n\tTotal devices 2 FS bytes used 144.00KiB\n\tdevid    1 size 402653184 used 75497472 path /dev/loop0\n\tdevid    2 size 100 used 0 path /dev/loop1\n";
-        assert_eq!(btrfs_show_size(show), Some(402653184 + 100));
-        assert_eq!(btrfs_show_size("Label: none"), None);
+        let usage = "Overall:\n    Device size:\t\t         314572800\n    Device allocated:\t\t          92274688\n    Device unallocated:\t\t         222298112\n    Device missing:\t\t                 0\n    Device slack:\t\t                 0\n";
+        assert_eq!(btrfs_usage_device_size(usage), Some(314572800));
+        assert_eq!(btrfs_usage_device_size("Overall:\n"), None);
+        assert_eq!(btrfs_usage_device_size("    Device size: 300MiB\n"), None);
     }
 }
