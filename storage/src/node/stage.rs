@@ -9,7 +9,7 @@ use csi_sys::{LoopDevice, LoopOptions, MountEntry, MountOptions};
 
 use super::group::apply_mount_group;
 use super::{devices, make_dir, Node, NodeRecord, BTRFS_LEAST_RESIZE};
-use crate::data::mounts_of;
+use crate::data::{mounts_of, shorten};
 use crate::error::{Context, Error, Result};
 use crate::failpoint;
 use crate::ids::VolumeId;
@@ -47,6 +47,15 @@ impl Node {
         )?;
         let (id, loc) = self.located(&req.volume_id)?;
         let cap = Self::check_capability(req.capability.as_ref(), &loc)?;
+        if let Some(fs) = context_fs(&req.volume_context) {
+            if !FILESYSTEMS.contains(&fs) {
+                return Err(Error::invalid(format!(
+                    "volume_context fsType {:?} is not supported; use one of {}",
+                    shorten(fs),
+                    FILESYSTEMS.join(", ")
+                )));
+            }
+        }
         let _guard = self.locks.try_lock([format!("node:{id}")])?;
         let (volume, loc) = self.lock_located(id)?;
         let to_stage = ToStage {
@@ -495,6 +504,14 @@ impl Node {
 /// chose (the volume context); None when it names none.
 fn named_fs(cap: &Capability, context: &BTreeMap<String, String>) -> Option<String> {
     cap.fs_type()
+        .or_else(|| context_fs(context))
         .map(String::from)
-        .or_else(|| context.get("fsType").cloned())
+}
+
+/// The filesystem the volume context names (as CreateVolume answered it), if any.
+fn context_fs(context: &BTreeMap<String, String>) -> Option<&str> {
+    context
+        .get("fsType")
+        .map(String::as_str)
+        .filter(|f| !f.is_empty())
 }

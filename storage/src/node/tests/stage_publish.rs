@@ -349,3 +349,26 @@ fn paths_inside_the_driver_or_the_system_are_refused() {
     }
     assert_eq!(w.fake.counters().bind, 0);
 }
+
+#[test]
+fn a_stage_whose_context_names_an_unknown_filesystem_is_refused_before_anything_is_done() {
+    let w = World::new();
+    let id = w.create("pvc-a", ext4());
+    let stage = |fs: &str| {
+        w.n().node_stage(crate::node::Stage {
+            volume_id: id.clone(),
+            staging_path: w.staging().display().to_string(),
+            capability: Some(mount_cap("", AccessMode::SingleNodeWriter)),
+            volume_context: [("fsType".to_string(), fs.to_string())].into(),
+        })
+    };
+    for bad in ["fz-2", "128", "ext4 ", "../xfs"] {
+        assert_eq!(kind(stage(bad)), Kind::InvalidArgument, "{bad:?}");
+    }
+    let c = w.fake.counters();
+    assert_eq!((c.attach, c.mkfs, c.mount), (0, 0, 0));
+    assert!(w.node_record(&id).is_none(), "nothing recorded as staged");
+    // An empty name names nothing: the stage takes the volume's own.
+    stage("").unwrap();
+    assert_eq!(w.mounts_at(&w.staging()), 1);
+}
