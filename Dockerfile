@@ -27,7 +27,7 @@ LABEL org.opencontainers.image.title="example-csi" \
       org.opencontainers.image.licenses="Apache-2.0"
 # util-linux: blkid, fsfreeze, findmnt, lsblk; mount: mount, umount,
 # losetup; e2fsprogs: mkfs.ext4, e2fsck, resize2fs; xfsprogs: mkfs.xfs,
-# xfs_growfs, xfs_admin; btrfs-progs: mkfs.btrfs, btrfs.
+# xfs_growfs, xfs_admin, xfs_spaceman, xfs_db; btrfs-progs: mkfs.btrfs, btrfs.
 RUN apt-get update \
     && apt-get install -y --no-install-recommends \
        util-linux \

@@ -980,7 +980,7 @@ root_cases! {
 /// A volume's filesystem is sized and grown through a mount its path leads to:
 /// here its staging mount is hidden under a tmpfs mounted over the staging
 /// path's parent (as when the directory above is mounted again after the stage),
-/// and the expansion goes through the published mount.
+/// and the expansion goes through the published mount, whose path is not ASCII.
 #[tokio::test]
 #[ignore = "needs root: loop devices and mounts"]
 async fn root_a_volume_grows_through_a_mount_its_path_leads_to() {
@@ -992,7 +992,7 @@ async fn root_a_volume_grows_through_a_mount_its_path_leads_to() {
                 .await;
         let cover = fx.pool.scratch(&format!("cover-{fs}"));
         let staging = cover.join("staging");
-        let target = fx.pool.scratch("pods").join(fs);
+        let target = fx.pool.scratch("pods").join(format!("{fs}-\u{fd}c"));
         std::fs::create_dir_all(&staging).unwrap();
         fx.c.stage_and_publish(&id, &staging, &target, &cap).await;
         sh("mount", &["-t", "tmpfs", "tmpfs", cover.to_str().unwrap()]);

@@ -1,5 +1,5 @@
-//! The size of a filesystem, read by its own tools (dumpe2fs, xfs_info, xfs_db,
-//! btrfs), and the parsers of their output.
+//! The size of a filesystem, read by its own tools (dumpe2fs, xfs_spaceman,
+//! xfs_db, btrfs), and the parsers of their output.
 
 use std::ffi::OsStr;
 use std::path::{Path, PathBuf};
@@ -35,7 +35,20 @@ pub(super) fn fs_size(device: &Path, fstype: &str) -> Result<u64> {
         ("ext4", _) => tool_size("dumpe2fs", &["-h".as_ref(), dev], |t| {
             product(t, "Block count", "Block size")
         }),
-        ("xfs", Some(mnt)) => tool_size("xfs_info", &[mnt.as_os_str()], xfs_info_data_size),
+        // What `xfs_info` runs for a mount, without the script around it: the
+        // script finds the mount point again with `findmnt`, which in the C
+        // locale escapes a path's non-ASCII bytes into one that does not exist.
+        ("xfs", Some(mnt)) => tool_size(
+            "xfs_spaceman",
+            &[
+                "-p".as_ref(),
+                "xfs_info".as_ref(),
+                "-c".as_ref(),
+                "info".as_ref(),
+                mnt.as_os_str(),
+            ],
+            xfs_info_data_size,
+        ),
         ("xfs", None) => tool_size(
             "xfs_db",
             &[
