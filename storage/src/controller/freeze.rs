@@ -35,7 +35,7 @@ use std::time::{Duration, Instant};
 use csi_sys::{file, Filesystems};
 
 use crate::cancel::{self, Token};
-use crate::data::mounts_of;
+use crate::data::reachable_mount_of;
 use crate::error::{Context, Error, Result};
 use crate::ids::VolumeId;
 use crate::state::{Domain, FreezeMarker};
@@ -304,10 +304,7 @@ impl Controller {
                 }
                 // Frozen through a path that leads to its mount: one covered by a
                 // later mount would freeze that other filesystem instead.
-                if let Some(m) = mounts_of(&mounts, dev)
-                    .into_iter()
-                    .find(|m| self.sys.mounter.reachable(m))
-                {
+                if let Some(m) = reachable_mount_of(self.sys.mounter.as_ref(), &mounts, dev) {
                     if !mountpoints.contains(&m.mount_point) {
                         mountpoints.push(m.mount_point.clone());
                     }

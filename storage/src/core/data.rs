@@ -5,7 +5,7 @@
 use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 
-use csi_sys::{btrfs, file, MountEntry};
+use csi_sys::{btrfs, file, MountEntry, Mounter};
 
 use crate::core::Core;
 use crate::error::{Context, Error, Result};
@@ -30,6 +30,18 @@ pub(crate) fn is_mount_of(m: &MountEntry, dev: &Path) -> bool {
 /// The mounts of a block device.
 pub(crate) fn mounts_of<'a>(mounts: &'a [MountEntry], dev: &Path) -> Vec<&'a MountEntry> {
     mounts.iter().filter(|m| is_mount_of(m, dev)).collect()
+}
+
+/// The first mount of `dev` whose path leads to it (not covered by a later
+/// mount): the one to hand a tool that takes a path (grow, freeze).
+pub(crate) fn reachable_mount_of<'a>(
+    mounter: &dyn Mounter,
+    mounts: &'a [MountEntry],
+    dev: &Path,
+) -> Option<&'a MountEntry> {
+    mounts
+        .iter()
+        .find(|m| is_mount_of(m, dev) && mounter.reachable(m))
 }
 
 /// A caller's string cut to a length fit for a message.

@@ -34,6 +34,18 @@ pub const K8S_PREFIX: &str = "csi.storage.k8s.io/";
 /// Filesystems a mount volume can carry.
 pub const FILESYSTEMS: [&str; 3] = ["ext4", "xfs", "btrfs"];
 
+/// Why the filesystem `fs` (named by the request's field `what`) cannot be made
+/// here, when it is not one of [`FILESYSTEMS`].
+pub fn unsupported_fs(what: &str, fs: &str) -> Option<String> {
+    (!FILESYSTEMS.contains(&fs)).then(|| {
+        format!(
+            "{what} {:?} is not supported; use one of {}",
+            crate::data::shorten(fs),
+            FILESYSTEMS.join(", ")
+        )
+    })
+}
+
 /// The CSI access modes. MULTI_NODE modes are parsed so that they can be refused with
 /// a clear message, and so that ValidateVolumeCapabilities can answer "not confirmed".
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -124,13 +136,8 @@ impl Capability {
             }
             _ => {}
         }
-        if let Some(fs) = self.fs_type() {
-            if !FILESYSTEMS.contains(&fs) {
-                return Some(format!(
-                    "fs_type {fs:?} is not supported; use one of {}",
-                    FILESYSTEMS.join(", ")
-                ));
-            }
+        if let Some(why) = self.fs_type().and_then(|fs| unsupported_fs("fs_type", fs)) {
+            return Some(why);
         }
         if let Access::Mount { mount_flags, .. } = &self.access {
             if let Some(bad) = mount_flags.iter().find(|f| !mount_flag_allowed(f)) {

@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use csi_sys::{btrfs, file, LoopDevice, MountEntry, SysError};
 
 use super::{Node, BTRFS_LEAST_RESIZE};
-use crate::data::mounts_of;
+use crate::data::{mounts_of, reachable_mount_of};
 use crate::error::{Context, Error, Result};
 use crate::ids::VolumeId;
 use crate::model::*;
@@ -68,16 +68,12 @@ impl Node {
             .device_size(&dev.device)
             .context(|| format!("sizing {}", dev.device.display()))?;
         let mounts = self.mounts()?;
-        let of_volume = mounts_of(&mounts, &dev.device);
-        if of_volume.is_empty() {
+        if mounts_of(&mounts, &dev.device).is_empty() {
             return Ok(size); // block volume, or not mounted: nothing more to grow
         }
         // The tools that grow a filesystem take a path: one that leads to the
         // volume's mount, not to whatever was mounted over it since.
-        let Some(m) = of_volume
-            .into_iter()
-            .find(|m| self.sys.mounter.reachable(m))
-            .cloned()
+        let Some(m) = reachable_mount_of(self.sys.mounter.as_ref(), &mounts, &dev.device).cloned()
         else {
             return Err(Error::precondition(format!(
                 "volume {id} is mounted only where other mounts now cover it; \

@@ -9,7 +9,7 @@ use csi_sys::{LoopDevice, LoopOptions, MountEntry, MountOptions};
 
 use super::group::apply_mount_group;
 use super::{devices, make_dir, Node, NodeRecord, BTRFS_LEAST_RESIZE};
-use crate::data::{mounts_of, shorten};
+use crate::data::mounts_of;
 use crate::error::{Context, Error, Result};
 use crate::failpoint;
 use crate::ids::VolumeId;
@@ -47,14 +47,10 @@ impl Node {
         )?;
         let (id, loc) = self.located(&req.volume_id)?;
         let cap = Self::check_capability(req.capability.as_ref(), &loc)?;
-        if let Some(fs) = context_fs(&req.volume_context) {
-            if !FILESYSTEMS.contains(&fs) {
-                return Err(Error::invalid(format!(
-                    "volume_context fsType {:?} is not supported; use one of {}",
-                    shorten(fs),
-                    FILESYSTEMS.join(", ")
-                )));
-            }
+        if let Some(why) = context_fs(&req.volume_context)
+            .and_then(|fs| unsupported_fs("volume_context fsType", fs))
+        {
+            return Err(Error::invalid(why));
         }
         let _guard = self.locks.try_lock([format!("node:{id}")])?;
         let (volume, loc) = self.lock_located(id)?;
