@@ -81,8 +81,9 @@ pub struct Args {
     /// Rounds per driver (with --compare at least 3: A B A B A B).
     #[arg(long, default_value_t = 3)]
     rounds: usize,
-    /// Volumes created and deleted at each concurrency by create-delete.
-    #[arg(long, default_value_t = 200)]
+    /// Volumes created and deleted at each concurrency by create-delete (enough
+    /// that a burst of many clients lasts long enough to measure on a busy machine).
+    #[arg(long, default_value_t = 1000)]
     count: usize,
     #[arg(long, value_delimiter = ',', default_value = "1,16,64")]
     concurrency: Vec<usize>,
@@ -95,6 +96,10 @@ pub struct Args {
     /// Data written before snapshotting (100Mi, 1Gi, 4Gi, ...).
     #[arg(long, value_delimiter = ',', default_value = "100Mi,1Gi,4Gi", value_parser = parse_size)]
     snapshot_sizes: Vec<i64>,
+    /// Restores and clones made from each snapshot in a round; their figures are
+    /// the round's median (one CreateSnapshot a size and round).
+    #[arg(long, default_value_t = 3, value_parser = clap::value_parser!(u32).range(1..))]
+    snapshot_repeats: u32,
     /// Volumes staged and published per kind by node.
     #[arg(long, default_value_t = 50)]
     node_volumes: usize,
@@ -310,7 +315,9 @@ async fn run_round(
             params: &args.snapshot_params,
             scratch: &args.scratch,
         };
-        scenarios::snapshot(t, &tag, &args.snapshot_sizes, &with, &mut out).await?;
+        let sizes = &args.snapshot_sizes;
+        let repeats = args.snapshot_repeats as usize;
+        scenarios::snapshot(t, &tag, sizes, repeats, &with, &mut out).await?;
     }
     ladder(t, args, &has, &tag, most, &mut out).await?;
     Ok(out)

@@ -486,30 +486,46 @@ async fn time_and_space<T>(
     (prefix, time, space): (&str, &str, &str),
     op: impl std::future::Future<Output = Result<T, Error>>,
 ) -> Result<T, Error> {
-    let before = pool.and_then(used_bytes);
-    let t0 = Instant::now();
-    let made = op.await?;
-    out.put(format!("{prefix}/{time}_ms"), ms(t0.elapsed()));
-    if let (Some(before), Some(after)) = (before, pool.and_then(used_bytes)) {
-        out.put(
-            format!("{prefix}/{space}_mib"),
-            (after as f64 - before as f64) / MIB as f64,
-        );
+    let (made, took, used) = timed_with_space(pool, op).await?;
+    out.put(format!("{prefix}/{time}_ms"), took);
+    if let Some(used) = used {
+        out.put(format!("{prefix}/{space}_mib"), used);
     }
     Ok(made)
 }
 
+/// What `op` made, the time it took (ms) and the space the pool lost to it (MiB,
+/// where the pool is known).
+async fn timed_with_space<T>(
+    pool: Option<&Path>,
+    op: impl std::future::Future<Output = Result<T, Error>>,
+) -> Result<(T, f64, Option<f64>), Error> {
+    let before = pool.and_then(used_bytes);
+    let t0 = Instant::now();
+    let made = op.await?;
+    let took = ms(t0.elapsed());
+    let used = match (before, pool.and_then(used_bytes)) {
+        (Some(before), Some(after)) => Some((after as f64 - before as f64) / MIB as f64),
+        _ => None,
+    };
+    Ok((made, took, used))
+}
+
 /// For each size: a staged and published volume holding that much data; time
-/// CreateSnapshot, a restore from it, and a clone of the volume, and the space each took.
+/// CreateSnapshot, then `repeats` restores from it and clones of the volume
+/// (a restore then a clone, both deleted before the next pair), and the space
+/// each took. A restore's and a clone's time is the median of their repeats,
+/// their space that of the first.
 pub async fn snapshot(
     t: &mut Target,
     tag: &str,
     sizes: &[i64],
+    repeats: usize,
     with: &Volumes<'_>,
     out: &mut Figures,
 ) -> Result<(), Error> {
     for &size in sizes {
-        snapshot_of(t, &format!("bench-snap-{tag}"), size, with, out).await?;
+        snapshot_of(t, &format!("bench-snap-{tag}"), size, repeats, with, out).await?;
     }
     Ok(())
 }
@@ -519,6 +535,7 @@ async fn snapshot_of(
     t: &mut Target,
     name: &str,
     size: i64,
+    repeats: usize,
     with: &Volumes<'_>,
     out: &mut Figures,
 ) -> Result<(), Error> {
@@ -550,26 +567,44 @@ async fn snapshot_of(
         });
         req
     };
-    let restore_req = from(
-        "r",
+    let restore =
         csi::volume_content_source::Type::Snapshot(csi::volume_content_source::SnapshotSource {
             snapshot_id: snap.snapshot_id.clone(),
-        }),
-    );
-    let clone_req = from(
-        "c",
+        });
+    let clone =
         csi::volume_content_source::Type::Volume(csi::volume_content_source::VolumeSource {
             volume_id: v.volume_id.clone(),
-        }),
-    );
-    let mut made = Vec::new();
-    for (what, req) in [("restore", restore_req), ("clone", clone_req)] {
-        let space = format!("{what}_space");
-        let op = create(&mut t.ctl, req);
-        made.push(time_and_space(pool, out, (&prefix, what, &space), op).await?);
+        });
+    let kinds = [("restore", "r", restore), ("clone", "c", clone)];
+    let mut times = vec![Vec::new(); kinds.len()];
+    for k in 0..repeats.max(1) {
+        let mut made = Vec::new();
+        for ((what, suffix, source), times) in kinds.iter().zip(&mut times) {
+            // The first of each keeps the name the scenario always gave it.
+            let suffix = if k == 0 {
+                suffix.to_string()
+            } else {
+                format!("{suffix}{k}")
+            };
+            let op = create(&mut t.ctl, from(&suffix, source.clone()));
+            let (vol, took, used) = timed_with_space(pool, op)
+                .await
+                .map_err(|e| format!("{what}: {e}"))?;
+            times.push(took);
+            // Space from the first repeat only: a volume deleted before a
+            // later one is measured may still be giving its blocks back.
+            if let (0, Some(used)) = (k, used) {
+                out.put(format!("{prefix}/{what}_space_mib"), used);
+            }
+            made.push(vol);
+        }
+        // Deleted before the next repeat: repeats of a large size would fill the pool.
+        for m in &made {
+            delete(&mut t.ctl, &m.volume_id).await?;
+        }
     }
-    for m in &made {
-        delete(&mut t.ctl, &m.volume_id).await?;
+    for ((what, _, _), times) in kinds.iter().zip(&times) {
+        out.put(format!("{prefix}/{what}_ms"), crate::report::median(times));
     }
     t.ctl
         .delete_snapshot(csi::DeleteSnapshotRequest {
