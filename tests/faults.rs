@@ -30,6 +30,7 @@ use tonic::Status;
 const FAILPOINTS_ENV: &str = "EXAMPLE_CSI_FAILPOINTS";
 const SIZE: i64 = 64 * MIB;
 const GROWN: i64 = 128 * MIB;
+const XFS_SIZE: i64 = 300 * MIB;
 
 /// One step of an operation sequence. Names are CSI request names (volumes,
 /// snapshots, groups) or, for ephemeral volumes, kubelet's volume handle.
@@ -93,6 +94,8 @@ struct Ctx {
     c: Clients,
     w: World,
     fp: String,
+    /// The filesystem of the volumes (ephemeral ones are ext4).
+    fs: &'static str,
 }
 
 fn code_of(r: &Result<(), Status>) -> String {
@@ -167,8 +170,19 @@ impl Ctx {
             .get(name)
             .unwrap_or_else(|| panic!("[{}] no volume {name} in the model", self.fp))
     }
-    fn cap() -> csi::VolumeCapability {
-        mount_cap("ext4", writer())
+    fn cap(&self) -> csi::VolumeCapability {
+        mount_cap(self.fs, writer())
+    }
+    /// The size volumes are made with: the smallest of their filesystem.
+    fn size(&self) -> i64 {
+        match self.fs {
+            "xfs" => XFS_SIZE,
+            _ => SIZE,
+        }
+    }
+    /// The size expansions take volumes to.
+    fn grown(&self) -> i64 {
+        self.size() + GROWN - SIZE
     }
     fn eph_handle(name: &str) -> String {
         format!("csi-eph-{name}")
@@ -182,7 +196,7 @@ impl Ctx {
     async fn step(&mut self, s: Step) -> Result<(), Status> {
         match s {
             Create(n) | Clone(n, _) | Restore(n, _) => {
-                let mut req = create_req(n, SIZE, Self::cap(), &[]);
+                let mut req = create_req(n, self.size(), self.cap(), &[]);
                 let mut data = None;
                 if let Clone(_, src) = s {
                     let v = self.vol(src);
@@ -220,12 +234,17 @@ impl Ctx {
                     "[{}] CreateVolume {n} answered another id",
                     self.fp
                 );
-                assert_eq!(v.capacity_bytes, SIZE, "[{}] capacity of {n}", self.fp);
+                assert_eq!(
+                    v.capacity_bytes,
+                    self.size(),
+                    "[{}] capacity of {n}",
+                    self.fp
+                );
                 self.w.vols.insert(
                     n.into(),
                     Vol {
                         id: v.volume_id,
-                        size: SIZE,
+                        size: self.size(),
                         data,
                         ..Default::default()
                     },
@@ -236,7 +255,7 @@ impl Ctx {
                 let st = self.staging(n);
                 self.c
                     .node
-                    .node_stage_volume(stage_req(&id, &st, Self::cap()))
+                    .node_stage_volume(stage_req(&id, &st, self.cap()))
                     .await?;
                 self.w.vols.get_mut(n).unwrap().staged = true;
             }
@@ -245,7 +264,7 @@ impl Ctx {
                 let (st, t) = (self.staging(n), self.target(n));
                 self.c
                     .node
-                    .node_publish_volume(publish_req(&id, &st, &t, Self::cap(), false))
+                    .node_publish_volume(publish_req(&id, &st, &t, self.cap(), false))
                     .await?;
                 self.w.vols.get_mut(n).unwrap().published = true;
             }
@@ -311,16 +330,21 @@ impl Ctx {
                     .controller_expand_volume(csi::ControllerExpandVolumeRequest {
                         volume_id: id,
                         capacity_range: Some(csi::CapacityRange {
-                            required_bytes: GROWN,
+                            required_bytes: self.grown(),
                             limit_bytes: 0,
                         }),
-                        volume_capability: Some(Self::cap()),
+                        volume_capability: Some(self.cap()),
                         ..Default::default()
                     })
                     .await?
                     .into_inner();
-                assert_eq!(r.capacity_bytes, GROWN, "[{}] expanded size", self.fp);
-                self.w.vols.get_mut(n).unwrap().size = GROWN;
+                assert_eq!(
+                    r.capacity_bytes,
+                    self.grown(),
+                    "[{}] expanded size",
+                    self.fp
+                );
+                self.w.vols.get_mut(n).unwrap().size = self.grown();
             }
             Modify(n) => {
                 let id = self.vol(n).id.clone();
@@ -457,7 +481,7 @@ impl Ctx {
                     .node_publish_volume(ephemeral_req(
                         &Self::eph_handle(n),
                         &t,
-                        Self::cap(),
+                        mount_cap("ext4", writer()),
                         &[("size", "64Mi")],
                     ))
                     .await?;
@@ -753,7 +777,7 @@ fn tail(s: &str) -> String {
     lines[lines.len().saturating_sub(60)..].join("\n")
 }
 
-async fn run_case(fp: &str, setup: &[Step], die: Step) {
+async fn run_case(fp: &str, fs: &'static str, setup: &[Step], die: Step) {
     require_root();
     let pool = Pool::new("xfs");
     pool.scratch("staging");
@@ -766,6 +790,7 @@ async fn run_case(fp: &str, setup: &[Step], die: Step) {
         c,
         w: World::default(),
         fp: fp.to_string(),
+        fs,
     };
     for s in setup {
         if let Err(e) = ctx.step(*s).await {
@@ -830,15 +855,19 @@ const LIVE2: [Step; 8] = [
     Write("v2"),
 ];
 
-/// Every failpoint's test. `$setup` is a slice expression of steps.
+/// Every failpoint's test. `$setup` is a slice expression of steps; the volumes
+/// are ext4 unless the row names another filesystem (`on "xfs"`).
 macro_rules! fault_tests {
-    ($($test:ident: $fp:literal, $setup:expr, $die:expr;)*) => {
+    ($($test:ident: $fp:literal $(on $fs:literal)?, $setup:expr, $die:expr;)*) => {
         $(
             #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
             #[ignore = "needs root: loop devices and mounts"]
             async fn $test() {
                 let setup: &[Step] = &$setup;
-                run_case($fp, setup, $die).await;
+                #[allow(unused_variables)]
+                let fs = "ext4";
+                $(let fs = $fs;)?
+                run_case($fp, fs, setup, $die).await;
             }
         )*
         /// The failpoints this file covers.
@@ -899,12 +928,19 @@ fault_tests! {
         [EphemeralPublish("e1"), Write("e1")], EphemeralUnpublish("e1");
     root_fault_restore_after_copy: "create-volume.after-copy",
         [Create("v1"), Stage("v1"), Publish("v1"), Write("v1"), Snapshot("s1", "v1")], Restore("r1", "s1");
+    // The first stage of an xfs restored from a mounted volume's snapshot replays
+    // its log by mounting it once; a kill then must not leave that mount behind.
+    root_fault_xfs_replay_mounted: "xfs.replay-mounted" on "xfs",
+        [Create("v1"), Stage("v1"), Publish("v1"), Write("v1"), Snapshot("s1", "v1"), Restore("r1", "s1")],
+        Stage("r1");
 }
 
-/// Every `failpoint::hit("...")` in the domain has a row in the matrix.
+/// Every `failpoint::hit("...")` in the domain, and every `failpoint("...")` of the
+/// system layer, has a row in the matrix.
 #[test]
 fn every_failpoint_is_tested() {
-    let mut dirs = vec![Path::new(env!("CARGO_MANIFEST_DIR")).join("storage/src")];
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut dirs = vec![root.join("storage/src"), root.join("sys/src")];
     let mut found = BTreeSet::new();
     while let Some(dir) = dirs.pop() {
         for e in std::fs::read_dir(&dir).unwrap().flatten() {
@@ -913,7 +949,8 @@ fn every_failpoint_is_tested() {
                 continue;
             }
             let text = std::fs::read_to_string(e.path()).unwrap();
-            for part in text.split("failpoint::hit(\"").skip(1) {
+            let calls = text.split("failpoint::hit(\"").skip(1);
+            for part in calls.chain(text.split("crate::failpoint(\"").skip(1)) {
                 if let Some(end) = part.find('"') {
                     found.insert(part[..end].to_string());
                 }

@@ -599,6 +599,177 @@ async fn root_a_stage_refused_for_a_foreign_mount_at_its_path_leaves_nothing_beh
     umount(&staging);
 }
 
+/// A volume staged again while another mount namespace still holds its filesystem
+/// (it was unstaged here while a container being started had copied the mount
+/// table): the filesystem is live, so no offline check or grow may touch it (fsck
+/// tools cannot see a mount in another namespace, and would repair a mounted
+/// filesystem, or refuse); the stage mounts it as it is, sharing the live
+/// filesystem, and the data is there. For ext4 and xfs.
+#[tokio::test]
+#[ignore = "needs root: loop devices and mounts"]
+async fn root_a_restage_while_another_namespace_holds_the_filesystem_mounts_it_as_it_is() {
+    let mut fx = fixture("xfs", &[]).await;
+    for (fs, size) in [("ext4", 64 * MIB), ("xfs", 300 * MIB)] {
+        let cap = mount_cap(fs, writer());
+        let id =
+            fx.c.create(&format!("pvc-live-{fs}"), size, cap.clone(), &[])
+                .await;
+        let staging = fx.pool.scratch(&format!("staging-live-{fs}"));
+        let target = fx.pool.scratch("pods").join(format!("live-{fs}"));
+        fx.c.stage_and_publish(&id, &staging, &target, &cap).await;
+        let data = pattern(1024 * 1024, 9);
+        write_synced(&target.join("keep"), &data);
+        fx.unpublish(&id, &target).await.unwrap();
+        let holder = NamespaceHolder::start();
+        fx.unstage(&id, &staging).await.unwrap();
+        assert_eq!(
+            fx.volume_loops().len(),
+            1,
+            "{fs}: the held device stays attached"
+        );
+
+        fx.stage(&id, &staging, &cap)
+            .await
+            .unwrap_or_else(|e| panic!("{fs}: the restage: {e:?}"));
+        assert_eq!(std::fs::read(staging.join("keep")).unwrap(), data, "{fs}");
+        drop(holder);
+        fx.unstage(&id, &staging).await.unwrap();
+        fx.delete(&id).await;
+        assert!(
+            fx.volume_loops().is_empty(),
+            "{fs}: {:?}",
+            fx.volume_loops()
+        );
+    }
+}
+
+/// A process in a mount namespace of its own, private, holding a copy of every
+/// mount of the moment it started (as a container runtime does while it starts a
+/// container); it ends on drop.
+struct NamespaceHolder(std::process::Child);
+
+impl NamespaceHolder {
+    fn start() -> NamespaceHolder {
+        let mut child = std::process::Command::new("unshare")
+            .args([
+                "--mount",
+                "--propagation",
+                "private",
+                "sh",
+                "-c",
+                "echo ready && exec sleep 600",
+            ])
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let out = child.stdout.take().unwrap();
+        let holder = NamespaceHolder(child);
+        let mut line = String::new();
+        std::io::BufRead::read_line(&mut std::io::BufReader::new(out), &mut line).unwrap();
+        assert_eq!(line.trim(), "ready");
+        holder
+    }
+}
+
+impl Drop for NamespaceHolder {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// A volume unstaged while another mount namespace still held its filesystem (a
+/// container started at that moment copies the mount table) keeps its loop device
+/// with a deferred detach. Staged again, that device is held to the image before
+/// the mount: when the other namespace lets go in between (forced here inside the
+/// stage, after the attach step) the device stays the volume's, and a second
+/// volume staged meanwhile gets a device of its own, instead of the first volume's
+/// number with its own filesystem, which the first stage would then have mounted.
+#[tokio::test]
+#[ignore = "needs root: loop devices and mounts"]
+async fn root_a_restage_keeps_a_device_whose_detach_was_deferred() {
+    require_root();
+    let pool = Pool::new("xfs");
+    // Stages 1 and 2 (both of the first volume) wait at the attach step.
+    let driver = Driver::start_with_env(
+        &pool,
+        &[],
+        &[(FAILPOINTS, "stage.after-attach=2*sleep(1500)")],
+    );
+    let c = driver.clients().await;
+    let mut fx = Fx { pool, driver, c };
+    let cap = ext4();
+    let id =
+        fx.c.create("pvc-deferred", 64 * MIB, cap.clone(), &[])
+            .await;
+    let other = fx.c.create("pvc-other", 64 * MIB, cap.clone(), &[]).await;
+    let staging = fx.pool.scratch("staging-deferred");
+    let staging2 = fx.pool.scratch("staging-other");
+    let target = fx.pool.scratch("pods").join("deferred");
+    fx.c.stage_and_publish(&id, &staging, &target, &cap).await;
+    let data = pattern(1024 * 1024, 7);
+    write_synced(&target.join("keep"), &data);
+    fx.unpublish(&id, &target).await.unwrap();
+
+    // Another mount namespace holds the staged filesystem; the unstage here
+    // leaves its device to detach itself once that namespace lets go.
+    let holder = NamespaceHolder::start();
+    fx.unstage(&id, &staging).await.unwrap();
+    let devices = fx.volume_loops();
+    assert_eq!(
+        devices.len(),
+        1,
+        "the held device is still attached: {devices:?}"
+    );
+    let dev = devices[0].trim_start_matches("/dev/").to_string();
+    let autoclear = format!("/sys/block/{dev}/loop/autoclear");
+    assert_eq!(std::fs::read_to_string(&autoclear).unwrap().trim(), "1");
+
+    // Stage again; while it waits after the attach step, the other namespace
+    // goes and the second volume is staged.
+    let mut node = fx.c.node.clone();
+    let req = stage_req(&id, &staging, cap.clone());
+    let restage = tokio::spawn(async move { node.node_stage_volume(req).await.map(drop) });
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+    drop(holder);
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    fx.stage(&other, &staging2, &cap).await.unwrap();
+    restage.await.unwrap().expect("the restage succeeds");
+
+    assert_eq!(
+        std::fs::read_to_string(&autoclear).unwrap().trim(),
+        "0",
+        "the device is held to its image"
+    );
+    let backing = |path: &Path| {
+        let m = csi_sys::mountinfo::read()
+            .unwrap()
+            .into_iter()
+            .find(|m| m.mount_point == path)
+            .unwrap_or_else(|| panic!("nothing mounted at {}", path.display()));
+        let n = m.source.trim_start_matches("/dev/").to_string();
+        std::fs::read_to_string(format!("/sys/block/{n}/loop/backing_file"))
+            .unwrap()
+            .trim()
+            .to_string()
+    };
+    assert!(
+        backing(&staging).ends_with(&format!("{id}.img")),
+        "{}",
+        backing(&staging)
+    );
+    assert!(
+        backing(&staging2).ends_with(&format!("{other}.img")),
+        "{}",
+        backing(&staging2)
+    );
+    assert_eq!(std::fs::read(staging.join("keep")).unwrap(), data);
+    fx.unstage(&id, &staging).await.unwrap();
+    fx.unstage(&other, &staging2).await.unwrap();
+    fx.delete(&id).await;
+    fx.delete(&other).await;
+}
+
 #[tokio::test]
 #[ignore = "needs root: loop devices and mounts"]
 async fn root_volume_mount_group_gives_group_and_setgid() {

@@ -22,6 +22,7 @@ impl Driver {
     /// Opens the core and the domains of `cfg.controller` and `cfg.node`. The
     /// driver answers Probe as ready only after this returns.
     pub fn open(cfg: Config, sys: System) -> Result<Driver> {
+        csi_sys::set_failpoint_hook(crate::core::failpoint::hit);
         let core = Arc::new(Core::open(cfg, sys)?);
         // The controller first: it thaws what a crash left frozen before the node
         // looks at its mounts.

@@ -39,6 +39,22 @@ use std::sync::Arc;
 pub use error::{Result, SysError};
 pub use mountinfo::MountEntry;
 
+/// The crash tests' hook, called by name at the points of this layer where a
+/// kill must leave nothing behind; the storage layer sets it to its failpoints.
+static FAILPOINT_HOOK: std::sync::OnceLock<fn(&str)> = std::sync::OnceLock::new();
+
+/// Sets the hook [`failpoint`] calls; the first setting stays.
+pub fn set_failpoint_hook(hook: fn(&str)) {
+    let _ = FAILPOINT_HOOK.set(hook);
+}
+
+/// Reaches the named point: the hook decides (crash, pause or nothing).
+pub(crate) fn failpoint(name: &str) {
+    if let Some(hook) = FAILPOINT_HOOK.get() {
+        hook(name);
+    }
+}
+
 /// Options of a mount made by [`Mounter::mount`] or [`Mounter::bind`].
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct MountOptions {
@@ -112,6 +128,14 @@ pub trait Loops: Send + Sync {
     /// none is free) and return it. After a failed attach the implementation looks the
     /// file up before retrying, so an attach that the kernel did finish is not doubled.
     fn attach(&self, backing: &Path, opts: LoopOptions) -> Result<LoopDevice>;
+    /// Makes sure `device`, found serving `backing`, goes on serving it until it
+    /// is detached on purpose, before it is used again: a device a detach left
+    /// marked to detach itself once released (see [`Loops::detach`]) loses the
+    /// mark, or its number could serve another file by the time it is mounted.
+    /// False when it no longer serves `backing` (then attach another).
+    fn keep(&self, device: &Path, backing: &Path) -> Result<bool> {
+        Ok(self.serving(device, backing)?.is_some())
+    }
     fn detach(&self, device: &Path) -> Result<()>;
     /// Re-read the backing file's size (LOOP_SET_CAPACITY).
     fn refresh_capacity(&self, device: &Path) -> Result<()>;
@@ -178,6 +202,13 @@ pub trait Filesystems: Send + Sync {
     fn stats(&self, path: &Path) -> Result<FsStats>;
     /// Size in bytes of a block device (BLKGETSIZE64).
     fn device_size(&self, device: &Path) -> Result<u64>;
+    /// Whether a live filesystem (or another exclusive user) holds `device`: one
+    /// mounted here, or only in another mount namespace where no mount table of
+    /// ours shows it. Such a filesystem is never checked or grown offline.
+    fn held(&self, device: &Path) -> Result<bool> {
+        let _ = device;
+        Ok(false)
+    }
 }
 
 /// The system layer as the domain sees it.

@@ -313,7 +313,14 @@ impl Node {
         let from_template = crate::fresh::fresh_filesystem(&dev.backing_file);
         let (fs_type, fresh) = self.filesystem_of(id, dev, cap, context, from_template.clone())?;
         failpoint::hit("stage.after-mkfs");
-        if !fresh {
+        // Still live in another mount namespace (unstaged here while a container
+        // being started held a copy of the mount table): no offline check or grow
+        // may touch it; the mount below shares that filesystem as it is.
+        let live = !fresh && self.sys.fs.held(&dev.device).unwrap_or(false);
+        if live {
+            tracing::warn!(volume.id = %id, device = %dev.device.display(), "the volume's filesystem is still mounted in another mount namespace: mounted as it is, without a check");
+        }
+        if !fresh && !live {
             self.heavy(|| self.sys.fs.check(&dev.device, &fs_type))?
                 .context(|| format!("checking the {fs_type} filesystem of volume {id}"))?;
             if fs_type == "ext4" && self.grows_at_stage(&dev.device, &fs_type) {
@@ -433,7 +440,20 @@ impl Node {
         }
         crate::core::blank::make_durable(image)?;
         let settings = recorded_settings(image)?;
-        let dev = match devices.iter().find(|d| !d.read_only).cloned() {
+        // A device found attached is held to the image first: one whose detach
+        // was deferred (it was mounted in another mount namespace too) would
+        // otherwise go, and its number serve another volume, before the mount.
+        let found = devices.iter().find(|d| !d.read_only);
+        let kept = match found {
+            Some(d) => self
+                .sys
+                .loops
+                .keep(&d.device, image)
+                .context(|| format!("holding {} to {}", d.device.display(), image.display()))?
+                .then(|| d.clone()),
+            None => None,
+        };
+        let dev = match kept {
             Some(d) => d,
             None => self
                 .sys

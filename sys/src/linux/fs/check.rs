@@ -5,9 +5,7 @@ use std::path::Path;
 
 use super::{supported, LinuxFilesystems};
 use crate::cmd;
-use crate::error::Result;
-use crate::linux::LinuxMounter;
-use crate::{MountOptions, Mounter};
+use crate::error::{Result, SysError};
 
 impl LinuxFilesystems {
     pub(super) fn check_fs(&self, device: &Path, fstype: &str) -> Result<()> {
@@ -37,48 +35,58 @@ impl LinuxFilesystems {
         }
     }
 
-    /// `xfs_repair -n`. With -n a dirty log is ignored and the check reports
-    /// spurious damage; replaying the log (mounting once) first gives a real answer.
+    /// `xfs_repair -n`. With -n a log holding changes is not replayed, and the
+    /// check reports damage that is none: the "valuable metadata changes in a log"
+    /// it names, or, before it even looks at the log, a primary superblock that
+    /// disagrees with the others (a grow whose new size is in the log, copied by a
+    /// snapshot or clone, or cut short by a crash, has written the other
+    /// superblocks already). So after a first failure the log is replayed (the
+    /// filesystem made once, see `replay_xfs_log`) and the check runs again; its
+    /// answer is the check's. A filesystem that cannot be made to replay keeps the
+    /// first answer.
     fn xfs_repair_check(&self, device: &Path) -> Result<()> {
         let args: [&OsStr; 2] = ["-n".as_ref(), device.as_os_str()];
-        let mut replayed = false;
-        loop {
-            let out = cmd::run_unchecked("xfs_repair", &args, self.timeout())?;
-            if out.status.success() {
-                return Ok(());
-            }
-            let stderr = String::from_utf8_lossy(&out.stderr);
-            if !replayed && stderr.contains("valuable metadata changes in a log") {
-                self.replay_xfs_log(device)?;
-                replayed = true;
-                continue;
-            }
-            return Err(cmd::command_error("xfs_repair", &args, &out));
+        let out = cmd::run_unchecked("xfs_repair", &args, self.timeout())?;
+        if out.status.success() {
+            return Ok(());
         }
+        let first = cmd::command_error("xfs_repair", &args, &out);
+        if let Err(e) = self.replay_xfs_log(device) {
+            tracing::warn!(device = %device.display(), error = %e, "the xfs log could not be replayed");
+            return Err(first);
+        }
+        let out = cmd::run_unchecked("xfs_repair", &args, self.timeout())?;
+        if out.status.success() {
+            return Ok(());
+        }
+        Err(cmd::command_error("xfs_repair", &args, &out))
     }
 
-    /// Replay the log of an unmounted xfs by mounting it once (nouuid, since its
-    /// source may be mounted with the same UUID) on a temporary folder.
+    /// Replays the log of an unmounted xfs by making its filesystem once (nouuid,
+    /// since its source may be mounted with the same UUID) through the new mount
+    /// API, attached nowhere: no process sees a mount, nothing is left in any
+    /// mount table or directory, and the filesystem is put away cleanly when its
+    /// descriptor closes, here or, should the driver be killed in between, at the
+    /// process's end. (A mount on a directory, left behind by a kill, held the
+    /// volume's device and refused every later stage of the volume.)
     fn replay_xfs_log(&self, device: &Path) -> Result<()> {
-        use std::sync::atomic::{AtomicU64, Ordering};
-        static SEQ: AtomicU64 = AtomicU64::new(0);
-        let dir = std::env::temp_dir().join(format!(
-            ".csi-sys-xfs-replay-{}-{}",
-            std::process::id(),
-            SEQ.fetch_add(1, Ordering::Relaxed)
-        ));
-        crate::file::mkdir_p_mode(&dir, 0o700)?;
-        tracing::info!(device = %device.display(), "replaying the xfs log before changing its UUID");
-        let opts = MountOptions {
-            read_only: false,
-            flags: vec!["nouuid".to_string()],
+        use rustix::mount::FsOpenFlags;
+        use rustix::mount::{fsconfig_create, fsconfig_set_flag, fsconfig_set_string, fsopen};
+        tracing::info!(device = %device.display(), "replaying the xfs log before checking it");
+        let failed = |what: &str, e: rustix::io::Errno| {
+            SysError::syscall(
+                format!("{what} in the xfs log replay of {}", device.display()),
+                device,
+                e.raw_os_error(),
+            )
         };
-        let res = LinuxMounter
-            .mount(device, &dir, "xfs", &opts)
-            .and_then(|()| LinuxMounter.unmount(&dir));
-        if let Err(e) = std::fs::remove_dir(&dir) {
-            tracing::warn!(dir = %dir.display(), error = %e, "could not remove the replay folder");
-        }
-        res
+        let fs = fsopen("xfs", FsOpenFlags::FSOPEN_CLOEXEC).map_err(|e| failed("fsopen", e))?;
+        fsconfig_set_string(&fs, "source", device).map_err(|e| failed("fsconfig source", e))?;
+        fsconfig_set_flag(&fs, "nouuid").map_err(|e| failed("fsconfig nouuid", e))?;
+        // The log is replayed as the filesystem is made.
+        fsconfig_create(&fs).map_err(|e| failed("fsconfig create", e))?;
+        crate::failpoint("xfs.replay-mounted");
+        drop(fs);
+        Ok(())
     }
 }

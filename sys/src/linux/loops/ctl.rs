@@ -16,6 +16,7 @@ pub(super) const LOOP_CONTROL: &str = "/dev/loop-control";
 const LO_NAME_SIZE: usize = 64;
 
 const LO_FLAGS_READ_ONLY: u32 = 1;
+const LO_FLAGS_AUTOCLEAR: u32 = 4;
 const LO_FLAGS_DIRECT_IO: u32 = 16;
 
 /// The ioctl type of the loop driver's requests.
@@ -185,6 +186,34 @@ pub(super) fn set_capacity(dev: &File) -> std::result::Result<(), Errno> {
 pub(super) fn set_direct_io(dev: &File, on: bool) -> std::result::Result<(), Errno> {
     // SAFETY: LOOP_SET_DIRECT_IO takes its argument by value.
     unsafe { loop_set_direct_io(dev.as_raw_fd(), on.into()) }.map(drop)
+}
+
+/// Whether the device open as `dev` serves the file `identity` (st_dev, st_ino);
+/// if it does and is marked to detach itself once released (LO_FLAGS_AUTOCLEAR),
+/// the mark is cleared, so it serves that file until it is detached on purpose.
+/// The open descriptor keeps the kernel from tearing the device down meanwhile.
+/// False for a device that serves another file, or none.
+pub(super) fn keep_serving(dev: &File, identity: (u64, u64)) -> std::result::Result<bool, Errno> {
+    let mut info = LoopInfo64::zeroed();
+    // SAFETY: LOOP_GET_STATUS64 writes a loop_info64 through the pointer, which
+    // outlives the call.
+    match unsafe { loop_get_status64(dev.as_raw_fd(), &mut info) } {
+        Ok(_) => {}
+        Err(Errno::ENXIO) => return Ok(false),
+        Err(e) => return Err(e),
+    }
+    if (info.lo_device, info.lo_inode) != identity {
+        return Ok(false);
+    }
+    if info.lo_flags & LO_FLAGS_AUTOCLEAR != 0 {
+        // SET_STATUS64 takes autoclear (and partscan) from the flags given and
+        // keeps the device's other flags; offset and size limit are the device's.
+        info.lo_flags &= !LO_FLAGS_AUTOCLEAR;
+        // SAFETY: LOOP_SET_STATUS64 reads a loop_info64 through the pointer, which
+        // outlives the call.
+        unsafe { loop_set_status64(dev.as_raw_fd(), &info) }?;
+    }
+    Ok(true)
 }
 
 /// (st_dev, st_ino) of the backing file of an attached loop device, from

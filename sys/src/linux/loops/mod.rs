@@ -136,6 +136,31 @@ impl Loops for LinuxLoops {
         }
     }
 
+    fn keep(&self, device: &Path, backing: &Path) -> Result<bool> {
+        use std::os::unix::fs::MetadataExt;
+        let Ok(meta) = std::fs::metadata(backing) else {
+            return Ok(false);
+        };
+        let dev = match open_device(device, false, false) {
+            Ok(f) => f,
+            Err(e) if matches!(e.raw_os_error(), Some(libc::ENOENT) | Some(libc::ENXIO)) => {
+                return Ok(false)
+            }
+            Err(e) => return Err(e),
+        };
+        ctl::keep_serving(&dev, (meta.dev(), meta.ino())).map_err(|e| {
+            SysError::syscall(
+                format!(
+                    "keeping {} attached to {}",
+                    device.display(),
+                    backing.display()
+                ),
+                device,
+                e as i32,
+            )
+        })
+    }
+
     fn attach(&self, backing: &Path, opts: LoopOptions) -> Result<LoopDevice> {
         // A poisoned lock only means another attach panicked; the guarded data is ().
         let _guard = attach::ATTACH_LOCK
