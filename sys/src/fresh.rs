@@ -252,12 +252,29 @@ pub fn carries_uuid(image: &Path, fstype: &str, uuid: [u8; 16]) -> Result<bool> 
 
 /// Empties the never-mounted copy of a template at `image` (its length and
 /// attributes kept), so that it is formatted at its first stage as a blank image.
+/// Its blocks are punched out, so its length never changes: a kill between a cut
+/// to nothing and a growth back (the way of a filesystem that cannot punch holes)
+/// would leave an image of no bytes, which no stage can format.
 pub fn discard(image: &Path) -> Result<()> {
+    use nix::fcntl::{fallocate, FallocateFlags};
     let f = open(image, true)?;
     let len = len_of(&f, image)?;
-    f.set_len(0)
-        .and_then(|()| f.set_len(len))
-        .map_err(|e| SysError::io("emptying", image, e))
+    if len == 0 {
+        return Ok(());
+    }
+    let punch = FallocateFlags::FALLOC_FL_PUNCH_HOLE | FallocateFlags::FALLOC_FL_KEEP_SIZE;
+    match fallocate(&f, punch, 0, len as i64) {
+        Ok(()) => Ok(()),
+        Err(nix::errno::Errno::EOPNOTSUPP) => f
+            .set_len(0)
+            .and_then(|()| f.set_len(len))
+            .map_err(|e| SysError::io("emptying", image, e)),
+        Err(e) => Err(SysError::errno(
+            "punching the blocks out of",
+            image,
+            e as i32,
+        )),
+    }
 }
 
 /// Where in the image an xfs filesystem's internal log starts, from its superblock.
@@ -572,6 +589,35 @@ fn crc32c(data: &[u8]) -> u32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A discarded image reads as zeros, keeps its length, holds no blocks, and
+    /// its length never moved (a kill at any moment leaves it whole-sized).
+    #[test]
+    fn discard_punches_the_blocks_out_and_keeps_the_length() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = tempfile::tempdir().unwrap();
+        let img = dir.path().join("copy.img");
+        std::fs::write(&img, vec![7u8; 4 << 20]).unwrap();
+        File::open(&img).unwrap().sync_all().unwrap();
+        let before = std::fs::metadata(&img).unwrap();
+        discard(&img).unwrap();
+        let after = std::fs::metadata(&img).unwrap();
+        assert_eq!(after.len(), 4 << 20);
+        assert_eq!(after.ino(), before.ino());
+        assert!(
+            after.blocks() < before.blocks() / 8,
+            "{} blocks left of {}",
+            after.blocks(),
+            before.blocks()
+        );
+        assert!(std::fs::read(&img).unwrap().iter().all(|b| *b == 0));
+        // Again, and on an empty file: nothing to do.
+        discard(&img).unwrap();
+        let empty = dir.path().join("empty.img");
+        std::fs::write(&empty, b"").unwrap();
+        discard(&empty).unwrap();
+        assert_eq!(std::fs::metadata(&empty).unwrap().len(), 0);
+    }
 
     #[test]
     fn crc32c_matches_the_standard_check_value() {

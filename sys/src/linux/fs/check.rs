@@ -59,6 +59,7 @@ impl LinuxFilesystems {
         if out.status.success() {
             return Ok(());
         }
+        tracing::warn!(device = %device.display(), before = %first, "xfs_repair -n fails after the log was replayed too");
         Err(cmd::command_error("xfs_repair", &args, &out))
     }
 
