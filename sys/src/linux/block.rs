@@ -20,6 +20,7 @@ nix::ioctl_read_bad!(blkraget, nix::request_code_none!(BLK, 99), libc::c_long);
 // The kernel declares it with size_t, which is 8 bytes on every 64-bit target,
 // and writes a u64.
 nix::ioctl_read!(blkgetsize64, BLK, 114, u64);
+nix::ioctl_none_bad!(blkflsbuf, nix::request_code_none!(BLK, 97));
 
 /// Open a device (close-on-exec, as std always does). `exclusive` adds O_EXCL,
 /// which on a block device fails with EBUSY while it is mounted.
@@ -66,6 +67,22 @@ pub(crate) fn set_read_ahead_kib(device: &Path, kib: u32) -> Result<()> {
     unsafe { blkraset(dev.as_raw_fd(), sectors) }
         .map(drop)
         .map_err(|e| SysError::syscall(what(), device, e as i32))
+}
+
+/// Drops what the page cache of the device holds (BLKFLSBUF): what a filesystem
+/// wrote to the device underneath it since is read afresh.
+pub(crate) fn drop_cache(device: &Path) -> Result<()> {
+    let dev = open_device(device, false, false)?;
+    // SAFETY: BLKFLSBUF takes no argument.
+    unsafe { blkflsbuf(dev.as_raw_fd()) }
+        .map(drop)
+        .map_err(|e| {
+            SysError::syscall(
+                format!("drop the page cache of {}", device.display()),
+                device,
+                e as i32,
+            )
+        })
 }
 
 /// The read-ahead of the device in KiB (BLKRAGET).

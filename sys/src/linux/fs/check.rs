@@ -88,6 +88,21 @@ impl LinuxFilesystems {
         fsconfig_create(&fs).map_err(|e| failed("fsconfig create", e))?;
         crate::failpoint("xfs.replay-mounted");
         drop(fs);
-        Ok(())
+        // The kernel puts the filesystem away once its descriptor is closed, and
+        // lets go of the device only then, which may be a moment later: the next
+        // check must not read the device before. Then the device's page cache,
+        // which still holds what the first check read, is dropped: the
+        // filesystem wrote underneath it.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        loop {
+            match crate::linux::block::open_device(device, false, true) {
+                Ok(_) => break,
+                Err(e) if e.is_busy() && std::time::Instant::now() < deadline => {
+                    std::thread::sleep(std::time::Duration::from_millis(5));
+                }
+                Err(e) => return Err(e),
+            }
+        }
+        crate::linux::block::drop_cache(device)
     }
 }
