@@ -12,7 +12,9 @@
 //!
 //! The same soak runs on the two processes of the central deployment: a
 //! controller (`--mode controller`) and a node plugin (`--mode node`) on one pool
-//! and one state dir, each SIGKILLed at random moments.
+//! and one state dir, each SIGKILLed at random moments; and on a btrfs pool with
+//! every kind of volume mixed: images with ext4, xfs and btrfs, raw block volumes
+//! and directory volumes (subvolumes), each restored and cloned as its own kind.
 //!
 //! Parameters (environment): SOAK_OPS (2000), SOAK_CLIENTS (8), SOAK_KILLS (5),
 //! SOAK_REBOOTS (1), SOAK_SEED (random). The full run is
@@ -43,10 +45,71 @@ fn env_or(name: &str, default: u64) -> u64 {
         .unwrap_or(default)
 }
 
+/// What a soak volume is: how it is made, staged, published, written and read.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+enum Kind {
+    #[default]
+    Ext4,
+    Xfs,
+    Btrfs,
+    Block,
+    Dir,
+}
+
+impl Kind {
+    fn cap(self) -> csi::VolumeCapability {
+        match self {
+            Kind::Ext4 => mount_cap("ext4", writer()),
+            Kind::Xfs => mount_cap("xfs", writer()),
+            Kind::Btrfs => mount_cap("btrfs", writer()),
+            Kind::Block => block_cap(writer()),
+            Kind::Dir => mount_cap("", writer()),
+        }
+    }
+
+    fn params(self) -> &'static [(&'static str, &'static str)] {
+        match self {
+            Kind::Dir => &[("kind", "dir")],
+            _ => &[],
+        }
+    }
+
+    /// The size a new volume asks for: the smallest its filesystem is made on.
+    fn base(self) -> i64 {
+        match self {
+            Kind::Xfs => 300 * MIB,
+            Kind::Btrfs => 128 * MIB,
+            _ => 64 * MIB,
+        }
+    }
+
+    /// The largest size expansions take it to; a clone or restore asks for it, as
+    /// the biggest its source may have.
+    fn max(self) -> i64 {
+        self.base() + 192 * MIB
+    }
+
+    /// Kept in an image file (attached to a loop device when staged).
+    fn is_image(self) -> bool {
+        self != Kind::Dir
+    }
+}
+
+/// The pool and the volumes of one soak.
+#[derive(Clone, Copy, Debug)]
+struct Setup {
+    /// The central deployment's two processes instead of one.
+    split: bool,
+    pool_fs: &'static str,
+    /// New volumes take one of these at random.
+    kinds: &'static [Kind],
+}
+
 #[derive(Clone, Debug, Default)]
 struct Vol {
     name: String,
     id: String,
+    kind: Kind,
     size: i64,
     staged: bool,
     published: bool,
@@ -56,6 +119,7 @@ struct Vol {
 #[derive(Clone, Debug)]
 struct Snap {
     id: String,
+    kind: Kind,
     data: Option<[u8; 32]>,
 }
 
@@ -70,6 +134,8 @@ struct Stats {
     reboots: AtomicU64,
     writes: AtomicU64,
     reads: AtomicU64,
+    /// Volumes made of each kind (clones and restores included).
+    made: Mutex<BTreeMap<String, u64>>,
 }
 
 struct Shared {
@@ -85,6 +151,7 @@ struct Shared {
     gate: tokio::sync::RwLock<()>,
     target_ops: u64,
     errors: Mutex<BTreeMap<String, u64>>,
+    kinds: &'static [Kind],
 }
 
 fn sha(b: &[u8]) -> [u8; 32] {
@@ -114,8 +181,31 @@ struct Client {
     epoch: usize,
 }
 
-fn cap() -> csi::VolumeCapability {
-    mount_cap("ext4", writer())
+/// Writes `bytes` at the start of a block device, after their length (4 bytes,
+/// little-endian), and syncs them.
+fn write_block(dev: &Path, bytes: &[u8]) -> std::io::Result<()> {
+    use std::io::Write;
+    let mut f = std::fs::OpenOptions::new().write(true).open(dev)?;
+    let mut buf = (bytes.len() as u32).to_le_bytes().to_vec();
+    buf.extend_from_slice(bytes);
+    f.write_all(&buf)?;
+    f.sync_all()
+}
+
+/// What `write_block` left on a device: None for a device never written (zeros),
+/// or one whose length is not one a soak writes.
+fn read_block(dev: &Path) -> Option<Vec<u8>> {
+    use std::io::Read;
+    let mut f = std::fs::File::open(dev).ok()?;
+    let mut len = [0u8; 4];
+    f.read_exact(&mut len).ok()?;
+    let len = u32::from_le_bytes(len) as usize;
+    if len == 0 || len > 1024 * 1024 {
+        return None;
+    }
+    let mut b = vec![0u8; len];
+    f.read_exact(&mut b).ok()?;
+    Some(b)
 }
 
 fn is_transient(s: &Status) -> bool {
@@ -229,28 +319,48 @@ impl Client {
         unreachable!()
     }
 
-    async fn create(&mut self, source: Option<csi::VolumeContentSource>, data: Option<[u8; 32]>) {
+    /// A new volume of `kind`, or of a kind picked at random when None; a clone or
+    /// restore (`source`) names its source's kind.
+    async fn create(
+        &mut self,
+        kind: Option<Kind>,
+        source: Option<csi::VolumeContentSource>,
+        data: Option<[u8; 32]>,
+    ) {
         self.seq += 1;
         let name = format!("soak-c{}-v{}", self.k, self.seq);
-        let mut req = create_req(&name, 64 * MIB, cap(), &[]);
+        let kind = kind.unwrap_or_else(|| {
+            let kinds = self.sh.kinds;
+            kinds[self.rng.random_range(0..kinds.len())]
+        });
+        let mut req = create_req(&name, kind.base(), kind.cap(), kind.params());
         let size = if let Some(src) = source {
             req.volume_content_source = Some(src);
             // A clone or restore is at least as big as its source: ask for the
             // biggest size a source may have.
-            req.capacity_range = csi_glue::capacity_at_least(256 * MIB);
-            256 * MIB
+            req.capacity_range = csi_glue::capacity_at_least(kind.max());
+            kind.max()
         } else {
-            64 * MIB
+            kind.base()
         };
         let v = retried!(self, "CreateVolume", ctl.create_volume(req))
             .volume
             .expect("volume");
         assert_eq!(v.volume_id, VolumeId::for_name(&name).to_string());
+        *self
+            .sh
+            .stats
+            .made
+            .lock()
+            .unwrap()
+            .entry(format!("{kind:?}"))
+            .or_default() += 1;
         self.vols.insert(
             name.clone(),
             Vol {
                 name,
                 id: v.volume_id,
+                kind,
                 size: v.capacity_bytes.max(size),
                 data,
                 ..Default::default()
@@ -259,7 +369,8 @@ impl Client {
     }
 
     async fn stage(&mut self, n: &str) {
-        let req = stage_req(&self.vols[n].id, self.staging(n), cap());
+        let v = &self.vols[n];
+        let req = stage_req(&v.id, self.staging(n), v.kind.cap());
         retried!(self, "NodeStageVolume", node.node_stage_volume(req));
         self.vols.get_mut(n).unwrap().staged = true;
     }
@@ -269,7 +380,7 @@ impl Client {
             &self.vols[n].id,
             self.staging(n),
             self.target(n),
-            cap(),
+            self.vols[n].kind.cap(),
             false,
         );
         retried!(self, "NodePublishVolume", node.node_publish_volume(req));
@@ -313,6 +424,7 @@ impl Client {
             name,
             Snap {
                 id: s.snapshot_id,
+                kind: v.kind,
                 data: v.data,
             },
         );
@@ -326,11 +438,11 @@ impl Client {
 
     async fn expand(&mut self, n: &str) {
         let v = self.vols[n].clone();
-        let want = (v.size + 64 * MIB).min(256 * MIB);
+        let want = (v.size + 64 * MIB).min(v.kind.max());
         let req = csi::ControllerExpandVolumeRequest {
             volume_id: v.id.clone(),
             capacity_range: csi_glue::capacity_at_least(want),
-            volume_capability: Some(cap()),
+            volume_capability: Some(v.kind.cap()),
             ..Default::default()
         };
         let r = retried!(
@@ -351,7 +463,12 @@ impl Client {
         let t = self.target(n);
         let k = self.k;
         let what = n.to_string();
+        let block = self.vols[n].kind == Kind::Block;
         tokio::task::spawn_blocking(move || {
+            if block {
+                return write_block(&t, &bytes)
+                    .unwrap_or_else(|e| panic!("soak client {k}: writing {what}: {e}"));
+            }
             let f = t.join("data");
             let tmp = t.join("data.new");
             std::fs::write(&tmp, &bytes)
@@ -367,10 +484,18 @@ impl Client {
     }
 
     async fn verify(&mut self, n: &str) {
-        let path = self.target(n).join("data");
-        let got = tokio::task::spawn_blocking(move || std::fs::read(path).ok().map(|b| sha(&b)))
-            .await
-            .expect("a soak read panicked");
+        let block = self.vols[n].kind == Kind::Block;
+        let t = self.target(n);
+        let got = tokio::task::spawn_blocking(move || {
+            let bytes = if block {
+                read_block(&t)
+            } else {
+                std::fs::read(t.join("data")).ok()
+            };
+            bytes.map(|b| sha(&b))
+        })
+        .await
+        .expect("a soak read panicked");
         let v = &self.vols[n];
         self.sh.stats.reads.fetch_add(1, Ordering::Relaxed);
         if got != v.data {
@@ -420,7 +545,7 @@ impl Client {
         let unstaged = self.vols_where(|v| !v.staged);
         let published = self.vols_where(|v| v.published);
         match roll {
-            0..=14 if self.vols.len() < 4 => self.create(None, None).await,
+            0..=14 if self.vols.len() < 4 => self.create(None, None, None).await,
             15..=34 => {
                 if let Some(n) = self.pick(unstaged.clone()) {
                     self.stage(&n).await;
@@ -452,7 +577,7 @@ impl Client {
                             csi::volume_content_source::SnapshotSource { snapshot_id: sn.id },
                         )),
                     };
-                    self.create(Some(src), sn.data).await;
+                    self.create(Some(sn.kind), Some(src), sn.data).await;
                 }
             }
             62..=67 if self.vols.len() < 5 => {
@@ -464,11 +589,11 @@ impl Client {
                             csi::volume_content_source::VolumeSource { volume_id: v.id },
                         )),
                     };
-                    self.create(Some(src), v.data).await;
+                    self.create(Some(v.kind), Some(src), v.data).await;
                 }
             }
             68..=73 => {
-                let small = self.vols_where(|v| v.size < 256 * MIB);
+                let small = self.vols_where(|v| v.size < v.kind.max());
                 if let Some(n) = self.pick(small) {
                     self.expand(&n).await;
                 }
@@ -660,6 +785,14 @@ async fn leaks(pool: &Pool, driver: &Driver, clients: &[Client]) -> Vec<String> 
     let snaps: Vec<&Snap> = clients.iter().flat_map(|c| c.snaps.values()).collect();
     let vol_ids: BTreeSet<String> = vols.iter().map(|v| v.id.clone()).collect();
     let snap_ids: BTreeSet<String> = snaps.iter().map(|s| s.id.clone()).collect();
+    // The name of each one's data in the pool: an image file, or a directory.
+    let in_pool = |id: &str, kind: Kind| {
+        if kind.is_image() {
+            format!("{id}.img")
+        } else {
+            id.to_string()
+        }
+    };
 
     // The driver's view.
     let c = driver.clients().await;
@@ -671,18 +804,17 @@ async fn leaks(pool: &Pool, driver: &Driver, clients: &[Client]) -> Vec<String> 
     diff(&mut out, "ListSnapshots", listed, snap_ids.clone());
 
     // The pool and the state dir.
-    let img = |ids: &BTreeSet<String>| ids.iter().map(|i| format!("{i}.img")).collect();
     diff(
         &mut out,
         "<pool>/volumes",
         names(&pool.path.join("volumes")),
-        img(&vol_ids),
+        vols.iter().map(|v| in_pool(&v.id, v.kind)).collect(),
     );
     diff(
         &mut out,
         "<pool>/snapshots",
         names(&pool.path.join("snapshots")),
-        img(&snap_ids),
+        snaps.iter().map(|s| in_pool(&s.id, s.kind)).collect(),
     );
     diff(
         &mut out,
@@ -734,7 +866,7 @@ async fn leaks(pool: &Pool, driver: &Driver, clients: &[Client]) -> Vec<String> 
     // Loop devices and mounts.
     let want_loops: BTreeSet<String> = vols
         .iter()
-        .filter(|v| v.staged)
+        .filter(|v| v.staged && v.kind.is_image())
         .map(|v| format!("{}/volumes/{}.img", pool.path.display(), v.id))
         .collect();
     let loops = loop_backings_below(&pool.path);
@@ -747,7 +879,8 @@ async fn leaks(pool: &Pool, driver: &Driver, clients: &[Client]) -> Vec<String> 
     let mut want_mounts = vec![pool.path.clone()];
     for cl in clients {
         for v in cl.vols.values() {
-            if v.staged {
+            // A raw block volume is attached at its stage, not mounted.
+            if v.staged && v.kind != Kind::Block {
                 want_mounts.push(cl.staging(&v.name));
             }
             if v.published {
@@ -784,7 +917,12 @@ async fn leaks(pool: &Pool, driver: &Driver, clients: &[Client]) -> Vec<String> 
 #[ignore = "needs root: loop devices and mounts"]
 async fn root_soak_mixed_operations_with_kills_and_reboots() {
     require_root();
-    soak(false).await;
+    soak(Setup {
+        split: false,
+        pool_fs: "xfs",
+        kinds: &[Kind::Ext4],
+    })
+    .await;
 }
 
 /// The central deployment's two processes on one pool and state dir, each killed
@@ -793,15 +931,36 @@ async fn root_soak_mixed_operations_with_kills_and_reboots() {
 #[ignore = "needs root: loop devices and mounts"]
 async fn root_soak_controller_and_node_processes_with_kills_of_either() {
     require_root();
-    soak(true).await;
+    soak(Setup {
+        split: true,
+        pool_fs: "xfs",
+        kinds: &[Kind::Ext4],
+    })
+    .await;
+}
+
+/// A btrfs pool with every kind of volume: images with each filesystem, raw
+/// block volumes and subvolumes, snapshotted, restored, cloned and grown under
+/// the same kills and reboots.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "needs root: loop devices and mounts"]
+async fn root_soak_btrfs_pool_with_every_kind_of_volume() {
+    require_root();
+    soak(Setup {
+        split: false,
+        pool_fs: "btrfs",
+        kinds: &[Kind::Ext4, Kind::Xfs, Kind::Btrfs, Kind::Block, Kind::Dir],
+    })
+    .await;
 }
 
 /// The soaks of this file run one after the other: each is timed, and each
 /// checks every loop device and mount below its own directories.
 static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-async fn soak(split: bool) {
+async fn soak(setup: Setup) {
     let _one = ONE_AT_A_TIME.lock().await;
+    let split = setup.split;
     let ops = env_or("SOAK_OPS", 2000);
     let nclients = env_or("SOAK_CLIENTS", 8) as usize;
     let kills = env_or("SOAK_KILLS", 5);
@@ -809,10 +968,11 @@ async fn soak(split: bool) {
     let seed = env_or("SOAK_SEED", rand::rng().random());
     eprintln!(
         "soak: ops={ops} clients={nclients} kills={kills} reboots={reboots} seed={seed} \
-         two_processes={split} (SOAK_SEED={seed} repeats the choices)"
+         two_processes={split} pool={} kinds={:?} (SOAK_SEED={seed} repeats the choices)",
+        setup.pool_fs, setup.kinds
     );
     let started = Instant::now();
-    let pool = Pool::with_size("xfs", "32G");
+    let pool = Pool::with_size(setup.pool_fs, "32G");
     let scratch = pool.scratch("soak");
     std::fs::create_dir_all(scratch.join("staging")).unwrap();
     std::fs::create_dir_all(scratch.join("pods")).unwrap();
@@ -826,6 +986,7 @@ async fn soak(split: bool) {
         gate: tokio::sync::RwLock::new(()),
         target_ops: ops,
         errors: Mutex::new(BTreeMap::new()),
+        kinds: setup.kinds,
     });
     let driver = Arc::new(Mutex::new(driver));
     let pool = Arc::new(pool);
@@ -936,7 +1097,7 @@ async fn soak(split: bool) {
                         csi::volume_content_source::SnapshotSource { snapshot_id: sn.id },
                     )),
                 };
-                c.create(Some(src), sn.data).await;
+                c.create(Some(sn.kind), Some(src), sn.data).await;
                 let n = format!("soak-c{}-v{}", c.k, c.seq);
                 c.stage(&n).await;
                 c.publish(&n).await;
@@ -1010,11 +1171,13 @@ async fn soak(split: bool) {
 
     let st = &sh.stats;
     let errors = sh.errors.lock().unwrap().clone();
+    let made = st.made.lock().unwrap().clone();
     println!(
-        "soak figures: two_processes={split} ops={} clients={nclients} kills={} (node plugin {}) reboots={} retries={} \
+        "soak figures: two_processes={split} pool={} ops={} clients={nclients} kills={} (node plugin {}) reboots={} retries={} \
          unexpected_errors={} writes={} reads={} leaks={} leaks_after_teardown={} \
-         mismatches={} volumes={nvols} snapshots={nsnaps} rss_after_run={} KiB \
+         mismatches={} volumes={nvols} snapshots={nsnaps} made={made:?} rss_after_run={} KiB \
          rss_idle_after_run={} KiB rss_fresh_start={} KiB run={run_secs:.0}s total={:.0}s seed={seed}",
+        setup.pool_fs,
         st.ops.load(Ordering::Relaxed),
         st.kills.load(Ordering::Relaxed),
         node_kills.load(Ordering::Relaxed),
@@ -1042,6 +1205,12 @@ async fn soak(split: bool) {
         "unexpected (non-retryable) errors, each distinct one with its count: {errors:#?}"
     );
     assert_eq!(st.mismatches.load(Ordering::Relaxed), 0, "data mismatches");
+    for k in setup.kinds {
+        assert!(
+            made.contains_key(&format!("{k:?}")),
+            "no {k:?} volume was made: {made:?}"
+        );
+    }
     assert!(leaked.is_empty(), "leaks after the run: {leaked:#?}");
     assert!(after.is_empty(), "leaks after teardown: {after:#?}");
     assert_eq!(st.kills.load(Ordering::Relaxed), kills);
