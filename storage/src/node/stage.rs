@@ -443,15 +443,15 @@ impl Node {
         // A device found attached is held to the image first: one whose detach
         // was deferred (it was mounted in another mount namespace too) would
         // otherwise go, and its number serve another volume, before the mount.
-        let found = devices.iter().find(|d| !d.read_only);
-        let kept = match found {
-            Some(d) => self
-                .sys
-                .loops
-                .keep(&d.device, image)
-                .context(|| format!("holding {} to {}", d.device.display(), image.display()))?
-                .then(|| d.clone()),
-            None => None,
+        let kept = match devices.iter().find(|d| !d.read_only) {
+            Some(d)
+                if self.sys.loops.keep(&d.device, image).context(|| {
+                    format!("holding {} to {}", d.device.display(), image.display())
+                })? =>
+            {
+                Some(d.clone())
+            }
+            _ => None,
         };
         let dev = match kept {
             Some(d) => d,

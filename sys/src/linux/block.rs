@@ -69,6 +69,16 @@ pub(crate) fn set_read_ahead_kib(device: &Path, kib: u32) -> Result<()> {
         .map_err(|e| SysError::syscall(what(), device, e as i32))
 }
 
+/// Whether something holds `device` exclusively (a filesystem on it, mounted in
+/// any mount namespace, or being put away): an exclusive open is refused (EBUSY).
+pub(crate) fn held(device: &Path) -> Result<bool> {
+    match open_device(device, false, true) {
+        Ok(_) => Ok(false),
+        Err(e) if e.is_busy() => Ok(true),
+        Err(e) => Err(e),
+    }
+}
+
 /// Drops what the page cache of the device holds (BLKFLSBUF): what a filesystem
 /// wrote to the device underneath it since is read afresh.
 pub(crate) fn drop_cache(device: &Path) -> Result<()> {

@@ -94,14 +94,16 @@ impl LinuxFilesystems {
         // which still holds what the first check read, is dropped: the
         // filesystem wrote underneath it.
         let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-        loop {
-            match crate::linux::block::open_device(device, false, true) {
-                Ok(_) => break,
-                Err(e) if e.is_busy() && std::time::Instant::now() < deadline => {
-                    std::thread::sleep(std::time::Duration::from_millis(5));
-                }
-                Err(e) => return Err(e),
+        while crate::linux::block::held(device)? {
+            if std::time::Instant::now() >= deadline {
+                return Err(SysError::Busy {
+                    what: format!(
+                        "{} is still held 10 s after its xfs log replay",
+                        device.display()
+                    ),
+                });
             }
+            std::thread::sleep(std::time::Duration::from_millis(5));
         }
         crate::linux::block::drop_cache(device)
     }

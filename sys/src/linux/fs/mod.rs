@@ -50,13 +50,8 @@ impl LinuxFilesystems {
 }
 
 impl Filesystems for LinuxFilesystems {
-    /// An exclusive open of the device: refused (EBUSY) while a filesystem has it.
     fn held(&self, device: &Path) -> Result<bool> {
-        match crate::linux::block::open_device(device, false, true) {
-            Ok(_) => Ok(false),
-            Err(e) if e.raw_os_error() == Some(libc::EBUSY) => Ok(true),
-            Err(e) => Err(e),
-        }
+        crate::linux::block::held(device)
     }
 
     fn probe(&self, device: &Path) -> Result<Option<String>> {
