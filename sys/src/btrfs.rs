@@ -119,27 +119,12 @@ fn delete_one(path: &Path) -> Result<()> {
 }
 
 /// Collect subvolume roots strictly below `dir`, parents before children. A
-/// subvolume root shows as a directory with inode 256; the placeholder a snapshot leaves for a nested subvolume is an
-/// ordinary empty directory and is not collected.
+/// subvolume root shows as a directory with inode 256; the placeholder a
+/// snapshot leaves for a nested subvolume is an ordinary empty directory and is
+/// not collected.
 fn find_nested_subvolumes(dir: &Path, out: &mut Vec<PathBuf>) -> Result<()> {
-    let mut stack = vec![dir.to_path_buf()];
-    while let Some(d) = stack.pop() {
-        let entries = std::fs::read_dir(&d).map_err(|e| SysError::io("read directory", &d, e))?;
-        for entry in entries {
-            let entry = entry.map_err(|e| SysError::io("read directory", &d, e))?;
-            let ft = entry
-                .file_type()
-                .map_err(|e| SysError::io("stat", entry.path(), e))?;
-            if !ft.is_dir() {
-                continue;
-            }
-            let p = entry.path();
-            if is_subvolume(&p) {
-                out.push(p.clone());
-            }
-            stack.push(p);
-        }
-    }
+    // The walk follows no link a pod may have left in its volume.
+    out.extend(crate::tree::directories_with_inode(dir, SUBVOL_ROOT_INO)?);
     Ok(())
 }
 

@@ -4,7 +4,8 @@
 //! `LC_ALL=C` (their output is parsed) and a PATH that includes the sbin folders
 //! where the filesystem tools live. Every run has a deadline: a command that hangs
 //! (a wedged device, a tool waiting for input) is killed with SIGKILL together with
-//! its process group and reaped, so that no RPC hangs forever.
+//! its process group and reaped, so that no RPC hangs forever. A command dies
+//! with the driver's process (the parent-death signal), never outliving it.
 
 use std::ffi::{OsStr, OsString};
 use std::io::Read;
@@ -151,6 +152,22 @@ pub fn run_unchecked<S: AsRef<OsStr>>(
         // Its own process group, so that a timeout kills helpers it started too
         // (they would otherwise keep our pipes open).
         .process_group(0);
+    // A command dies with the driver: one killed while mkfs runs must not leave
+    // it writing into a file the next start removes or reuses. The thread that
+    // spawns the command waits for it to end, so the signal never comes early.
+    let parent = nix::unistd::getpid();
+    // SAFETY: the closure runs in the child between fork and exec and makes
+    // only async-signal-safe system calls (prctl, getppid), allocating nothing.
+    unsafe {
+        cmd.pre_exec(move || {
+            nix::sys::prctl::set_pdeathsig(Signal::SIGKILL)?;
+            // The driver died before the signal was asked for.
+            if nix::unistd::getppid() != parent {
+                return Err(std::io::Error::from(std::io::ErrorKind::BrokenPipe));
+            }
+            Ok(())
+        });
+    }
     tracing::debug!(command = %line, "running");
     let started = Instant::now();
     let mut child = cmd.spawn().map_err(|e| SysError::io("spawn", &exe, e))?;

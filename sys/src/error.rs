@@ -190,6 +190,17 @@ impl SysError {
     pub fn is_invalid_argument(&self) -> bool {
         matches!(self, SysError::InvalidArgument { .. })
     }
+
+    /// The kernel answered EINVAL: it refuses the request as such (a setting
+    /// the device or filesystem does not allow), not a malformed argument of ours.
+    pub fn is_refused_by_kernel(&self) -> bool {
+        self.raw_os_error() == Some(libc::EINVAL)
+    }
+
+    /// EIO: the disk, or a filesystem that has shut down, fails the I/O.
+    pub fn is_io_failure(&self) -> bool {
+        self.raw_os_error() == Some(libc::EIO)
+    }
 }
 
 #[cfg(test)]

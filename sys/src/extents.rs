@@ -2,7 +2,8 @@
 //! physical extents (ioctl FS_IOC_FIEMAP), and a block-by-block comparison of two
 //! files. The SnapshotMetadata service builds its answers from these.
 
-use std::fs::File;
+/// An open file, as [`open_read`] gives it and the functions here take it.
+pub use std::fs::File;
 use std::io;
 use std::os::unix::fs::FileExt;
 use std::os::unix::io::AsRawFd;

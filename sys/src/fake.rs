@@ -365,10 +365,9 @@ impl Mounter for FakeMounter {
             source: source.to_string_lossy().into_owned(),
             super_options: std::iter::once(if read_only { "ro" } else { "rw" }.to_string())
                 .chain(
-                    split
-                        .data
-                        .split(',')
-                        .filter(|d| !d.is_empty())
+                    crate::linux::list_options(&split.data)
+                        .unwrap_or_default()
+                        .into_iter()
                         .map(str::to_string),
                 )
                 .collect(),

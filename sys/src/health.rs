@@ -9,7 +9,7 @@ use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
 use crate::cmd::{self, SHORT_TIMEOUT};
-use crate::error::Result;
+use crate::error::{Result, SysError};
 
 /// One error site ext4 keeps in its superblock (first and last error).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -123,20 +123,22 @@ fn parse_btrfs_device_stats(text: &str) -> Vec<BtrfsDeviceErrors> {
 /// Opens a directory and reads one entry: a filesystem that was shut down (xfs
 /// after a metadata I/O error or `xfs_io -x -c shutdown`) or whose disk fails
 /// answers EIO here, though statvfs still works.
-pub fn read_directory(dir: &Path) -> std::io::Result<()> {
-    let mut entries = std::fs::read_dir(dir)?;
+pub fn read_directory(dir: &Path) -> Result<()> {
+    let mut entries = std::fs::read_dir(dir).map_err(|e| SysError::io("list", dir, e))?;
     match entries.next() {
-        Some(Err(e)) => Err(e),
+        Some(Err(e)) => Err(SysError::io("list", dir, e)),
         _ => Ok(()),
     }
 }
 
 /// Reads the first bytes of a file (an image), so that a file whose blocks the
 /// disk cannot read, or that sits on a shut-down filesystem, shows as unreadable.
-pub fn read_file_start(file: &Path) -> std::io::Result<()> {
-    let mut f = std::fs::File::open(file)?;
+pub fn read_file_start(file: &Path) -> Result<()> {
+    let mut f = std::fs::File::open(file).map_err(|e| SysError::io("open", file, e))?;
     let mut buf = [0u8; 4096];
-    f.read(&mut buf).map(|_| ())
+    f.read(&mut buf)
+        .map(|_| ())
+        .map_err(|e| SysError::io("read", file, e))
 }
 
 /// What a loop device serves, compared with the file the volume's image is now.

@@ -1,12 +1,18 @@
-//! The system layer: every syscall and every external command the driver uses lives
-//! here, and nothing else does. Decisions belong to the domain (`csi-storage`).
+//! The system layer: every syscall and every external command of the domain
+//! lives here. The domain (`csi-storage`) reaches the kernel only through this
+//! crate and keeps the decisions; what the binary does for itself (its socket,
+//! signals, logging) and the mesh's network stay in their crates.
 //!
 //! Node-side operations whose outcome the domain must decide on (what is mounted,
 //! which loop device serves a file) sit behind the traits [`Mounter`], [`Loops`] and
 //! [`Filesystems`], with a Linux implementation ([`linux`]) and a stateful fake
-//! ([`fake`]) for unit tests of decisions. File operations on the pools (reflink,
-//! sparse copy, atomic writes) and btrfs subvolumes are plain functions in [`file`]
-//! and [`btrfs`]: they are tested against real filesystems.
+//! ([`fake`]) for unit tests of decisions. File operations on the pools (reflinks
+//! and sparse copies, crash-safe writes, filesystem figures: all reached through
+//! [`file`]), directory entries ([`dir`]), tree walks ([`tree`]), btrfs
+//! subvolumes ([`btrfs`]), cross-process locks ([`flock`]) and the hand-off
+//! socket ([`socket`]) are plain functions and types, tested against real
+//! filesystems; their file operations are recorded for the power-loss model
+//! ([`fsrecord`]) in the tests that ask for it.
 //!
 //! Syscalls go through nix (and mount/umount2 through `sys-mount`, extended
 //! attributes through `xattr`). What stays `unsafe` is the call of an ioctl that
@@ -18,6 +24,9 @@
 
 pub mod btrfs;
 pub mod cmd;
+mod copy;
+pub mod dir;
+mod durable;
 pub mod error;
 pub mod expedite;
 pub mod extents;
@@ -25,12 +34,15 @@ pub mod fake;
 pub mod file;
 pub mod flock;
 pub mod fresh;
+mod fsinfo;
 pub mod fsrecord;
 pub mod health;
+pub mod image_io;
 pub mod linux;
 pub mod memory;
 pub mod mountinfo;
 pub mod socket;
+pub mod tree;
 pub mod xattr;
 
 use std::path::{Path, PathBuf};

@@ -24,4 +24,4 @@ pub use fs::LinuxFilesystems;
 pub(crate) use loops::backing_identity;
 pub use loops::LinuxLoops;
 pub use mount::LinuxMounter;
-pub use options::{split_options, SplitOptions};
+pub use options::{list_options, split_options, SplitOptions};

@@ -1,6 +1,8 @@
 //! Mount option strings (`noatime`, `nodev,nosuid`, `discard`, `commit=30`) split
 //! into the per-mount flags of mount(2) and the filesystem's data string. The
 //! flags are `sys-mount`'s; `sys-mount` parses no option strings, so this does.
+//! A value in double quotes is one option whatever commas it holds, as an
+//! SELinux context's categories do (`context="system_u:object_r:t:s0:c0,c1"`).
 
 use sys_mount::MountFlags;
 
@@ -70,6 +72,29 @@ const MOUNT_KINDS: [&str; 13] = [
     "runbindable",
 ];
 
+/// The options of a comma-separated list, a quoted value kept whole; None when
+/// a quote is not closed.
+pub fn list_options(raw: &str) -> Option<Vec<&str>> {
+    let mut out = Vec::new();
+    let (mut start, mut quoted) = (0, false);
+    for (i, c) in raw.char_indices() {
+        match c {
+            '"' => quoted = !quoted,
+            ',' if !quoted => {
+                out.push(raw[start..i].trim());
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    if quoted {
+        return None;
+    }
+    out.push(raw[start..].trim());
+    out.retain(|o| !o.is_empty());
+    Some(out)
+}
+
 /// Split [`MountOptions`] into mount flags and the data string. Each entry of
 /// `flags` may itself be a comma-separated list. `read_only` wins over an `rw`
 /// flag. Flags that change what kind of mount this is (bind, remount, move,
@@ -83,7 +108,12 @@ pub fn split_options(opts: &MountOptions) -> Result<SplitOptions> {
                 what: format!("mount flag {raw:?} contains a NUL byte"),
             });
         }
-        for opt in raw.split(',').map(str::trim).filter(|o| !o.is_empty()) {
+        let Some(list) = list_options(raw) else {
+            return Err(SysError::InvalidArgument {
+                what: format!("mount flag {raw:?} opens a quote it does not close"),
+            });
+        };
+        for opt in list {
             if MOUNT_KINDS.contains(&opt) {
                 return Err(SysError::InvalidArgument {
                     what: format!(
@@ -143,6 +173,21 @@ mod tests {
         let s = split_options(&opts(false, &["lazytime", "sync"])).unwrap();
         assert_eq!(s.flags, LAZYTIME | MountFlags::SYNCHRONOUS);
         assert_eq!(LAZYTIME.bits(), nix::mount::MsFlags::MS_LAZYTIME.bits());
+    }
+
+    #[test]
+    fn a_quoted_value_is_one_option() {
+        let context = r#"context="system_u:object_r:container_file_t:s0:c0,c1""#;
+        let s = split_options(&opts(false, &[&format!("noatime,{context}"), "discard"])).unwrap();
+        assert_eq!(s.flags, MountFlags::NOATIME);
+        assert_eq!(s.data, format!("{context},discard"));
+        assert_eq!(
+            list_options(&format!("{context},nodev")),
+            Some(vec![context, "nodev"])
+        );
+        assert!(split_options(&opts(false, &[r#"context="a,b"#]))
+            .unwrap_err()
+            .is_invalid_argument());
     }
 
     #[test]
