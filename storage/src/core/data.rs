@@ -2,10 +2,9 @@
 //! or snapshot's data, sweeping what no record accounts for, telling which mounts
 //! are of a block device; and small helpers of requests.
 
-use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 
-use csi_sys::{btrfs, file, MountEntry, Mounter};
+use csi_sys::{btrfs, dir, file, MountEntry, Mounter};
 
 use crate::core::Core;
 use crate::error::{Context, Error, Result};
@@ -15,10 +14,7 @@ use crate::pool::Pool;
 
 /// (major, minor) of a device node.
 pub(crate) fn device_numbers(dev: &Path) -> Option<(u32, u32)> {
-    let rdev = std::fs::metadata(dev).ok()?.rdev();
-    let major = ((rdev >> 8) & 0xfff) | ((rdev >> 32) & !0xfff);
-    let minor = (rdev & 0xff) | ((rdev >> 12) & !0xff);
-    Some((major as u32, minor as u32))
+    Some(dir::stat(dev).ok()??.device_numbers())
 }
 
 /// Whether a mount is of a block device: by device numbers, or by source, since
@@ -77,12 +73,10 @@ pub(crate) fn drop_data(path: &Path) -> Result<()> {
 
 /// The same, durable only when `sync`.
 fn remove_data_with(path: &Path, sync: bool) -> Result<()> {
-    let meta = match std::fs::symlink_metadata(path) {
-        Ok(m) => m,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
-        Err(e) => return Err(Error::internal(format!("{}: {e}", path.display()))),
-    };
     let at = || format!("removing {}", path.display());
+    let Some(meta) = dir::lstat(path).context(at)? else {
+        return Ok(());
+    };
     if meta.is_dir() {
         if btrfs::is_subvolume(path) {
             btrfs::subvolume_delete(path).context(at)?;
@@ -123,16 +117,15 @@ impl Core {
 
     /// Removes entries of a pool directory that `known` does not account for, and
     /// every leftover temporary.
-    pub(crate) fn remove_orphans(&self, dir: &Path, known: impl Fn(&str) -> bool) -> Result<()> {
-        let Ok(entries) = std::fs::read_dir(dir) else {
+    pub(crate) fn remove_orphans(&self, folder: &Path, known: impl Fn(&str) -> bool) -> Result<()> {
+        let Ok(entries) = dir::list(folder) else {
             return Ok(());
         };
-        for entry in entries.flatten() {
-            let name = entry.file_name().to_string_lossy().into_owned();
+        for entry in entries {
+            let temp = entry.is_hidden();
+            let (name, path) = (entry.name, entry.path);
             let stem = name.strip_suffix(".img").unwrap_or(&name);
-            let temp = name.starts_with('.');
             if temp || !known(stem) {
-                let path = entry.path();
                 if !temp && name.ends_with(".img") {
                     // An image still attached is in use by something: leave it and say so.
                     if let Ok(devs) = self.sys.loops.find(&path) {

@@ -33,7 +33,8 @@ pub enum Error {
     /// at a safe point (see `cancel`). The caller is gone: only the log sees it.
     #[error("{0}")]
     Cancelled(String),
-    /// Another process holds the part of the state this one would own.
+    /// The state cannot be taken by this process: another process holds the
+    /// part this one would own, or a later build wrote it in a later format.
     #[error("{0}")]
     StateInUse(String),
     /// A failure of the system layer, with what the domain was doing.
@@ -54,7 +55,29 @@ pub enum Error {
     Internal(String),
 }
 
+/// What failed in the system layer, as far as the edge tells failures apart.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SystemFailure {
+    /// The filesystem is full.
+    NoSpace,
+    /// A command ran past its time.
+    Timeout,
+    Other,
+}
+
 impl Error {
+    /// The kind of a failure of the system layer; None for the others.
+    pub fn system_failure(&self) -> Option<SystemFailure> {
+        match self {
+            Error::System { source, .. } => Some(match source {
+                SysError::NoSpace { .. } => SystemFailure::NoSpace,
+                SysError::Timeout { .. } => SystemFailure::Timeout,
+                _ => SystemFailure::Other,
+            }),
+            _ => None,
+        }
+    }
+
     pub fn invalid(msg: impl Into<String>) -> Self {
         Error::InvalidArgument(msg.into())
     }

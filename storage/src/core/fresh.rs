@@ -95,7 +95,7 @@ pub(crate) fn fill_pending(
     let usable = Some(named.unwrap_or(&chosen))
         .filter(|fs| !block && serves(pool, fs))
         .map(|fs| (fs, template_path(pool, fs, len)))
-        .filter(|(_, template)| template.is_file());
+        .filter(|(_, template)| csi_sys::dir::is_file(template));
     let filled =
         usable.is_some_and(
             |(fs_type, template)| match fill_from(&template, image, fs_type) {

@@ -168,7 +168,7 @@ pub(crate) fn data_problems(path: &Path, backing: Backing, size: Option<u64>) ->
                 }
             }
         }
-        Backing::Directory if !path.is_dir() => out.push(
+        Backing::Directory if !csi_sys::dir::is_dir(path) => out.push(
             Severity::Inaccessible,
             "DirectoryMissing",
             format!("the directory {shown} is missing"),
@@ -213,7 +213,7 @@ pub(crate) fn loop_problems(device: &Path, image: &Path) -> Problems {
 pub(crate) fn filesystem_problems(m: &MountEntry, what: &str) -> Problems {
     let mut out = Problems::default();
     if let Err(e) = health::read_directory(&m.mount_point) {
-        if e.raw_os_error() == Some(libc::EIO) {
+        if e.is_io_failure() {
             let (reason, why) = if m.fs_type == "xfs" {
                 ("FilesystemShutDown", "xfs has shut down")
             } else {
@@ -316,9 +316,9 @@ impl Core {
                 message: format!("pool {} ({}): {message}", pool.name, pool.root.display()),
             })
         };
-        match std::fs::metadata(pool.root.join("volumes")) {
-            Ok(m) if m.is_dir() => {}
-            Err(e) if e.kind() != std::io::ErrorKind::NotFound => push(
+        match csi_sys::dir::stat(&pool.root.join("volumes")) {
+            Ok(Some(m)) if m.is_dir() => {}
+            Err(e) => push(
                 PoolSeverity::Unreachable,
                 "PoolUnreadable",
                 format!("its directory cannot be read: {e}"),

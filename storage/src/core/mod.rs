@@ -4,6 +4,7 @@
 //! The controller domain (`controller`) and the node domain (`node`) each open
 //! their own records on top of it; neither reaches into the other's.
 
+pub(crate) mod arrival;
 pub(crate) mod blank;
 pub mod cancel;
 pub(crate) mod data;
@@ -12,9 +13,9 @@ pub mod failpoint;
 pub(crate) mod fresh;
 pub mod health;
 pub mod ids;
-pub(crate) mod journal;
 pub(crate) mod locks;
 pub mod model;
+pub mod mount_options;
 pub mod pool;
 pub(crate) mod settings;
 pub mod size;
@@ -66,6 +67,9 @@ pub struct Config {
     /// How long a filesystem may stay frozen for a copy beyond the copy's expected
     /// time (none for a reflink); then it is thawed and the copy undone.
     pub freeze_timeout: Duration,
+    /// How long a long command (mkfs, fsck, resize) may run, the background
+    /// making of filesystem templates included; then it is killed.
+    pub command_timeout: Duration,
     /// Expedite the kernel's RCU grace periods while a filesystem freezes (a
     /// global switch, raised for the freeze only; see `csi_sys::expedite`).
     pub expedite_freeze: bool,
@@ -75,6 +79,32 @@ pub struct Config {
     /// A pool this full (percent of its filesystem used) is reported by
     /// NodeGetStorageHealth as nearly full; 0 turns the check off.
     pub pool_full_percent: u8,
+    /// Pools that inline ephemeral volumes may use; none: inline ephemeral
+    /// volumes are refused.
+    pub ephemeral_pools: Vec<String>,
+    /// The largest inline ephemeral volume, in bytes.
+    pub ephemeral_max_size: u64,
+    /// Mount options allowed per filesystem, and the flags every mount gets.
+    pub mount_options: mount_options::MountOptionPolicy,
+    /// Transfers of volumes from other nodes running at once.
+    pub max_transfers: usize,
+    /// Bytes of data per second the transfers to this node read together
+    /// (0: no cap); a class's `transferBandwidth` caps one transfer more.
+    pub transfer_bandwidth: u64,
+    /// The directories below which the node stages and publishes volumes: the
+    /// kubelet's (see [`kubelet_path_roots`]), and any an operator adds.
+    pub allowed_path_roots: Vec<PathBuf>,
+}
+
+/// The kubelet's root directory when nothing else is said.
+pub const DEFAULT_KUBELET_DIR: &str = "/var/lib/kubelet";
+
+/// Where a kubelet with root directory `dir` asks for volumes to be staged
+/// and published: its pods' volume directories, and the staging and block
+/// directories of CSI volumes. Nothing else of the kubelet's (its
+/// credentials, plugin sockets, registration) is ever a place for a volume.
+pub fn kubelet_path_roots(dir: &Path) -> Vec<PathBuf> {
+    vec![dir.join("pods"), dir.join("plugins/kubernetes.io/csi")]
 }
 
 /// Default of [`Config::freeze_timeout`]: a reflink takes milliseconds, and the
@@ -98,10 +128,24 @@ impl Config {
             heavy_operations: 4,
             cleanup_orphans: false,
             freeze_timeout: DEFAULT_FREEZE_TIMEOUT,
+            command_timeout: csi_sys::cmd::DEFAULT_TIMEOUT,
             expedite_freeze: true,
             rcu_expedited_knob: PathBuf::from(csi_sys::expedite::KNOB),
             pool_full_percent: health::DEFAULT_POOL_FULL_PERCENT,
+            ephemeral_pools: Vec::new(),
+            ephemeral_max_size: crate::model::GIB,
+            mount_options: mount_options::MountOptionPolicy::default(),
+            max_transfers: 2,
+            transfer_bandwidth: 0,
+            allowed_path_roots: kubelet_path_roots(Path::new(DEFAULT_KUBELET_DIR)),
         }
+    }
+
+    /// Why this driver cannot serve `cap` (see [`Capability::unsupported_reason`]),
+    /// its mount options included; None when it can.
+    pub fn unsupported(&self, cap: &crate::model::Capability) -> Option<String> {
+        cap.unsupported_reason()
+            .or_else(|| self.mount_options.refused(cap, &self.default_fstype))
     }
 }
 
@@ -129,6 +173,15 @@ impl Core {
                 )));
             }
         }
+        if let Some(p) = cfg
+            .ephemeral_pools
+            .iter()
+            .find(|p| !cfg.pools.iter().any(|(name, _)| name == *p))
+        {
+            return Err(Error::invalid(format!(
+                "ephemeral pool {p:?} is not one of the pools"
+            )));
+        }
         let mut pools = BTreeMap::new();
         for (name, path) in &cfg.pools {
             let pool = Pool::open(name, path)?;
@@ -155,7 +208,7 @@ impl Core {
     pub fn pools_present(&self) -> bool {
         let mut ok = true;
         for pool in self.pools.values() {
-            if !pool.root.join("volumes").is_dir() {
+            if !csi_sys::dir::is_dir(&pool.root.join("volumes")) {
                 tracing::warn!(pool = %pool.name, path = %pool.root.display(), "pool is gone");
                 ok = false;
             }
@@ -166,7 +219,8 @@ impl Core {
     pub fn pool(&self, name: &str) -> Result<&Pool> {
         self.pools.get(name).ok_or_else(|| {
             Error::invalid(format!(
-                "unknown pool {name:?}; this node has {}",
+                "unknown pool {name:?}: node {} has the pools {}",
+                self.cfg.node_id,
                 self.pools.keys().cloned().collect::<Vec<_>>().join(", ")
             ))
         })

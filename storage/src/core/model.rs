@@ -136,37 +136,9 @@ impl Capability {
             }
             _ => {}
         }
-        if let Some(why) = self.fs_type().and_then(|fs| unsupported_fs("fs_type", fs)) {
-            return Some(why);
-        }
-        if let Access::Mount { mount_flags, .. } = &self.access {
-            if let Some(bad) = mount_flags.iter().find(|f| !mount_flag_allowed(f)) {
-                return Some(format!("mount flag {bad:?} is not accepted"));
-            }
-        }
-        None
+        // Mount options depend on the driver's configuration: Config::unsupported.
+        self.fs_type().and_then(|fs| unsupported_fs("fs_type", fs))
     }
-}
-
-/// Mount flags a caller may ask for. Options that would weaken the node (suid, dev)
-/// or inject further options (commas) are refused.
-pub fn mount_flag_allowed(flag: &str) -> bool {
-    const FLAGS: [&str; 13] = [
-        "ro",
-        "rw",
-        "noatime",
-        "relatime",
-        "strictatime",
-        "nodiratime",
-        "lazytime",
-        "nodev",
-        "nosuid",
-        "noexec",
-        "sync",
-        "dirsync",
-        "discard",
-    ];
-    FLAGS.contains(&flag) || flag == "nodiscard"
 }
 
 /// The required and limit bytes of a request; zero means not set.
@@ -286,6 +258,11 @@ pub struct VolumeRecord {
     #[serde(default)]
     pub requested: Option<u64>,
 }
+
+// Start-up finishes or rolls back what a volume record says is under way: the
+// volume being made or removed, or an expansion.
+crate::core::store::record!(VolumeRecord, VolumeId, layout 1,
+    settled |r| r.state == RecordState::Ready && r.pending_size.is_none());
 
 /// A volume record read in place from its packed form, for the answers that
 /// name only some of its fields (a listing of many volumes): its strings are
@@ -488,6 +465,10 @@ pub struct SnapshotRecord {
     pub requested: Option<u64>,
 }
 
+// A snapshot of a group is settled only with its group (which may be gone).
+crate::core::store::record!(SnapshotRecord, SnapshotId, layout 1,
+    settled |r| r.state == RecordState::Ready && r.group.is_none());
+
 impl SnapshotRecord {
     /// The size a volume restored from this snapshot needs (CSI `size_bytes`):
     /// the size its source's creator asked for. The data may be larger (the
@@ -506,3 +487,6 @@ pub struct GroupSnapshotRecord {
     pub created: Timestamp,
     pub state: RecordState,
 }
+
+crate::core::store::record!(GroupSnapshotRecord, GroupSnapshotId, layout 1,
+    settled |r| r.state == RecordState::Ready);

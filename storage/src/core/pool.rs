@@ -13,7 +13,7 @@
 
 use std::path::{Path, PathBuf};
 
-use csi_sys::{btrfs, file};
+use csi_sys::{btrfs, dir, file};
 
 use crate::error::{Context, Error, Result};
 use crate::ids::{SnapshotId, VolumeId};
@@ -41,16 +41,23 @@ pub struct Located {
 impl Pool {
     /// Checks and probes a pool directory, making its subdirectories.
     pub fn open(name: &str, root: &Path) -> Result<Pool> {
-        let meta = std::fs::metadata(root)
-            .map_err(|e| Error::invalid(format!("pool {name}: {}: {e}", root.display())))?;
+        let meta = match dir::stat(root) {
+            Ok(Some(m)) => m,
+            Ok(None) => {
+                return Err(Error::invalid(format!(
+                    "pool {name}: {} does not exist",
+                    root.display()
+                )))
+            }
+            Err(e) => return Err(Error::invalid(format!("pool {name}: {e}"))),
+        };
         if !meta.is_dir() {
             return Err(Error::invalid(format!(
                 "pool {name}: {} is not a directory",
                 root.display()
             )));
         }
-        let root = std::fs::canonicalize(root)
-            .map_err(|e| Error::internal(format!("pool {name}: {}: {e}", root.display())))?;
+        let root = dir::resolve(root).context(|| format!("pool {name}"))?;
         for sub in ["volumes", "snapshots", "ephemeral"] {
             file::mkdir_p_mode(&root.join(sub), 0o700)
                 .context(|| format!("pool {name}: making {sub}/"))?;
@@ -113,17 +120,17 @@ impl Pool {
     pub fn locate(&self, id: VolumeId) -> Option<Located> {
         for ephemeral in [false, true] {
             let img = self.volume_path(id, Backing::Image, ephemeral);
-            if img.is_file() {
+            if dir::is_file(&img) {
                 return Some(self.located(img, Backing::Image, ephemeral));
             }
-            let dir = self.volume_path(id, Backing::Directory, ephemeral);
-            if dir.is_dir() {
-                let backing = if btrfs::is_subvolume(&dir) {
+            let folder = self.volume_path(id, Backing::Directory, ephemeral);
+            if dir::is_dir(&folder) {
+                let backing = if btrfs::is_subvolume(&folder) {
                     Backing::Subvolume
                 } else {
                     Backing::Directory
                 };
-                return Some(self.located(dir, backing, ephemeral));
+                return Some(self.located(folder, backing, ephemeral));
             }
         }
         None

@@ -16,6 +16,8 @@
 //! <state>/shared/locks/.spare-*       files of removed locks, for the next new volumes
 //! <state>/shared/staged/<volume-id>   present while the node has the volume staged
 //! <state>/shared/frozen/<id>.json     a freeze in progress, naming its owner
+//! <state>/format                      the format of all of it (STATE_FORMAT)
+//! <state>/format.lock                 held while a new state is marked
 //! ```
 //!
 //! An older layout kept every store at the top (`volumes/`, `node/*.json`, ...);
@@ -27,8 +29,8 @@ use std::sync::{Arc, Condvar, Mutex};
 
 use serde::{Deserialize, Serialize};
 
-use csi_sys::file;
 use csi_sys::flock::{LockDir, LockFile};
+use csi_sys::{dir, file};
 
 use crate::error::{Context, Error, Result};
 use crate::ids::VolumeId;
@@ -130,13 +132,89 @@ pub struct FreezeMarker {
 
 const SHARED: &str = "shared";
 
+/// The format of the state directory this build reads and writes. Raised by
+/// a change that earlier builds could not read (and the build that raises it
+/// converts the older format); a build refuses to open a state of a later
+/// format than its own rather than misread it. Records within a format carry
+/// versions of their own (`store`).
+pub const STATE_FORMAT: u32 = 1;
+const FORMAT_FILE: &str = "format";
+/// Held while the format is written.
+const FORMAT_LOCK: &str = "format.lock";
+const FORMAT_LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
 /// How long a start waits for a domain's lock whose recorded holder has ended
 /// (see [`LockFile::try_exclusive_after_ended_holder`]): a restart at once after
 /// a crash would otherwise find the state locked by nobody.
 const ORPHANED_LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
+/// Refuses a state of a later format than this build's, or one whose format
+/// cannot be read; marks a new (or unmarked, older) state with this build's.
+fn check_format(root: &Path) -> Result<()> {
+    let path = root.join(FORMAT_FILE);
+    if refuse_format(root, &path)? {
+        return Ok(());
+    }
+    // Unmarked: the mark is written under a lock, so that the two modes'
+    // processes starting at once on a new state do not write it together.
+    file::mkdir_p_mode(root, 0o700).context(|| format!("making {}", root.display()))?;
+    let lock_path = root.join(FORMAT_LOCK);
+    let deadline = std::time::Instant::now() + FORMAT_LOCK_WAIT;
+    let _lock = loop {
+        if let Some(l) = LockFile::try_exclusive(&lock_path)
+            .context(|| format!("locking {}", lock_path.display()))?
+        {
+            break l;
+        }
+        if std::time::Instant::now() >= deadline {
+            return Err(Error::StateInUse(format!(
+                "{} is held by another process for longer than {}s",
+                lock_path.display(),
+                FORMAT_LOCK_WAIT.as_secs()
+            )));
+        }
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    };
+    if refuse_format(root, &path)? {
+        return Ok(());
+    }
+    file::write_atomic(&path, format!("{STATE_FORMAT}\n").as_bytes())
+        .context(|| format!("writing {}", path.display()))
+}
+
+/// Whether the state is marked with this build's format (true), or not marked
+/// (false); an error when it is marked with another this build cannot read.
+fn refuse_format(root: &Path, path: &Path) -> Result<bool> {
+    let bytes = match file::read(path) {
+        Ok(bytes) => bytes,
+        Err(e) if e.is_not_found() => return Ok(false),
+        Err(e) => return Err(e).context(|| format!("reading {}", path.display())),
+    };
+    let text = String::from_utf8_lossy(&bytes);
+    let format = text.trim().parse::<u32>().map_err(|_| {
+        Error::StateInUse(format!(
+            "{} says {:?}, not a state format this csi-driver ({}) knows: \
+             it reads formats up to {STATE_FORMAT}",
+            path.display(),
+            text.trim(),
+            env!("CARGO_PKG_VERSION")
+        ))
+    })?;
+    if format > STATE_FORMAT {
+        return Err(Error::StateInUse(format!(
+            "the state directory {} is of format {format}, written by a later csi-driver; \
+             this one ({}) reads formats up to {STATE_FORMAT} and changes nothing: run \
+             the later version, or go back to the state saved before the upgrade",
+            root.display(),
+            env!("CARGO_PKG_VERSION")
+        )));
+    }
+    Ok(format == STATE_FORMAT)
+}
+
 impl StateDir {
     pub fn open(root: &Path) -> Result<StateDir> {
+        check_format(root)?;
         let s = StateDir {
             root: root.to_path_buf(),
             sweep: Arc::default(),
@@ -203,11 +281,10 @@ impl StateDir {
             Domain::Node => self.staged_dir(),
             Domain::Controller => self.frozen_dir(),
         };
-        for entry in std::fs::read_dir(&dir).into_iter().flatten().flatten() {
-            let name = entry.file_name().to_string_lossy().into_owned();
-            if name.starts_with('.') && name.ends_with(".tmp") {
-                let _ = file::remove_file_if_exists(&entry.path());
-                tracing::info!(path = %entry.path().display(), "removed an interrupted mark write");
+        for entry in dir::list(&dir).unwrap_or_default() {
+            if entry.is_hidden() && entry.name.ends_with(".tmp") {
+                let _ = file::remove_file_if_exists(&entry.path);
+                tracing::info!(path = %entry.path.display(), "removed an interrupted mark write");
             }
         }
     }
@@ -289,7 +366,7 @@ impl StateDir {
     /// during boot `boot_id`, the one running: then no power loss came since,
     /// and whatever the state's files say was written is there, synced or not.
     pub fn looked_over_in(&self, d: Domain, boot_id: &str) -> bool {
-        std::fs::read_to_string(self.boot_mark(d)).is_ok_and(|b| b == boot_id)
+        file::read_to_string(&self.boot_mark(d)).is_ok_and(|b| b == boot_id)
     }
 
     /// Notes that `d`'s state was looked over during boot `boot_id`.
@@ -329,15 +406,15 @@ impl StateDir {
     /// The freeze markers, and apart the paths of the unreadable ones.
     pub(crate) fn read_freeze_markers(&self) -> (Vec<(PathBuf, FreezeMarker)>, Vec<PathBuf>) {
         let (mut out, mut unreadable) = (Vec::new(), Vec::new());
-        let Ok(entries) = std::fs::read_dir(self.frozen_dir()) else {
+        let Ok(entries) = dir::list(&self.frozen_dir()) else {
             return (out, unreadable);
         };
-        for entry in entries.flatten() {
-            let path = entry.path();
-            if entry.file_name().to_string_lossy().starts_with('.') {
+        for entry in entries {
+            if entry.is_hidden() {
                 continue;
             }
-            match std::fs::read(&path)
+            let path = entry.path;
+            match file::read(&path)
                 .ok()
                 .and_then(|b| serde_json::from_slice(&b).ok())
             {
@@ -371,12 +448,12 @@ impl StateDir {
                 // The old node records lay directly in <state>/node, now the domain's
                 // own directory.
                 let staged = own.join("staged");
-                for entry in std::fs::read_dir(&own).into_iter().flatten().flatten() {
-                    let name = entry.file_name().to_string_lossy().into_owned();
+                for entry in dir::list(&own).unwrap_or_default() {
+                    let name = entry.name;
                     if name.ends_with(".json") || name.ends_with(".corrupt") {
                         file::mkdir_p_mode(&staged, 0o700)
                             .context(|| format!("making {}", staged.display()))?;
-                        rename(&entry.path(), &staged.join(&name))?;
+                        rename(&entry.path, &staged.join(&name))?;
                     }
                 }
                 for name in ["ephemeral", "ephemeral-staging"] {
@@ -391,16 +468,15 @@ impl StateDir {
     /// controller's (only copies freeze), and become its markers.
     fn migrate_freeze_markers(&self) -> Result<()> {
         let old = self.root.join("frozen");
-        let Ok(entries) = std::fs::read_dir(&old) else {
+        let Ok(entries) = dir::list(&old) else {
             return Ok(());
         };
-        for entry in entries.flatten() {
-            let path = entry.path();
-            let name = entry.file_name().to_string_lossy().into_owned();
+        for entry in entries {
+            let (path, name) = (entry.path, entry.name);
             let Some(stem) = name.strip_suffix(".json") else {
                 continue;
             };
-            let mountpoints: Vec<PathBuf> = std::fs::read(&path)
+            let mountpoints: Vec<PathBuf> = file::read(&path)
                 .ok()
                 .and_then(|b| serde_json::from_slice(&b).ok())
                 .unwrap_or_default();
@@ -412,9 +488,9 @@ impl StateDir {
                 expedited: false,
             };
             self.write_freeze_marker(&self.frozen_dir().join(&name), &marker)?;
-            let _ = std::fs::remove_file(&path);
+            let _ = file::remove_file_if_exists(&path);
         }
-        let _ = std::fs::remove_dir(&old);
+        let _ = dir::remove_empty_dir(&old);
         Ok(())
     }
 
@@ -440,14 +516,14 @@ pub struct VolumeLock {
 
 impl VolumeLock {
     pub fn is_staged(&self) -> bool {
-        self.staged.exists()
+        dir::exists(&self.staged)
     }
 
     /// Records that the node has (or no longer has) the volume staged.
     pub fn set_staged(&self, staged: bool) -> Result<()> {
         let at = || format!("marking {} staged={staged}", self.staged.display());
         if staged {
-            if !self.staged.exists() {
+            if !dir::exists(&self.staged) {
                 return file::write_atomic(&self.staged, b"").context(at);
             }
         } else {
@@ -470,42 +546,38 @@ impl VolumeLock {
     }
 }
 
-fn list_ids(dir: &Path) -> Vec<VolumeId> {
-    std::fs::read_dir(dir)
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|e| VolumeId::parse(&e.file_name().to_string_lossy()))
+fn list_ids(folder: &Path) -> Vec<VolumeId> {
+    dir::list(folder)
+        .unwrap_or_default()
+        .iter()
+        .filter_map(|e| VolumeId::parse(&e.name))
         .collect()
 }
 
+/// Moves a record of the old layout, durably: a power loss must not bring it
+/// back beside its moved copy.
 fn rename(from: &Path, to: &Path) -> Result<()> {
-    std::fs::rename(from, to).map_err(|e| {
-        Error::internal(format!(
-            "moving {} to {}: {e}",
-            from.display(),
-            to.display()
-        ))
-    })
+    dir::rename_durably(from, to)
+        .context(|| format!("moving {} to {}", from.display(), to.display()))
 }
 
 /// Moves a directory of the old layout to its new place: whole when the new one
 /// does not exist yet, else entry by entry.
 fn move_dir(old: &Path, new: &Path) -> Result<()> {
-    if !old.is_dir() {
+    if !dir::is_dir(old) {
         return Ok(());
     }
     tracing::info!(from = %old.display(), to = %new.display(), "moving records of the old state layout");
-    if !new.exists() {
+    if !dir::exists(new) {
         rename(old, new)?;
     } else {
-        for entry in std::fs::read_dir(old).into_iter().flatten().flatten() {
-            let to = new.join(entry.file_name());
-            if !to.exists() {
-                rename(&entry.path(), &to)?;
+        for entry in dir::list(old).unwrap_or_default() {
+            let to = new.join(&entry.name);
+            if !dir::exists(&to) {
+                rename(&entry.path, &to)?;
             }
         }
-        let _ = std::fs::remove_dir(old);
+        let _ = dir::remove_empty_dir(old);
     }
     for dir in [old.parent(), new.parent()].into_iter().flatten() {
         file::fsync_dir(dir).context(|| format!("syncing {}", dir.display()))?;
@@ -516,6 +588,65 @@ fn move_dir(old: &Path, new: &Path) -> Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The format a state's format file says, if it can be read.
+    fn read_format(path: &Path) -> Option<u32> {
+        let bytes = file::read(path).ok()?;
+        String::from_utf8_lossy(&bytes).trim().parse().ok()
+    }
+
+    #[test]
+    fn a_state_of_a_later_format_is_refused_and_left_as_it_is() {
+        let tmp = tempfile::tempdir().unwrap();
+        StateDir::open(tmp.path()).unwrap();
+        let format = tmp.path().join(FORMAT_FILE);
+        assert_eq!(
+            std::fs::read_to_string(&format).unwrap(),
+            format!("{STATE_FORMAT}\n")
+        );
+        StateDir::open(tmp.path()).expect("its own format opens again");
+
+        for later in [format!("{}\n", STATE_FORMAT + 1), "two\n".to_string()] {
+            let other = tempfile::tempdir().unwrap();
+            let path = other.path().join(FORMAT_FILE);
+            std::fs::write(&path, &later).unwrap();
+            let e = StateDir::open(other.path()).unwrap_err();
+            assert!(matches!(e, Error::StateInUse(_)), "{e}");
+            assert!(
+                e.to_string().contains(&format!("up to {STATE_FORMAT}")),
+                "{e}"
+            );
+            assert_eq!(std::fs::read_to_string(&path).unwrap(), later);
+            let made: Vec<_> = std::fs::read_dir(other.path()).unwrap().flatten().collect();
+            assert_eq!(made.len(), 1, "nothing but the format file: {made:?}");
+        }
+
+        // A state made before formats were written gets this build's.
+        let unmarked = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(unmarked.path().join("controller")).unwrap();
+        StateDir::open(unmarked.path()).unwrap();
+        assert!(unmarked.path().join(FORMAT_FILE).exists());
+    }
+
+    #[test]
+    fn processes_starting_together_on_a_new_state_agree_on_its_format() {
+        for _ in 0..20 {
+            let tmp = tempfile::tempdir().unwrap();
+            let root = tmp.path().join("state");
+            let opened: Vec<_> = (0..4)
+                .map(|_| {
+                    let root = root.clone();
+                    std::thread::spawn(move || StateDir::open(&root).map(drop))
+                })
+                .collect();
+            for t in opened {
+                t.join()
+                    .unwrap()
+                    .expect("every process opens the new state");
+            }
+            assert_eq!(read_format(&root.join(FORMAT_FILE)), Some(STATE_FORMAT));
+        }
+    }
 
     #[test]
     fn a_domain_is_claimed_once() {
@@ -576,5 +707,45 @@ mod tests {
             .expect("the old marker, now the controller's");
         assert_eq!(m.owner, Domain::Controller);
         assert_eq!(m.mountpoints, vec![PathBuf::from("/mnt/x")]);
+    }
+
+    #[test]
+    fn each_moved_record_of_the_old_layout_is_synced_in_both_folders() {
+        use csi_sys::fsrecord::{FsOp, Recording};
+        let tmp = tempfile::tempdir().unwrap();
+        let root = tmp.path();
+        let id = VolumeId::for_name("v");
+        std::fs::create_dir_all(root.join("node")).unwrap();
+        std::fs::write(root.join("node").join(format!("{id}.json")), "{}").unwrap();
+        let rec = Recording::start(root);
+        let s = StateDir::open(root).unwrap();
+        let _n = s.claim(Domain::Node).unwrap();
+        let ops = rec.ops();
+        let (from, to) = (
+            root.join(format!("node/{id}.json")),
+            root.join(format!("node/staged/{id}.json")),
+        );
+        let at = ops
+            .iter()
+            .position(|op| {
+                *op == FsOp::Rename {
+                    from: from.clone(),
+                    to: to.clone(),
+                }
+            })
+            .unwrap_or_else(|| panic!("the move is recorded: {ops:?}"));
+        // A power loss must neither bring the record back in its old place nor
+        // take it from both.
+        assert_eq!(
+            ops[at + 1..at + 3],
+            [
+                FsOp::Fsync {
+                    path: root.join("node/staged")
+                },
+                FsOp::Fsync {
+                    path: root.join("node")
+                }
+            ]
+        );
     }
 }
