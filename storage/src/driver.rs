@@ -91,6 +91,15 @@ impl Driver {
     }
 }
 
+impl Drop for Driver {
+    fn drop(&mut self) {
+        // Transfer threads hold the controller: they end before it does.
+        if let Some(c) = &self.controller {
+            c.stop_transfers();
+        }
+    }
+}
+
 impl Deref for Driver {
     type Target = Core;
     fn deref(&self) -> &Core {

@@ -5,19 +5,17 @@
 //! to apply or put back settings. The controller holds the volume's lock for the
 //! whole exchange, so no stage or unstage runs meanwhile.
 
-use std::io::{BufRead, BufReader, Write};
-use std::os::unix::fs::PermissionsExt;
-use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use csi_sys::socket::{Connection, Listener};
 use serde::{Deserialize, Serialize};
 
 use crate::core::settings::{DevicesBefore, LiveDevices, LoopSettings};
-use crate::error::{Error, Result};
+use crate::error::{Context, Error, Result};
 
 /// How long either side waits for the other. A loop device's settings change in
 /// milliseconds; a node plugin that does not answer within this is stuck, and the
@@ -83,10 +81,9 @@ impl Code {
 /// The node side: answers the controller's requests with this process's node
 /// domain until dropped.
 pub struct Server {
-    path: PathBuf,
-    /// The listening socket, kept to shut it down: that ends the thread's accept
-    /// whatever became of the socket's file.
-    listening: UnixListener,
+    /// A handle of the listening socket, kept to shut it down: that ends the
+    /// thread's accept whatever became of the socket's file.
+    listening: Listener,
     stop: Arc<AtomicBool>,
     thread: Option<JoinHandle<()>>,
 }
@@ -95,43 +92,30 @@ impl Server {
     /// Listens at `path` (a socket left by an earlier run of this node plugin is
     /// replaced: the node domain's owner lock says no other is running).
     pub fn start(path: &Path, node: Arc<dyn LiveDevices>) -> Result<Server> {
-        let fail = |what: &str, e: std::io::Error| {
-            Error::internal(format!("{what} {}: {e}", path.display()))
-        };
-        match std::fs::remove_file(path) {
-            Ok(()) => {}
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
-            Err(e) => return Err(fail("removing the old socket", e)),
-        }
-        let listener = UnixListener::bind(path).map_err(|e| fail("listening on", e))?;
-        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))
-            .map_err(|e| fail("restricting", e))?;
-        let listening = listener
-            .try_clone()
-            .map_err(|e| fail("keeping a handle of", e))?;
+        let at = || format!("serving the hand-off socket {}", path.display());
+        let listener = Listener::bind_private(path).context(at)?;
+        let listening = listener.handle().context(at)?;
         let stop = Arc::new(AtomicBool::new(false));
         let stopped = stop.clone();
         let thread = std::thread::Builder::new()
             .name("handoff".into())
-            .spawn(move || {
-                for conn in listener.incoming() {
-                    if stopped.load(Ordering::Acquire) {
-                        break;
-                    }
-                    match conn {
-                        Ok(stream) => serve_one(stream, node.as_ref()),
-                        Err(e) => {
-                            tracing::warn!(error = %e, "accepting a hand-off connection");
-                            // Not a busy loop on a socket that keeps failing.
-                            std::thread::sleep(Duration::from_millis(100));
-                        }
+            .spawn(move || loop {
+                let conn = listener.accept(TIMEOUT);
+                if stopped.load(Ordering::Acquire) {
+                    break;
+                }
+                match conn {
+                    Ok(conn) => serve_one(&conn, node.as_ref()),
+                    Err(e) => {
+                        tracing::warn!(error = %e, "accepting a hand-off connection");
+                        // Not a busy loop on a socket that keeps failing.
+                        std::thread::sleep(Duration::from_millis(100));
                     }
                 }
             })
-            .map_err(|e| fail("starting the thread serving", e))?;
+            .map_err(|e| Error::internal(format!("{}: starting its thread: {e}", at())))?;
         tracing::info!(socket = %path.display(), "serving the controller's changes of staged volumes");
         Ok(Server {
-            path: path.to_path_buf(),
             listening,
             stop,
             thread: Some(thread),
@@ -143,18 +127,16 @@ impl Drop for Server {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Release);
         // Wakes the accept (it fails from now on); the thread sees the flag and ends.
-        csi_sys::socket::stop_listening(&self.listening);
+        self.listening.stop();
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
-        let _ = std::fs::remove_file(&self.path);
+        self.listening.remove_file();
     }
 }
 
-fn serve_one(stream: UnixStream, node: &dyn LiveDevices) {
-    let _ = stream.set_read_timeout(Some(TIMEOUT));
-    let _ = stream.set_write_timeout(Some(TIMEOUT));
-    let answer = match read_line::<Request>(&stream) {
+fn serve_one(conn: &Connection, node: &dyn LiveDevices) {
+    let answer = match read_line::<Request>(conn) {
         Ok(Request::Apply { image, settings }) => {
             tracing::info!(image = %image.display(), ?settings, "controller changes a staged volume's loop devices");
             node.apply_live(&image, settings).map(Answer::Applied)
@@ -166,27 +148,24 @@ fn serve_one(stream: UnixStream, node: &dyn LiveDevices) {
         code: Code::of(&e),
         message: e.to_string(),
     });
-    if let Err(e) = write_line(&stream, &answer) {
+    if let Err(e) = write_line(conn, &answer) {
         tracing::warn!(error = %e, "answering the controller");
     }
 }
 
-fn read_line<T: for<'de> Deserialize<'de>>(stream: &UnixStream) -> Result<T> {
-    let mut line = String::new();
-    BufReader::new(std::io::Read::take(stream, MAX_LINE))
-        .read_line(&mut line)
-        .map_err(|e| Error::internal(format!("reading the hand-off socket: {e}")))?;
+fn read_line<T: for<'de> Deserialize<'de>>(conn: &Connection) -> Result<T> {
+    let line = conn
+        .read_line(MAX_LINE)
+        .context(|| "reading the hand-off socket".into())?;
     serde_json::from_str(&line)
         .map_err(|e| Error::internal(format!("unreadable message on the hand-off socket: {e}")))
 }
 
-fn write_line<T: Serialize>(mut stream: &UnixStream, value: &T) -> Result<()> {
-    let mut bytes = serde_json::to_vec(value)
+fn write_line<T: Serialize>(conn: &Connection, value: &T) -> Result<()> {
+    let bytes = serde_json::to_vec(value)
         .map_err(|e| Error::internal(format!("encoding a hand-off message: {e}")))?;
-    bytes.push(b'\n');
-    stream
-        .write_all(&bytes)
-        .map_err(|e| Error::internal(format!("writing the hand-off socket: {e}")))
+    conn.write_line(&bytes)
+        .context(|| "writing the hand-off socket".into())
 }
 
 /// The controller side: the node plugin of this node, reached through its socket.
@@ -202,19 +181,14 @@ impl Remote {
     }
 
     fn ask(&self, request: &Request) -> Result<Answer> {
-        let stream = UnixStream::connect(&self.path).map_err(|e| {
+        let conn = Connection::connect(&self.path, TIMEOUT).map_err(|e| {
             Error::precondition(format!(
                 "the volume is staged on this node, and its node plugin cannot be reached \
-                 to change the loop device serving it ({}: {e}); nothing was changed",
-                self.path.display()
+                 to change the loop device serving it ({e}); nothing was changed"
             ))
         })?;
-        stream
-            .set_read_timeout(Some(TIMEOUT))
-            .and_then(|()| stream.set_write_timeout(Some(TIMEOUT)))
-            .map_err(|e| Error::internal(format!("setting the hand-off timeouts: {e}")))?;
-        write_line(&stream, request)?;
-        match read_line::<Answer>(&stream)? {
+        write_line(&conn, request)?;
+        match read_line::<Answer>(&conn)? {
             Answer::Failed { code, message } => Err(code.error(format!("node plugin: {message}"))),
             a => Ok(a),
         }
@@ -300,8 +274,8 @@ mod tests {
         );
 
         // A client that sends nonsense gets an error, and the server goes on.
-        let mut raw = UnixStream::connect(&socket).unwrap();
-        raw.write_all(b"{\"op\":\"format_everything\"}\n").unwrap();
+        let raw = Connection::connect(&socket, TIMEOUT).unwrap();
+        raw.write_line(b"{\"op\":\"format_everything\"}").unwrap();
         let answer: Answer = read_line(&raw).unwrap();
         assert!(
             matches!(
@@ -344,7 +318,7 @@ mod tests {
     fn a_socket_left_by_an_earlier_run_is_replaced() {
         let dir = tempfile::tempdir().unwrap();
         let socket = dir.path().join("node.sock");
-        drop(UnixListener::bind(&socket).unwrap());
+        drop(std::os::unix::net::UnixListener::bind(&socket).unwrap());
         assert!(socket.exists());
         let _server = Server::start(&socket, Arc::new(Devices::default())).unwrap();
         Remote::new(&socket)

@@ -47,7 +47,7 @@ impl Dirs {
                 .tempdir_in(base)
                 .unwrap()
         };
-        // The driver refuses to stage below /dev: the staging path lives apart.
+        // The staging path lives apart, where the fake power loss does not act.
         let tmp = [tmp_in(&["/dev/shm", "/var/tmp"]), tmp_in(&["/var/tmp"])];
         let data = std::fs::canonicalize(tmp[0].path()).unwrap().join("data");
         std::fs::create_dir_all(data.join("pool")).unwrap();
@@ -67,6 +67,9 @@ impl Dirs {
         // Never the machine's switch of expedited grace periods (a fake freeze
         // needs none): a path that does not exist leaves it to its normal time.
         cfg.rcu_expedited_knob = self.data.join("no-rcu-expedited");
+        if let Some(dir) = self.staging.parent() {
+            cfg.allowed_path_roots = vec![dir.to_path_buf()];
+        }
         Driver::open(cfg, csi_sys::fake::system().0)
     }
 

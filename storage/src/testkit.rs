@@ -72,6 +72,8 @@ impl World {
             vec![("default".into(), self.tmp.path().join("pool"))],
         );
         cfg.rcu_expedited_knob = self.tmp.path().join("rcu_expedited");
+        // The tests' staging and target paths are in their own directory.
+        cfg.allowed_path_roots = vec![self.tmp.path().to_path_buf()];
         cfg
     }
 

@@ -290,7 +290,7 @@ impl Controller {
         mounted.dedup();
         let mut mountpoints = Vec::new();
         for (_, image) in images {
-            if image.is_dir() {
+            if csi_sys::dir::is_dir(image) {
                 continue;
             }
             for dev in &mounted {

@@ -10,10 +10,9 @@
 //! blocks differ, or that is mapped on one side only, may have changed. Where the
 //! extents cannot tell, the two images are compared byte by byte.
 
-use std::fs::File;
 use std::path::{Path, PathBuf};
 
-use csi_sys::extents::{self, Extent};
+use csi_sys::extents::{self, Extent, File};
 pub use csi_sys::extents::{push_merged, ByteRange};
 
 use crate::error::{Context, Error, Result};
@@ -187,35 +186,50 @@ impl Controller {
             return Ok(done(Vec::new(), DeltaMethod::Same));
         }
         let at = || format!("comparing snapshots {} and {}", base.id, target.id);
-        let fb = extents::open_read(&base_path).context(at)?;
-        let ft = extents::open_read(&target_path).context(at)?;
         let reflink = self.pool(&target.pool).map(|p| p.reflink).unwrap_or(false);
-        if reflink {
-            match (
-                extents::fiemap(&fb, &base_path, start, capacity),
-                extents::fiemap(&ft, &target_path, start, capacity),
-            ) {
-                (Ok(b), Ok(t)) if extents_can_tell(&b, &t) => {
-                    let ranges = extent_delta(&b, &t, start, capacity);
-                    tracing::debug!(base = %base.id, target = %target.id, start,
-                        ranges = ranges.len(), "delta from shared extents");
-                    return Ok(done(ranges, DeltaMethod::Extents));
-                }
-                (Err(e), _) | (_, Err(e)) => {
-                    tracing::debug!(error = %e, "FIEMAP failed; comparing data instead")
-                }
-                _ => tracing::debug!(base = %base.id, target = %target.id,
-                    "the images share no extents; comparing data instead"),
-            }
+        let (ranges, method) =
+            changed_ranges(&base_path, &target_path, start, capacity, reflink).context(at)?;
+        match method {
+            DeltaMethod::Extents => tracing::debug!(base = %base.id, target = %target.id, start,
+                ranges = ranges.len(), "delta from shared extents"),
+            _ => tracing::debug!(base = %base.id, target = %target.id, start,
+                ranges = ranges.len(), "delta from comparing data"),
         }
-        // Fallback when the extents cannot tell (a pool without reflink, where
-        // snapshots are copies, or images that share no extent).
-        let ranges =
-            compare_data((&fb, &base_path), (&ft, &target_path), start, capacity).context(at)?;
-        tracing::debug!(base = %base.id, target = %target.id, start,
-            ranges = ranges.len(), "delta from comparing data");
-        Ok(done(ranges, DeltaMethod::Compare))
+        Ok(done(ranges, method))
     }
+}
+
+/// The ranges of the image at `target` that may differ from the one at `base`
+/// (two copies of one volume) within `[start, capacity)`: from their shared
+/// physical extents where the pool reflinks and the extents can tell, else by
+/// comparing their data.
+pub(crate) fn changed_ranges(
+    base: &Path,
+    target: &Path,
+    start: u64,
+    capacity: u64,
+    reflink: bool,
+) -> csi_sys::Result<(Vec<ByteRange>, DeltaMethod)> {
+    let fb = extents::open_read(base)?;
+    let ft = extents::open_read(target)?;
+    if reflink {
+        match (
+            extents::fiemap(&fb, base, start, capacity),
+            extents::fiemap(&ft, target, start, capacity),
+        ) {
+            (Ok(b), Ok(t)) if extents_can_tell(&b, &t) => {
+                return Ok((extent_delta(&b, &t, start, capacity), DeltaMethod::Extents))
+            }
+            (Err(e), _) | (_, Err(e)) => {
+                tracing::debug!(error = %e, "FIEMAP failed; comparing data instead")
+            }
+            _ => tracing::debug!("the images share no extents; comparing data instead"),
+        }
+    }
+    // When the extents cannot tell (a pool without reflink, where copies are
+    // copies, or images that share no extent).
+    let ranges = compare_data((&fb, base), (&ft, target), start, capacity)?;
+    Ok((ranges, DeltaMethod::Compare))
 }
 
 /// The ranges where two images' data differ, from `start` to `capacity`:

@@ -13,6 +13,7 @@ pub mod snapshots;
 pub mod templates;
 #[cfg(test)]
 mod tests;
+pub mod transfer;
 pub mod volumes;
 
 use std::collections::BTreeMap;
@@ -37,6 +38,8 @@ pub struct Controller {
     pub(crate) groups: Store<GroupSnapshotRecord>,
     pub(crate) locks: Locks,
     pub(crate) templates: templates::Templates,
+    /// Volumes whose data is arriving from other nodes.
+    pub(crate) arrivals: transfer::Arrivals,
     /// The node domain of this process, if it runs one (`--mode all`): only it
     /// reaches loop devices.
     live: OnceLock<Arc<dyn LiveDevices>>,
@@ -67,6 +70,7 @@ impl Controller {
             groups: Store::open(&dir.join("groups"))?,
             locks: Locks::default(),
             templates: Default::default(),
+            arrivals: Default::default(),
             live: OnceLock::new(),
             sweep: Mutex::new(None),
             expediter: csi_sys::expedite::Expediter::new(
@@ -112,6 +116,8 @@ impl Controller {
         }
         self.recover_volumes()?;
         self.recover_snapshots()?;
+        self.recover_holds();
+        self.recover_arrivals();
         Ok(())
     }
 

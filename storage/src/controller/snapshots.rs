@@ -1,7 +1,8 @@
 //! Snapshots and group snapshots. A snapshot of an image volume is a reflink of the
 //! image where the pool can (O(1) in time and space) and a sparse copy elsewhere; a
 //! snapshot of a btrfs subvolume is a read-only btrfs snapshot; of a plain
-//! directory, a copy of the tree. Staged filesystems are frozen during the copy.
+//! directory, a copy of the tree. Staged filesystems are frozen during the copy,
+//! unless the snapshot class asks for a crash-consistent snapshot ([`Consistency`]).
 //! Snapshots never depend on their source, which may be deleted.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -12,6 +13,7 @@ use crate::data::{drop_data, parse_token, remove_data, shorten};
 use crate::error::{Context, Error, Result};
 use crate::failpoint;
 use crate::ids::{validate_name, GroupSnapshotId, SnapshotId, VolumeId};
+use crate::locks::LockKey;
 use crate::model::K8S_PREFIX;
 use crate::model::*;
 use crate::Controller;
@@ -26,18 +28,47 @@ pub struct GroupSnapshot {
     pub members: Vec<SnapshotRecord>,
 }
 
-/// Snapshots take no parameters of their own: what a (group) snapshot class
-/// holds besides the CO's `csi.storage.k8s.io/` keys is ignored, with a warning
-/// naming it. Kubernetes' own storage suite, for one, puts the class's
-/// `deletionPolicy` there.
-fn warn_unknown_parameters(p: &BTreeMap<String, String>) {
+/// How a snapshot of a volume in use is made: the snapshot class's
+/// `consistency` parameter.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Consistency {
+    /// The volume's filesystem frozen for the copy (the default): every write
+    /// the filesystem took before the snapshot is in it, and it mounts
+    /// without recovery. Its writers wait for the freeze (tens of
+    /// milliseconds for xfs).
+    Frozen,
+    /// No freeze where the copy is one instant's (a reflink of the image, a
+    /// btrfs snapshot): the snapshot holds what a power cut at that instant
+    /// would leave, which the filesystem's journal recovers at the next
+    /// mount; what an application had made durable (fsync) is in it, what it
+    /// had not may be missing. A copy that takes time (a pool without
+    /// reflinks) is frozen all the same, since unfrozen it would be torn.
+    CrashConsistent,
+}
+
+/// The snapshot class parameter that chooses [`Consistency`].
+pub const CONSISTENCY: &str = "consistency";
+
+/// The consistency a (group) snapshot class asks for. Other keys than
+/// `consistency` and the CO's `csi.storage.k8s.io/` ones are ignored, with a
+/// warning naming them: Kubernetes' own storage suite, for one, puts the
+/// class's `deletionPolicy` there.
+pub fn snapshot_consistency(p: &BTreeMap<String, String>) -> Result<Consistency> {
     let unknown: Vec<String> = p
         .keys()
-        .filter(|k| !k.starts_with(K8S_PREFIX))
+        .filter(|k| !k.starts_with(K8S_PREFIX) && k.as_str() != CONSISTENCY)
         .map(|k| shorten(k))
         .collect();
     if !unknown.is_empty() {
         tracing::warn!(parameters = ?unknown, "snapshot parameters this driver does not use; ignored");
+    }
+    match p.get(CONSISTENCY).map(String::as_str) {
+        None | Some("") | Some("frozen") => Ok(Consistency::Frozen),
+        Some("crash-consistent") => Ok(Consistency::CrashConsistent),
+        Some(other) => Err(Error::invalid(format!(
+            "snapshot parameter {CONSISTENCY}={:?} is not one of frozen, crash-consistent",
+            shorten(other)
+        ))),
     }
 }
 
@@ -77,12 +108,12 @@ impl Controller {
         if source_volume_id.is_empty() {
             return Err(Error::invalid("source_volume_id is required"));
         }
-        warn_unknown_parameters(parameters);
+        let consistency = snapshot_consistency(parameters)?;
         let vid = VolumeId::parse_existing(source_volume_id)?;
         let sid = SnapshotId::for_name(name);
         let _guard = self
             .locks
-            .try_lock([format!("snapshot:{sid}"), format!("volume:{vid}")])?;
+            .try_lock([LockKey::Snapshot(sid), LockKey::Volume(vid)])?;
         if let Some(existing) = self.snapshots.get(sid) {
             if existing.state == RecordState::Ready {
                 if existing.source_volume != vid {
@@ -100,6 +131,12 @@ impl Controller {
             .get(vid)
             .filter(|v| v.state == RecordState::Ready)
             .ok_or_else(|| Error::not_found(format!("source volume {vid} does not exist")))?;
+        if vol.backing == crate::model::Backing::Image {
+            crate::core::arrival::refuse_while_arriving(
+                &self.pool(&vol.pool)?.volume_path(vid, vol.backing, false),
+                "a snapshot of this volume",
+            )?;
+        }
         let mut rec = self.snapshot_record(sid, name.to_string(), &vol, None);
         // No intent record is written: the id comes from the name, so data that a
         // crash leaves without a record is found by the retry (removed just below)
@@ -114,7 +151,14 @@ impl Controller {
         // while frozen would stall the volume's writers for as long as other
         // copies take.
         let made = made.and_then(|src| {
-            self.heavy(|| self.with_frozen(&[(vid, src)], || self.copy_to_snapshot(&vol, &rec)))?
+            self.heavy(|| {
+                if consistency == Consistency::CrashConsistent
+                    && self.copy_at_an_instant(&vol, &rec)?
+                {
+                    return Ok(());
+                }
+                self.with_frozen(&[(vid, src)], || self.copy_to_snapshot(&vol, &rec))
+            })?
         });
         if let Err(e) = made.and_then(|()| self.make_snapshot_durable(&rec)) {
             return Err(e.with_cleanup(self.remove_snapshot_data(&rec)));
@@ -164,10 +208,37 @@ impl Controller {
                 tracing::debug!(snapshot.id = %snap.id, reflinked, "image copied");
             }
             Backing::Subvolume => btrfs::subvolume_snapshot(&src, &dst, true).context(at)?,
-            Backing::Directory => file::copy_tree(&src, &dst).context(at)?,
+            Backing::Directory => {
+                file::copy_tree(&src, &dst).context(at)?;
+            }
         }
         failpoint::hit("snapshot.after-copy");
         Ok(())
+    }
+
+    /// A crash-consistent snapshot's copy, made unfrozen where the copy is
+    /// one instant's: a reflink of the image (FICLONE takes the image's inode
+    /// lock and writes back its dirty pages first, so the copy holds every
+    /// write the volume's loop device had made, and none half), a btrfs
+    /// snapshot of a subvolume. False when it cannot be (no reflink here, a
+    /// plain directory): the caller copies frozen.
+    fn copy_at_an_instant(&self, vol: &VolumeRecord, snap: &SnapshotRecord) -> Result<bool> {
+        let pool = self.pool(&vol.pool)?;
+        let src = pool.volume_path(vol.id, vol.backing, false);
+        let dst = pool.snapshot_path(snap.id, snap.backing);
+        let at = || format!("copying volume {} into snapshot {}", vol.id, snap.id);
+        match vol.backing {
+            Backing::Image => match file::reflink_unsynced(&src, &dst) {
+                Ok(()) => {}
+                Err(e) if e.is_unsupported() => return Ok(false),
+                Err(e) => return Err(e).context(at),
+            },
+            Backing::Subvolume => btrfs::subvolume_snapshot(&src, &dst, true).context(at)?,
+            Backing::Directory => return Ok(false),
+        }
+        failpoint::hit("snapshot.after-copy");
+        tracing::debug!(snapshot.id = %snap.id, "copied unfrozen (crash-consistent)");
+        Ok(true)
     }
 
     /// Makes an image snapshot's copy durable, before its record names it (the
@@ -213,7 +284,7 @@ impl Controller {
         let Some(sid) = SnapshotId::parse(snapshot_id) else {
             return Ok(());
         };
-        let _guard = self.locks.try_lock([format!("snapshot:{sid}")])?;
+        let _guard = self.locks.try_lock([LockKey::Snapshot(sid)])?;
         let Some(rec) = self.snapshots.get(sid) else {
             for pool in self.pools.values() {
                 for b in [Backing::Image, Backing::Directory] {
@@ -303,14 +374,20 @@ impl Controller {
         if source_volume_ids.is_empty() {
             return Err(Error::invalid("source_volume_ids are required"));
         }
-        warn_unknown_parameters(parameters);
+        if snapshot_consistency(parameters)? != Consistency::Frozen {
+            return Err(Error::invalid(format!(
+                "a group snapshot is made frozen: its members are consistent with each \
+                 other only under one freeze ({CONSISTENCY}=crash-consistent is for \
+                 single snapshots)"
+            )));
+        }
         let vids = group_sources(source_volume_ids)?;
         let gid = GroupSnapshotId::for_name(name);
         let member_id = |v: VolumeId| SnapshotId::for_name(&format!("group/{gid}/{v}"));
-        let mut keys = vec![format!("group:{gid}")];
+        let mut keys = vec![LockKey::Group(gid)];
         for v in &vids {
-            keys.push(format!("volume:{v}"));
-            keys.push(format!("snapshot:{}", member_id(*v)));
+            keys.push(LockKey::Volume(*v));
+            keys.push(LockKey::Snapshot(member_id(*v)));
         }
         let _guard = self.locks.try_lock(keys)?;
         if let Some(existing) = self.groups.get(gid) {
@@ -452,15 +529,15 @@ impl Controller {
         let Some(gid) = GroupSnapshotId::parse(group_id) else {
             return Ok(());
         };
-        let _guard = self.locks.try_lock([format!("group:{gid}")])?;
+        let _guard = self.locks.try_lock([LockKey::Group(gid)])?;
         let Some(mut group) = self.groups.get(gid) else {
             return Ok(());
         };
         Self::check_members(&group, snapshot_ids)?;
-        let keys: Vec<String> = group
+        let keys: Vec<LockKey> = group
             .members
             .iter()
-            .map(|s| format!("snapshot:{s}"))
+            .map(|s| LockKey::Snapshot(*s))
             .collect();
         let _members = self.locks.try_lock(keys)?;
         group.state = RecordState::Deleting;

@@ -24,9 +24,10 @@ use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
 use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 use csi_sys::fresh::{self as sysfresh, TEMPLATE_FORMAT};
-use csi_sys::{cmd, file};
+use csi_sys::{dir, file};
 
 use crate::error::{Context, Result};
 use crate::failpoint;
@@ -45,6 +46,8 @@ struct Job {
     dir: PathBuf,
     fs_type: String,
     size: u64,
+    /// How long its mkfs may run.
+    timeout: Duration,
 }
 
 #[derive(Default)]
@@ -62,16 +65,17 @@ impl Templates {
     /// matching template, with its own UUID and the fresh mark. False when there is
     /// none (then one is asked for, and the caller makes a blank image) or it could
     /// not be used (then it is removed, to be made again).
-    /// `attrs` are written on the copy within the same sync.
+    /// `attrs` are written on the copy within the same sync; `timeout` bounds
+    /// the mkfs of a template asked for.
     pub(crate) fn fill(
         &self,
         pool: &Pool,
-        fs_type: &str,
-        size: u64,
+        (fs_type, size): (&str, u64),
         dst: &Path,
         attrs: &[(String, Vec<u8>)],
+        timeout: Duration,
     ) -> bool {
-        let Some(template) = self.lookup(pool, fs_type, size) else {
+        let Some(template) = self.lookup(pool, fs_type, size, timeout) else {
             return false;
         };
         let uuid = *uuid::Uuid::new_v4().as_bytes();
@@ -92,24 +96,25 @@ impl Templates {
 
     /// Asks for the template of `fs_type` and `size` in `pool` when templates
     /// serve them and there is none yet, so that first stages find it. Never waits.
-    pub(crate) fn want(&self, pool: &Pool, fs_type: &str, size: u64) {
-        self.lookup(pool, fs_type, size);
+    pub(crate) fn want(&self, pool: &Pool, fs_type: &str, size: u64, timeout: Duration) {
+        self.lookup(pool, fs_type, size, timeout);
     }
 
     /// The finished template of `fs_type` and `size` in `pool`; None when
     /// templates do not serve them or there is none yet (then it is asked for).
-    fn lookup(&self, pool: &Pool, fs_type: &str, size: u64) -> Option<PathBuf> {
+    fn lookup(&self, pool: &Pool, fs_type: &str, size: u64, timeout: Duration) -> Option<PathBuf> {
         if !serves(pool, fs_type) {
             return None;
         }
         let template = template_path(pool, fs_type, size);
-        if template.is_file() {
+        if dir::is_file(&template) {
             return Some(template);
         }
         self.request(Job {
             dir: templates_dir(pool),
             fs_type: fs_type.to_string(),
             size,
+            timeout,
         });
         None
     }
@@ -133,14 +138,13 @@ impl Templates {
     /// Start-up: removes what a crash left half-made and any template that is
     /// not whole, of another format, or of an unknown name.
     pub(crate) fn recover(&self, pool: &Pool) {
-        let dir = templates_dir(pool);
-        let Ok(entries) = std::fs::read_dir(&dir) else {
+        let Ok(entries) = dir::list(&templates_dir(pool)) else {
             return;
         };
-        for entry in entries.flatten() {
-            let name = entry.file_name().to_string_lossy().into_owned();
-            let path = entry.path();
-            let why = if name.starts_with('.') {
+        for entry in entries {
+            let hidden = entry.is_hidden();
+            let (name, path) = (entry.name, entry.path);
+            let why = if hidden {
                 Some("left half-made".to_string())
             } else {
                 match parse_name(&name) {
@@ -208,7 +212,7 @@ fn spawn_worker(pending: Arc<Mutex<BTreeSet<Job>>>) -> SyncSender<Job> {
 fn make(job: &Job) -> Result<()> {
     let at = || format!("making template {} of {} bytes", job.fs_type, job.size);
     let path = job.dir.join(file_name(&job.fs_type, job.size));
-    if path.is_file() {
+    if dir::is_file(&path) {
         return Ok(());
     }
     let space = file::statvfs(job.dir.parent().unwrap_or(&job.dir)).context(at)?;
@@ -220,7 +224,7 @@ fn make(job: &Job) -> Result<()> {
     let tmp = Pool::tmp_path(&path);
     let _ = file::remove_file_if_exists(&tmp);
     let made = file::create_sparse(&tmp, job.size)
-        .and_then(|()| sysfresh::format_template(&tmp, &job.fs_type, cmd::DEFAULT_TIMEOUT))
+        .and_then(|()| sysfresh::format_template(&tmp, &job.fs_type, job.timeout))
         .and_then(|()| file::sync_path(&tmp))
         .context(at);
     if let Err(e) = made {
@@ -228,9 +232,7 @@ fn make(job: &Job) -> Result<()> {
         return Err(e);
     }
     failpoint::hit("template.before-rename");
-    std::fs::rename(&tmp, &path)
-        .map_err(|e| crate::error::Error::internal(format!("{}: renaming: {e}", at())))?;
-    file::fsync_dir(&job.dir).context(at)?;
+    dir::rename_durably(&tmp, &path).context(at)?;
     tracing::info!(template = %path.display(), "template made");
     let mut all = list(&job.dir);
     while all.len() > PER_POOL {
@@ -242,13 +244,12 @@ fn make(job: &Job) -> Result<()> {
 }
 
 /// The finished templates in `dir`, least recently used first.
-fn list(dir: &Path) -> Vec<(PathBuf, std::time::SystemTime)> {
-    let mut out: Vec<_> = std::fs::read_dir(dir)
+fn list(folder: &Path) -> Vec<(PathBuf, std::time::SystemTime)> {
+    let mut out: Vec<_> = dir::list(folder)
+        .unwrap_or_default()
         .into_iter()
-        .flatten()
-        .flatten()
-        .filter(|e| !e.file_name().to_string_lossy().starts_with('.'))
-        .filter_map(|e| Some((e.path(), e.metadata().ok()?.modified().ok()?)))
+        .filter(|e| !e.is_hidden())
+        .filter_map(|e| Some((e.path.clone(), dir::stat(&e.path).ok()??.modified)))
         .collect();
     out.sort_by_key(|(_, t)| *t);
     out
@@ -299,10 +300,10 @@ mod tests {
         let t = Templates::default();
         assert!(!t.fill(
             &pool(false),
-            "xfs",
-            1 << 30,
+            ("xfs", 1 << 30),
             Path::new("/nonexistent/v.img"),
-            &[]
+            &[],
+            csi_sys::cmd::DEFAULT_TIMEOUT
         ));
         assert!(t.pending.lock().unwrap().is_empty());
     }

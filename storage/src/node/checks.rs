@@ -1,6 +1,7 @@
 //! What every request to the node is checked for before anything is done: the
-//! volume id, the paths the CO gives (absolute, no `..`, outside the driver's
-//! directories and the system's, no symbolic link) and the capability.
+//! volume id, the paths the CO gives (absolute, no `..`, below a directory the
+//! kubelet uses for volumes and leading nowhere else through a symbolic link,
+//! outside the driver's own directories) and the capability.
 
 use std::path::{Component, Path, PathBuf};
 
@@ -9,22 +10,6 @@ use crate::data::shorten;
 use crate::error::{Error, Result};
 use crate::model::*;
 use crate::pool::Located;
-
-/// Directories no volume may ever be published onto.
-const FORBIDDEN: [&str; 12] = [
-    "/etc",
-    "/proc",
-    "/sys",
-    "/dev",
-    "/boot",
-    "/usr",
-    "/bin",
-    "/sbin",
-    "/lib",
-    "/lib64",
-    "/root",
-    "/run/secrets",
-];
 
 impl Node {
     /// What every stage and publish request is checked for first, in this order:
@@ -46,8 +31,10 @@ impl Node {
         Ok(path)
     }
 
-    /// Checks a path given by the CO: absolute, no `..`, no NUL, outside the
-    /// driver's own directories and the system's.
+    /// Checks a path given by the CO: absolute, no `..`, no NUL, strictly below
+    /// one of the allowed roots (the kubelet's volume directories) also on the
+    /// filesystem as it is now (no symbolic link on the way leads out), not a
+    /// symbolic link itself, and outside the driver's pools and state.
     pub(super) fn check_path(&self, what: &str, p: &str) -> Result<PathBuf> {
         if p.is_empty() {
             return Err(Error::invalid(format!("{what} is required")));
@@ -62,38 +49,67 @@ impl Node {
         if path.components().any(|c| matches!(c, Component::ParentDir)) {
             return Err(Error::invalid(format!("{what} {p:?} contains '..'")));
         }
-        if path.parent().is_none() {
-            return Err(Error::invalid(format!("{what} may not be /")));
+        let roots = &self.cfg.allowed_path_roots;
+        let allowed = || {
+            let names: Vec<String> = roots.iter().map(|r| r.display().to_string()).collect();
+            format!(
+                "the allowed roots are {} (--kubelet-dir, --allowed-path-root)",
+                names.join(", ")
+            )
+        };
+        let Some((root, rel)) = roots.iter().find_map(|r| {
+            let rel = path.strip_prefix(r).ok()?;
+            (rel.components().next().is_some()).then_some((r, rel))
+        }) else {
+            return Err(Error::invalid(format!(
+                "{what} {p:?} is not below an allowed root; {}",
+                allowed()
+            )));
+        };
+        match csi_sys::dir::leads_beneath(root, rel) {
+            Ok(true) => {}
+            Ok(false) => {
+                return Err(Error::invalid(format!(
+                    "{what} {p:?} leads out of {} through a symbolic link; {}",
+                    root.display(),
+                    allowed()
+                )))
+            }
+            Err(e) => {
+                return Err(Error::invalid(format!(
+                    "{what} {p:?}: the allowed root {} cannot be opened ({e}); {}",
+                    root.display(),
+                    allowed()
+                )))
+            }
         }
-        // Judge where the path really leads: a symlinked parent may point anywhere.
+        // The pools and the state may lie below an allowed root (tests do so):
+        // judge where the path really leads, the links of its parent followed.
         let real_parent = path
             .parent()
-            .and_then(|d| std::fs::canonicalize(d).ok())
+            .and_then(|d| csi_sys::dir::resolve(d).ok())
             .unwrap_or_else(|| path.parent().unwrap_or(Path::new("/")).to_path_buf());
         let real = real_parent.join(path.file_name().unwrap_or_default());
-        for candidate in [&path, &real] {
-            if self.is_internal_path(candidate) {
-                return Err(Error::invalid(format!(
-                    "{what} {p:?} lies inside the driver's pools or state directory"
-                )));
-            }
-            if FORBIDDEN.iter().any(|f| candidate.starts_with(f)) {
-                return Err(Error::invalid(format!(
-                    "{what} {p:?} lies in a system directory"
-                )));
-            }
+        if self.is_internal_path(&path) || self.is_internal_path(&real) {
+            return Err(Error::invalid(format!(
+                "{what} {p:?} lies inside the driver's pools or state directory"
+            )));
         }
-        if std::fs::symlink_metadata(&path).is_ok_and(|m| m.file_type().is_symlink()) {
+        if csi_sys::dir::lstat(&path).is_ok_and(|m| m.is_some_and(|m| m.is_symlink())) {
             return Err(Error::invalid(format!("{what} {p:?} is a symbolic link")));
         }
         Ok(path)
     }
 
-    pub(super) fn check_capability(cap: Option<&Capability>, loc: &Located) -> Result<Capability> {
+    pub(super) fn check_capability(
+        &self,
+        cap: Option<&Capability>,
+        loc: &Located,
+    ) -> Result<Capability> {
         let cap = cap
             .cloned()
             .ok_or_else(|| Error::invalid("volume_capability is required"))?;
-        if let Some(why) = cap.unsupported_reason() {
+        if let Some(why) = self.cfg.unsupported(&cap) {
             return Err(Error::invalid(why));
         }
         if cap.is_block() && loc.backing != Backing::Image {

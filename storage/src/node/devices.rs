@@ -257,6 +257,7 @@ mod tests {
             vec![("default".into(), root.join("pool"))],
         );
         cfg.rcu_expedited_knob = root.join("no-rcu-expedited");
+        cfg.allowed_path_roots = vec![root.to_path_buf()];
         let driver = Driver::open(cfg, sys).unwrap();
         let (c, n) = (driver.controller().unwrap(), driver.node().unwrap());
         let path = |p: &str| root.join(p).display().to_string();

@@ -1,9 +1,19 @@
 //! Ephemeral inline volumes: made, staged and published by the first
 //! NodePublishVolume, and removed with their last target. They are the node's
 //! alone: their records live in the node's state, never in the controller's.
+//!
+//! Any pod author may write one, with no claim and no quota in between, so they
+//! are off unless the operator names the pools they may use and their largest
+//! size. Each one reserves its whole size against its pool: its record, written
+//! durably before its image is made, is the reservation, and a new one is
+//! admitted only while the pool's free space covers it and what the others have
+//! not written yet. Admissions run one at a time, so two publishes cannot both
+//! count the same free space. A reservation goes with its volume's record: at
+//! the last unpublish, or at start-up for one whose image a crash left unmade.
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::PoisonError;
 
 use csi_sys::file;
 
@@ -14,6 +24,7 @@ use crate::data::remove_data;
 use crate::error::{Context, Error, Result};
 use crate::failpoint;
 use crate::ids::{validate_name, VolumeId};
+use crate::locks::LockKey;
 use crate::model::*;
 use crate::pool::Pool;
 use crate::size::parse_size;
@@ -53,27 +64,28 @@ impl Node {
 
     pub(super) fn publish_ephemeral(&self, req: &Publish, target: &Path) -> Result<()> {
         validate_name("ephemeral volume", &req.volume_id)?;
+        if self.cfg.ephemeral_pools.is_empty() {
+            return Err(Error::invalid(
+                "inline ephemeral volumes are off on this node (the driver runs without \
+                 --ephemeral-pools); a generic ephemeral volume (a volumeClaimTemplate in \
+                 the pod) gives a pod a volume of its own under the claim's quota",
+            ));
+        }
         let id = VolumeId::for_ephemeral(&req.volume_id);
-        let cap = Self::ephemeral_capability(req)?;
+        let cap = self.ephemeral_capability(req)?;
         let (pool, size, fs) = self.ephemeral_attributes(req, &cap)?;
-        let (available, total) = pool.space()?;
+        let (_, total) = pool.space()?;
         if size > total {
             return Err(Error::OutOfRange(format!(
                 "{size} bytes exceeds the largest volume pool {} can hold ({total} bytes)",
                 pool.name
             )));
         }
-        let _guard = self.locks.try_lock([format!("node:{id}")])?;
+        let _guard = self.locks.try_lock([LockKey::Node(id)])?;
         let created = self
             .ephemeral_volumes
             .get(id)
             .is_none_or(|r| r.state != RecordState::Ready);
-        if created && size > available {
-            return Err(Error::ResourceExhausted(format!(
-                "pool {} has {available} bytes free; {size} were asked for",
-                pool.name
-            )));
-        }
         let wanted = Ephemeral {
             id,
             pool,
@@ -81,6 +93,9 @@ impl Node {
             size,
             fs,
         };
+        if created {
+            self.reserve_ephemeral(&wanted, &req.volume_id)?;
+        }
         let result = self.make_ephemeral(req, target, &wanted, created);
         if result.is_err() && created {
             self.undo_first_ephemeral_publish(id, target);
@@ -88,8 +103,62 @@ impl Node {
         result
     }
 
+    /// Admits a new ephemeral volume against its pool and records it (state
+    /// Creating), which reserves its size; one admission at a time.
+    fn reserve_ephemeral(&self, wanted: &Ephemeral, name: &str) -> Result<()> {
+        let _one = self
+            .ephemeral_admission
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner);
+        let (available, _) = wanted.pool.space()?;
+        let promised = self.ephemeral_promised(&wanted.pool, wanted.id);
+        failpoint::hit("ephemeral.admission");
+        if wanted.size > available.saturating_sub(promised) {
+            return Err(Error::ResourceExhausted(format!(
+                "pool {} has {available} bytes free, of which {promised} are reserved for the \
+                 inline ephemeral volumes already here; {} were asked for",
+                wanted.pool.name, wanted.size
+            )));
+        }
+        self.ephemeral_volumes
+            .put(&Self::ephemeral_record(wanted, name, RecordState::Creating))?;
+        failpoint::hit("ephemeral.after-reserve");
+        Ok(())
+    }
+
+    /// Bytes the ephemeral volumes of `pool` (but `except`) may still write:
+    /// each one's size less what its image holds already.
+    fn ephemeral_promised(&self, pool: &Pool, except: VolumeId) -> u64 {
+        self.ephemeral_volumes
+            .all()
+            .iter()
+            .filter(|r| r.pool == pool.name && r.id != except)
+            .map(|r| {
+                let image = pool.volume_path(r.id, Backing::Image, true);
+                // An image not made yet holds nothing: its whole size is promised.
+                r.size
+                    .saturating_sub(file::allocated_bytes(&image).unwrap_or(0))
+            })
+            .sum()
+    }
+
+    /// Start-up: an ephemeral volume recorded as Creating never had its image
+    /// made whole, nor was it staged; it and its reservation go, and the
+    /// kubelet's retry of the publish admits it anew.
+    pub(super) fn release_unmade_ephemeral(&self) -> Result<()> {
+        for rec in self.ephemeral_volumes.all() {
+            if rec.state == RecordState::Creating {
+                tracing::info!(volume.id = %rec.id, pool = %rec.pool,
+                    "releasing an ephemeral volume a crash left unmade");
+                self.remove_volume_data(rec.id, true)?;
+                self.ephemeral_volumes.remove(rec.id)?;
+            }
+        }
+        Ok(())
+    }
+
     /// The capability of an ephemeral volume: a supported mount.
-    fn ephemeral_capability(req: &Publish) -> Result<Capability> {
+    fn ephemeral_capability(&self, req: &Publish) -> Result<Capability> {
         let cap = req
             .capability
             .clone()
@@ -97,7 +166,7 @@ impl Node {
         if cap.is_block() {
             return Err(Error::invalid("ephemeral inline volumes are mount volumes"));
         }
-        if let Some(why) = cap.unsupported_reason() {
+        if let Some(why) = self.cfg.unsupported(&cap) {
             return Err(Error::invalid(why));
         }
         Ok(cap)
@@ -123,11 +192,20 @@ impl Node {
                 .map(i64::unsigned_abs)
                 .map_err(|e| Error::invalid(format!("volumeAttribute size: {e}")))?,
         };
-        let pool_name = req
-            .volume_context
-            .get("type")
-            .cloned()
-            .unwrap_or_else(|| self.default_pool().name.clone());
+        let allowed = &self.cfg.ephemeral_pools;
+        let pool_name = match req.volume_context.get("type") {
+            Some(p) => p.clone(),
+            None if allowed.contains(&self.default_pool().name) => self.default_pool().name.clone(),
+            None => allowed[0].clone(),
+        };
+        if !allowed.contains(&pool_name) {
+            return Err(Error::invalid(format!(
+                "volumeAttribute type={:?}: inline ephemeral volumes may use only the pools {} \
+                 on this node",
+                crate::data::shorten(&pool_name),
+                allowed.join(", ")
+            )));
+        }
         let pool = self.pool(&pool_name)?.clone();
         let fs = cap
             .fs_type()
@@ -140,6 +218,13 @@ impl Node {
             .ok_or_else(|| {
                 Error::OutOfRange(format!("volumeAttribute size={size} is too large"))
             })?;
+        if size > self.cfg.ephemeral_max_size {
+            return Err(Error::invalid(format!(
+                "an inline ephemeral volume of {size} bytes ({fs}) is larger than this node \
+                 makes them (--ephemeral-max-size, {} bytes)",
+                self.cfg.ephemeral_max_size
+            )));
+        }
         Ok((pool, size, fs))
     }
 
@@ -152,7 +237,7 @@ impl Node {
             .unstage_locked(id, &staging, None)
             .and_then(|()| self.remove_volume_data(id, true))
             .and_then(|()| self.ephemeral_volumes.remove(id));
-        let _ = std::fs::remove_dir(&staging);
+        let _ = csi_sys::dir::remove_empty_dir(&staging);
         if let Err(e) = undo {
             tracing::warn!(volume.id = %id, error = %e, "could not undo a failed ephemeral publish");
         }
@@ -193,7 +278,7 @@ impl Node {
         self.publish_locked(id, &loc, &staging, target, cap, req.read_only)
     }
 
-    fn create_ephemeral(&self, wanted: &Ephemeral, name: &str) -> Result<()> {
+    fn ephemeral_record(wanted: &Ephemeral, name: &str, state: RecordState) -> VolumeRecord {
         let Ephemeral {
             id,
             pool,
@@ -201,30 +286,34 @@ impl Node {
             size,
             fs,
         } = wanted;
-        let (id, size) = (*id, *size);
         // The caller checked and rounded the size.
-        let rec = VolumeRecord {
-            id,
+        VolumeRecord {
+            id: *id,
             name: name.to_string(),
             pool: pool.name.clone(),
             backing: Backing::Image,
-            size,
+            size: *size,
             fs_type: Some(fs.clone()),
             capabilities: vec![cap.clone()],
             parameters: BTreeMap::new(),
             mutable_parameters: BTreeMap::new(),
             source: None,
             created: Timestamp::now(),
-            state: RecordState::Ready,
+            state,
             pending_size: None,
             published: BTreeMap::new(),
             ephemeral: true,
             requested: None,
-        };
-        let path = pool.volume_path(id, Backing::Image, true);
+        }
+    }
+
+    fn create_ephemeral(&self, wanted: &Ephemeral, name: &str) -> Result<()> {
+        let (id, size) = (wanted.id, wanted.size);
+        let path = wanted.pool.volume_path(id, Backing::Image, true);
         remove_data(&path)?;
         file::create_sparse(&path, size).context(|| format!("making {}", path.display()))?;
-        self.ephemeral_volumes.put(&rec)
+        self.ephemeral_volumes
+            .put(&Self::ephemeral_record(wanted, name, RecordState::Ready))
     }
 
     pub(super) fn unpublish_ephemeral(&self, id: VolumeId, target: &Path) -> Result<()> {
@@ -235,7 +324,7 @@ impl Node {
         }
         self.unstage_locked(id, &self.ephemeral_staging(id), None)?;
         failpoint::hit("ephemeral.after-unstage");
-        let _ = std::fs::remove_dir(self.ephemeral_staging(id));
+        let _ = csi_sys::dir::remove_empty_dir(&self.ephemeral_staging(id));
         self.remove_volume_data(id, true)?;
         self.ephemeral_volumes.remove(id)?;
         Ok(())

@@ -1,14 +1,13 @@
 //! NodeExpandVolume: grow the image where the controller did not, refresh the
 //! loop devices and grow the mounted filesystem online.
 
-use std::path::PathBuf;
-
 use csi_sys::{btrfs, file, LoopDevice, MountEntry, SysError};
 
 use super::{Node, BTRFS_LEAST_RESIZE};
 use crate::data::{mounts_of, reachable_mount_of};
 use crate::error::{Context, Error, Result};
 use crate::ids::VolumeId;
+use crate::locks::LockKey;
 use crate::model::*;
 use crate::pool::Located;
 use crate::settings::recorded_size;
@@ -32,13 +31,13 @@ impl Node {
         range.validate()?;
         let (id, loc) = self.located(volume_id)?;
         if let Some(c) = capability {
-            Self::check_capability(Some(c), &loc)?;
+            self.check_capability(Some(c), &loc)?;
         }
-        let path = PathBuf::from(volume_path);
-        if std::fs::symlink_metadata(&path).is_err() {
+        let path = self.check_path("volume_path", volume_path)?;
+        if !matches!(csi_sys::dir::lstat(&path), Ok(Some(_))) {
             return Err(Error::not_found(format!("{volume_path} does not exist")));
         }
-        let _guard = self.locks.try_lock([format!("node:{id}")])?;
+        let _guard = self.locks.try_lock([LockKey::Node(id)])?;
         let (_volume, loc) = self.lock_located(id)?;
         if loc.backing != Backing::Image {
             // The controller raised the quota (a subvolume's limit is its size) or

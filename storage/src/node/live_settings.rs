@@ -22,7 +22,7 @@ impl Node {
                     if on { "on" } else { "off" },
                     device.display()
                 );
-                return Err(if on && e.raw_os_error() == Some(libc::EINVAL) {
+                return Err(if on && e.is_refused_by_kernel() {
                     // Permanent: the backing file's filesystem or block size
                     // does not allow it.
                     Error::invalid(format!(

@@ -60,6 +60,8 @@ pub struct Node {
     core: Arc<Core>,
     pub(crate) node_records: Store<NodeRecord>,
     ephemeral_volumes: Store<VolumeRecord>,
+    /// Held while an ephemeral volume is admitted against its pool's space.
+    ephemeral_admission: std::sync::Mutex<()>,
     locks: Locks,
     _owner: OwnerLock,
 }
@@ -94,6 +96,8 @@ pub struct NodeRecord {
     pub loop_devices: Option<Vec<PathBuf>>,
 }
 
+crate::core::store::record!(NodeRecord, VolumeId, layout 1);
+
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Target {
     pub read_only: bool,
@@ -114,6 +118,7 @@ impl Node {
         let node = Node {
             node_records: Store::open(&dir.join("staged"))?,
             ephemeral_volumes: Store::open(&dir.join("ephemeral"))?,
+            ephemeral_admission: std::sync::Mutex::new(()),
             locks: Locks::default(),
             _owner: owner,
             core,
@@ -222,13 +227,13 @@ impl Node {
 }
 
 fn make_dir(path: &Path) -> Result<()> {
-    match std::fs::symlink_metadata(path) {
-        Ok(m) if m.is_dir() => Ok(()),
-        Ok(_) => Err(Error::AlreadyExists(format!(
+    match csi_sys::dir::lstat(path) {
+        Ok(Some(m)) if m.is_dir() => Ok(()),
+        Ok(Some(_)) => Err(Error::AlreadyExists(format!(
             "{} exists and is not a directory",
             path.display()
         ))),
-        Err(_) => std::fs::create_dir(path)
+        _ => csi_sys::dir::create_unsynced(path)
             .map_err(|e| Error::invalid(format!("cannot make {}: {e}", path.display()))),
     }
 }

@@ -12,6 +12,7 @@ use crate::data::mounts_of;
 use crate::error::{Context, Error, Result};
 use crate::failpoint;
 use crate::ids::VolumeId;
+use crate::locks::LockKey;
 use crate::model::*;
 use crate::pool::Located;
 
@@ -48,8 +49,8 @@ impl Node {
         }
         let staging = self.check_path("staging_target_path", &req.staging_path)?;
         let (id, loc) = self.located(&req.volume_id)?;
-        let cap = Self::check_capability(req.capability.as_ref(), &loc)?;
-        let _guard = self.locks.try_lock([format!("node:{id}")])?;
+        let cap = self.check_capability(req.capability.as_ref(), &loc)?;
+        let _guard = self.locks.try_lock([LockKey::Node(id)])?;
         let (_volume, loc) = self.lock_located(id)?;
         self.publish_locked(id, &loc, &staging, &target, &cap, req.read_only)
     }
@@ -63,7 +64,12 @@ impl Node {
         cap: &Capability,
         read_only: bool,
     ) -> Result<()> {
-        let (read_only, flags) = Self::publish_options(staging, target, cap, read_only)?;
+        let (read_only, mut flags) = Self::publish_options(staging, target, cap, read_only)?;
+        // Not for a block volume: nodev on the bind of its device node would
+        // make the device unusable.
+        if !cap.is_block() {
+            flags = self.cfg.mount_options.with_defaults(&flags);
+        }
         let mut rec = self.staged_record(id, staging, cap)?;
         let devices = self.devices(loc, Some(&rec))?;
         if loc.backing == Backing::Image {
@@ -310,17 +316,13 @@ impl Node {
 }
 
 fn make_file(path: &Path) -> Result<()> {
-    match std::fs::symlink_metadata(path) {
-        Ok(m) if m.is_file() => Ok(()),
-        Ok(_) => Err(Error::AlreadyExists(format!(
+    match csi_sys::dir::lstat(path) {
+        Ok(Some(m)) if m.is_file() => Ok(()),
+        Ok(Some(_)) => Err(Error::AlreadyExists(format!(
             "{} exists and is not a file",
             path.display()
         ))),
-        Err(_) => std::fs::OpenOptions::new()
-            .write(true)
-            .create_new(true)
-            .open(path)
-            .map(drop)
+        _ => csi_sys::file::create_empty_unsynced(path)
             .map_err(|e| Error::invalid(format!("cannot make {}: {e}", path.display()))),
     }
 }

@@ -38,6 +38,7 @@ impl Node {
     /// volume accounts for, and remove ephemeral data without a record.
     pub(crate) fn recover_node(&self) -> Result<()> {
         self.reconcile_staged_marks();
+        self.release_unmade_ephemeral()?;
         for pool in self.pools.values() {
             self.remove_orphans(&pool.ephemeral_dir(), |stem| {
                 VolumeId::parse(stem).is_some_and(|id| self.ephemeral_volumes.contains(id))

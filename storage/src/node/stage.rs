@@ -13,6 +13,7 @@ use crate::data::mounts_of;
 use crate::error::{Context, Error, Result};
 use crate::failpoint;
 use crate::ids::VolumeId;
+use crate::locks::LockKey;
 use crate::model::*;
 use crate::pool::Located;
 use crate::settings::recorded_settings;
@@ -46,13 +47,13 @@ impl Node {
             req.capability.is_some(),
         )?;
         let (id, loc) = self.located(&req.volume_id)?;
-        let cap = Self::check_capability(req.capability.as_ref(), &loc)?;
+        let cap = self.check_capability(req.capability.as_ref(), &loc)?;
         if let Some(why) = context_fs(&req.volume_context)
             .and_then(|fs| unsupported_fs("volume_context fsType", fs))
         {
             return Err(Error::invalid(why));
         }
-        let _guard = self.locks.try_lock([format!("node:{id}")])?;
+        let _guard = self.locks.try_lock([LockKey::Node(id)])?;
         let (volume, loc) = self.lock_located(id)?;
         let to_stage = ToStage {
             id,
@@ -155,7 +156,10 @@ impl Node {
                 mount_flags,
                 volume_mount_group,
                 ..
-            } => (mount_flags.clone(), volume_mount_group.clone()),
+            } => (
+                self.cfg.mount_options.with_defaults(mount_flags),
+                volume_mount_group.clone(),
+            ),
             Access::Block => (Vec::new(), String::new()),
         };
         let opts = MountOptions { read_only, flags };
@@ -427,6 +431,9 @@ impl Node {
         named: Option<&str>,
     ) -> Result<LoopDevice> {
         let image = loc.path.as_path();
+        // A volume whose data is still arriving from another node is never
+        // served half-made.
+        crate::core::arrival::refuse_while_arriving(image, "NodeStageVolume")?;
         // A new image is filled from its template before it is first attached
         // for a filesystem, and may not be durable yet (core::blank, core::fresh);
         // data goes in after this. A device for block access is the caller's to

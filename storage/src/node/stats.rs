@@ -1,8 +1,6 @@
 //! NodeGetVolumeStats: the figures of a mounted path of a volume (statvfs, the
 //! qgroup of a subvolume, the size of a block device).
 
-use std::path::PathBuf;
-
 use csi_sys::btrfs;
 
 use super::Node;
@@ -29,7 +27,6 @@ impl Node {
         if volume_path.is_empty() {
             return Err(Error::invalid("volume_path is required"));
         }
-        let path = PathBuf::from(volume_path);
         let id = self
             .ephemeral_id(volume_id)
             .map(Ok)
@@ -37,7 +34,15 @@ impl Node {
         let loc = self.locate(id).ok_or_else(|| {
             Error::not_found(format!("volume {volume_id} does not exist on this node"))
         })?;
-        if std::fs::symlink_metadata(&path).is_err() {
+        // The spec's answer for a path that holds no volume of this id: where
+        // no volume is ever published, none is.
+        let path = self
+            .check_path("volume_path", volume_path)
+            .map_err(|e| match e {
+                Error::InvalidArgument(why) => Error::NotFound(why),
+                e => e,
+            })?;
+        if !matches!(csi_sys::dir::lstat(&path), Ok(Some(_))) {
             return Err(Error::not_found(format!("{volume_path} does not exist")));
         }
         let rec = self.node_records.get(id);

@@ -7,6 +7,7 @@ use super::Node;
 use crate::error::{Context, Error, Result};
 use crate::failpoint;
 use crate::ids::VolumeId;
+use crate::locks::LockKey;
 
 impl Node {
     pub fn node_unpublish(&self, volume_id: &str, target_path: &str) -> Result<()> {
@@ -15,14 +16,14 @@ impl Node {
         }
         let target = self.check_path("target_path", target_path)?;
         if let Some(eid) = self.ephemeral_id(volume_id) {
-            let _guard = self.locks.try_lock([format!("node:{eid}")])?;
+            let _guard = self.locks.try_lock([LockKey::Node(eid)])?;
             return self.unpublish_ephemeral(eid, &target);
         }
         // An id that is no volume id of this driver may be an ephemeral volume
         // torn down already: unpublish stays idempotent for it (and still leaves a
         // mount it does not own alone).
         let id = VolumeId::parse(volume_id).unwrap_or_else(|| VolumeId::for_ephemeral(volume_id));
-        let _guard = self.locks.try_lock([format!("node:{id}")])?;
+        let _guard = self.locks.try_lock([LockKey::Node(id)])?;
         let volume = self.lock_if_known(id)?;
         self.unpublish_locked(id, &target)?;
         self.release_if_gone(id, volume)
@@ -47,12 +48,12 @@ impl Node {
         failpoint::hit("unpublish.after-unmount");
         let entry = rec.as_mut().and_then(|r| r.targets.remove(target));
         // Remove only what publish made: an empty directory or an empty file.
-        match std::fs::symlink_metadata(target) {
-            Ok(m) if m.is_dir() => {
-                let _ = std::fs::remove_dir(target);
+        match csi_sys::dir::lstat(target) {
+            Ok(Some(m)) if m.is_dir() => {
+                let _ = csi_sys::dir::remove_empty_dir(target);
             }
-            Ok(m) if m.is_file() && m.len() == 0 => {
-                let _ = std::fs::remove_file(target);
+            Ok(Some(m)) if m.is_file() && m.len == 0 => {
+                let _ = csi_sys::file::remove_file_if_exists(target);
             }
             _ => {}
         }

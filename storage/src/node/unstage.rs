@@ -9,6 +9,7 @@ use super::Node;
 use crate::error::{Context, Error, Result};
 use crate::failpoint;
 use crate::ids::VolumeId;
+use crate::locks::LockKey;
 use crate::state::VolumeLock;
 
 impl Node {
@@ -18,7 +19,7 @@ impl Node {
         }
         let staging = self.check_path("staging_target_path", staging_path)?;
         let id = VolumeId::parse_existing(volume_id)?;
-        let _guard = self.locks.try_lock([format!("node:{id}")])?;
+        let _guard = self.locks.try_lock([LockKey::Node(id)])?;
         let volume = self.lock_if_known(id)?;
         self.unstage_locked(id, &staging, volume.as_ref())?;
         self.release_if_gone(id, volume)

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use crate::ids::SnapshotId;
 use crate::model::*;
 use crate::testkit::*;
-use crate::volumes::{CreateVolume, MIB};
+use crate::volumes::{Capacity, CreateVolume, MIB};
 
 #[test]
 fn create_volume_is_idempotent_and_conflicts_are_already_exists() {
@@ -162,6 +162,16 @@ fn bad_parameters_are_invalid_argument_and_make_nothing() {
             Kind::InvalidArgument,
         ),
         (
+            "bandwidth without a number",
+            with_params(&[("transferBandwidth", "fast")]),
+            Kind::InvalidArgument,
+        ),
+        (
+            "negative bandwidth",
+            with_params(&[("transferBandwidth", "-1Mi")]),
+            Kind::InvalidArgument,
+        ),
+        (
             "block on dir",
             {
                 let mut r = with_params(&[("kind", "dir")]);
@@ -209,6 +219,21 @@ fn bad_parameters_are_invalid_argument_and_make_nothing() {
     let mut fine = with_params(&[("csi.storage.k8s.io/pvc/name", "x"), ("kind", "image")]);
     fine.requisite = vec![params(&[(TOPOLOGY_KEY, "node-1")])];
     w.c().create_volume(fine).unwrap();
+}
+
+#[test]
+fn a_transfer_bandwidth_is_a_quantity_kept_with_the_volume() {
+    let w = World::new();
+    let mut r = request("pvc-a", 64 * MIB as i64, 0, vec![ext4()]);
+    r.parameters = params(&[("transferBandwidth", "64Mi")]);
+    let v = w.c().create_volume(r.clone()).unwrap();
+    assert_eq!(v.parameters.get("transferBandwidth").unwrap(), "64Mi");
+    let parsed = crate::volumes::parse_parameters(&v.parameters).unwrap();
+    assert_eq!(parsed.transfer_bandwidth, 64 * MIB);
+    // The same request again is the same volume; another bandwidth is not.
+    assert_eq!(w.c().create_volume(r.clone()).unwrap().id, v.id);
+    r.parameters = params(&[("transferBandwidth", "1Gi")]);
+    assert_eq!(kind(w.c().create_volume(r)), Kind::AlreadyExists);
 }
 
 #[test]
@@ -353,4 +378,49 @@ fn a_volume_made_larger_than_asked_lets_its_snapshots_restore_at_the_asked_size(
         .create_volume(request("pvc-exact", 64 * MIB as i64, 0, vec![ext4()]))
         .unwrap();
     assert_eq!(exact.requested, None);
+}
+
+#[test]
+fn capacity_lets_a_class_create_volume_refuses_through_to_its_refusal() {
+    let w = World::new();
+    let here = w.c().topology();
+    let other = BTreeMap::from([(TOPOLOGY_KEY.to_string(), "node-2".to_string())]);
+    let good = w.c().get_capacity(&params(&[]), &[], Some(&here)).unwrap();
+    assert!(good.available > 0 && good.available < Capacity::UNLIMITED.available);
+    // Each with what the refusal must name.
+    for (bad, named) in [
+        (("type", "nvme-does-not-exist"), "nvme-does-not-exist"),
+        (("kind", "lvm"), "lvm"),
+        (("color", "red"), "color"),
+    ] {
+        let p = params(&[bad]);
+        // No figure that would keep the scheduler away from this node...
+        for topology in [Some(&here), None] {
+            assert_eq!(
+                w.c().get_capacity(&p, &[ext4()], topology).unwrap(),
+                Capacity::UNLIMITED,
+                "{bad:?}"
+            );
+        }
+        // ...where the class could not be served anyway, another node's.
+        assert_eq!(
+            w.c().get_capacity(&p, &[], Some(&other)).unwrap(),
+            Capacity::NONE
+        );
+        // CreateVolume then says why, and makes nothing.
+        let mut req = request("pvc-bad", 64 * MIB as i64, 0, vec![ext4()]);
+        req.parameters = p;
+        let e = w.c().create_volume(req).unwrap_err();
+        assert_eq!(e.kind(), Kind::InvalidArgument, "{bad:?}: {e}");
+        assert!(e.to_string().contains(named), "{bad:?}: {e}");
+    }
+    let mut req = request("pvc-bad", 64 * MIB as i64, 0, vec![ext4()]);
+    req.parameters = params(&[("type", "nvme-does-not-exist")]);
+    let why = w.c().create_volume(req).unwrap_err().to_string();
+    assert!(
+        why.contains("StorageClass parameter type") && why.contains("has the pools default"),
+        "{why}"
+    );
+    assert_eq!(w.c().volume_count(), 0);
+    assert!(w.pool_files("volumes").is_empty());
 }

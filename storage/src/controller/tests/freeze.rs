@@ -180,6 +180,43 @@ fn snapshot_class_parameters_the_driver_does_not_use_are_ignored() {
     assert_eq!(group.members.len(), 2);
 }
 
+#[test]
+fn a_crash_consistent_snapshot_freezes_only_where_the_copy_takes_time() {
+    let w = World::new();
+    let id = w.create_staged("pvc-a");
+    let crash = |v: &str| BTreeMap::from([("consistency".to_string(), v.to_string())]);
+    let snap = w
+        .c()
+        .create_snapshot("snap-1", &id, &crash("crash-consistent"))
+        .unwrap();
+    // A reflink is one instant's copy: no freeze. A plain copy takes time
+    // and would be torn unfrozen: frozen all the same.
+    let reflink = w.c().pool("default").unwrap().reflink;
+    let c = w.fake.counters();
+    let want = if reflink { (0, 0) } else { (1, 1) };
+    assert_eq!((c.freeze, c.thaw), want, "reflink: {reflink}");
+    assert_eq!(w.pool_files("snapshots"), vec![format!("{}.img", snap.id)]);
+    // The default, and its name, freeze.
+    w.c()
+        .create_snapshot("snap-2", &id, &crash("frozen"))
+        .unwrap();
+    let c = w.fake.counters();
+    assert_eq!((c.freeze, c.thaw), (want.0 + 1, want.1 + 1));
+
+    // Another value is refused, and makes nothing.
+    let err = w.c().create_snapshot("snap-3", &id, &crash("fast"));
+    assert_eq!(kind(err), Kind::InvalidArgument);
+    assert_eq!(w.pool_files("snapshots").len(), 2);
+    // A group's members are consistent with each other only frozen.
+    let err = w.c().create_group_snapshot(
+        "group-1",
+        std::slice::from_ref(&id),
+        &crash("crash-consistent"),
+    );
+    assert_eq!(kind(err), Kind::InvalidArgument);
+    assert_eq!(w.pool_files("snapshots").len(), 2);
+}
+
 /// A switch of expedited grace periods of the test's own, reading `value`.
 fn rcu_knob(w: &World, value: &str) -> PathBuf {
     let knob = w.tmp.path().join("rcu_expedited");

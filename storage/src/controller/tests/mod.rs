@@ -4,3 +4,5 @@
 mod create;
 mod freeze;
 mod list_delete;
+mod publish;
+mod transfer;

@@ -47,6 +47,10 @@ impl Controller {
                         Error::not_found(format!("source volume {vid} does not exist"))
                     })?;
                 let pool = self.pool(&v.pool)?;
+                crate::core::arrival::refuse_while_arriving(
+                    &pool.volume_path(vid, v.backing, false),
+                    "a clone of this volume",
+                )?;
                 Ok((
                     v.pool.clone(),
                     pool.volume_path(vid, v.backing, false),
@@ -73,15 +77,16 @@ impl Controller {
             // first stage fills it from a template (see core::fresh).
             (Backing::Image, None) if blank::is_fresh_image(rec) => {
                 if let Some(fs) = rec.fs_type.as_deref() {
-                    self.templates.want(pool, fs, rec.size);
+                    self.templates
+                        .want(pool, fs, rec.size, self.cfg.command_timeout);
                 }
                 return blank::make(&path, rec, pool);
             }
             (Backing::Image, None) => {
-                let from_template = rec
-                    .fs_type
-                    .as_deref()
-                    .is_some_and(|fs| self.templates.fill(pool, fs, rec.size, &path, &[]));
+                let from_template = rec.fs_type.as_deref().is_some_and(|fs| {
+                    self.templates
+                        .fill(pool, (fs, rec.size), &path, &[], self.cfg.command_timeout)
+                });
                 if !from_template {
                     file::create_sparse(&path, rec.size).context(at)?;
                 }

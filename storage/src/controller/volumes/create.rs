@@ -9,19 +9,20 @@ use super::{parse_parameters, CreateVolume, VolumeKind, VolumeParams};
 use crate::error::{Error, Result};
 use crate::failpoint;
 use crate::ids::{validate_name, VolumeId};
+use crate::locks::LockKey;
 use crate::model::*;
 use crate::pool::Pool;
 use crate::Controller;
 
 /// What a CreateVolume request asks for, checked: the pool, the kind of data and
 /// the filesystem.
-struct Plan {
-    params: VolumeParams,
-    pool: Pool,
-    backing: Backing,
-    fs_type: Option<String>,
+pub(crate) struct Plan {
+    pub(crate) params: VolumeParams,
+    pub(crate) pool: Pool,
+    pub(crate) backing: Backing,
+    pub(crate) fs_type: Option<String>,
     /// Whether the capabilities name a filesystem (else it is the default).
-    fs_named: bool,
+    pub(crate) fs_named: bool,
 }
 
 impl Controller {
@@ -30,7 +31,7 @@ impl Controller {
             return Err(Error::invalid("volume_capabilities are required"));
         }
         for c in caps {
-            if let Some(why) = c.unsupported_reason() {
+            if let Some(why) = self.cfg.unsupported(c) {
                 return Err(Error::invalid(why));
             }
         }
@@ -40,14 +41,14 @@ impl Controller {
     pub fn create_volume(&self, req: CreateVolume) -> Result<VolumeRecord> {
         let mut plan = self.plan_volume(&req)?;
         let id = VolumeId::for_name(&req.name);
-        let mut keys = vec![format!("volume:{id}")];
+        let mut keys = vec![LockKey::Volume(id)];
         // A snapshot does not change while it is read, so restores from one
         // snapshot share it; a live source volume is frozen for the copy, one at a time.
         let mut shared = Vec::new();
         let source = req.source;
         match source {
-            Some(ContentSource::Snapshot(s)) => shared.push(format!("snapshot:{s}")),
-            Some(ContentSource::Volume(v)) => keys.push(format!("volume:{v}")),
+            Some(ContentSource::Snapshot(s)) => shared.push(LockKey::Snapshot(s)),
+            Some(ContentSource::Volume(v)) => keys.push(LockKey::Volume(v)),
             None => {}
         }
         let _guard = self.locks.try_lock_with(keys, shared)?;
@@ -89,13 +90,16 @@ impl Controller {
     }
 
     /// Checks a request and decides its pool, its kind of data and its filesystem.
-    fn plan_volume(&self, req: &CreateVolume) -> Result<Plan> {
+    pub(crate) fn plan_volume(&self, req: &CreateVolume) -> Result<Plan> {
         validate_name("volume", &req.name)?;
         self.check_capabilities(&req.capabilities)?;
         req.capacity.validate()?;
         let params = parse_parameters(&req.parameters)?;
         self.check_mutable(&req.mutable_parameters)?;
-        let pool = self.pool(&params.pool)?.clone();
+        let pool = match self.pool(&params.pool) {
+            Ok(pool) => pool.clone(),
+            Err(e) => return Err(Error::invalid(format!("StorageClass parameter type: {e}"))),
+        };
         if !self.topology_allows(&req.requisite) {
             return Err(Error::ResourceExhausted(format!(
                 "accessibility_requirements.requisite does not include this node \
@@ -184,7 +188,12 @@ impl Controller {
     }
 
     /// The size to make, within the request's range and what the pool can hold.
-    fn size_in_pool(&self, capacity: CapacityRange, plan: &Plan, at_least: u64) -> Result<u64> {
+    pub(crate) fn size_in_pool(
+        &self,
+        capacity: CapacityRange,
+        plan: &Plan,
+        at_least: u64,
+    ) -> Result<u64> {
         let pool = &plan.pool;
         let size = self.size_for(capacity, plan.fs_type.as_deref(), at_least)?;
         if at_least > 0 && capacity.limit > 0 && at_least > capacity.limit as u64 {
@@ -247,7 +256,7 @@ impl Controller {
 
     /// A retry of a create that already succeeded: the same volume if the request
     /// matches it, ALREADY_EXISTS otherwise.
-    fn same_volume(
+    pub(crate) fn same_volume(
         &self,
         existing: VolumeRecord,
         req: &CreateVolume,

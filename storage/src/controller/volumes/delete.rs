@@ -8,6 +8,7 @@ use std::time::{Duration, Instant};
 use crate::error::{Context, Error, Result};
 use crate::failpoint;
 use crate::ids::VolumeId;
+use crate::locks::LockKey;
 use crate::model::*;
 use crate::Controller;
 
@@ -20,7 +21,7 @@ impl Controller {
         let Some(id) = VolumeId::parse(volume_id) else {
             return Ok(());
         };
-        let _guard = self.locks.try_lock([format!("volume:{id}")])?;
+        let _guard = self.locks.try_lock([LockKey::Volume(id)])?;
         // The volume's lock, shared with the node: no stage can begin while the
         // volume is deleted, and the staged mark read here stays true.
         let volume = self.state.lock_volume(id)?;
@@ -56,10 +57,16 @@ impl Controller {
         // The record goes first, in one journal write: a crash after it leaves data
         // that no record accounts for, which start-up removes, so removing the data
         // needs no sync of its own.
+        // A volume still arriving: its transfer stops first (the source's hold
+        // is let go), so nothing writes into data about to go.
+        self.stop_arrival(id)?;
         self.volumes.remove(id)?;
         failpoint::hit("delete-volume.after-commit");
         self.drop_volume_data(id)?;
         failpoint::hit("delete-volume.after-data");
+        // What transfers kept of it for their next run: useless without it.
+        self.forget_bases_of(id);
+        self.forget_replica_of(id);
         volume.remove()?;
         tracing::info!(volume.id = %id, name = %rec.name, "volume deleted");
         Ok(())

@@ -7,6 +7,7 @@ use csi_sys::{btrfs, file};
 use crate::error::{Context, Error, Result};
 use crate::failpoint;
 use crate::ids::VolumeId;
+use crate::locks::LockKey;
 use crate::model::*;
 use crate::pool::Pool;
 use crate::settings::record_size;
@@ -26,11 +27,11 @@ impl Controller {
             return Err(Error::invalid("capacity_range is required"));
         }
         if let Some(c) = capability {
-            if let Some(why) = c.unsupported_reason() {
+            if let Some(why) = self.cfg.unsupported(c) {
                 return Err(Error::invalid(why));
             }
         }
-        let _guard = self.locks.try_lock([format!("volume:{id}")])?;
+        let _guard = self.locks.try_lock([LockKey::Volume(id)])?;
         let mut rec = self.existing_volume(volume_id)?;
         if capability.is_some_and(|c| c.is_block()) && rec.backing != Backing::Image {
             return Err(Error::invalid(

@@ -24,7 +24,7 @@ use crate::settings::attr_name;
 use crate::Controller;
 
 mod content;
-mod create;
+pub(crate) mod create;
 mod delete;
 mod expand;
 mod health;
@@ -34,12 +34,16 @@ mod queries;
 mod recovery;
 
 pub use crate::model::{minimum_size, DEFAULT_SIZE, GIB, K8S_PREFIX, KIB, MIB};
+pub use publish::{NodeInfo, UnpublishReason};
 
 /// Parameters of CreateVolume (the StorageClass's).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct VolumeParams {
     pub pool: String,
     pub kind: VolumeKind,
+    /// Bytes per second a transfer of the volume's data to another node
+    /// reads at most (0: no limit of its own).
+    pub transfer_bandwidth: u64,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -49,14 +53,14 @@ pub enum VolumeKind {
 }
 
 /// Accepted StorageClass parameter keys, besides the `csi.storage.k8s.io/` prefix.
-pub const PARAMETERS: [&str; 2] = ["type", "kind"];
+pub const PARAMETERS: [&str; 3] = ["type", "kind", "transferBandwidth"];
 
 pub fn parse_parameters(p: &BTreeMap<String, String>) -> Result<VolumeParams> {
     for k in p.keys() {
         if !PARAMETERS.contains(&k.as_str()) && !k.starts_with(K8S_PREFIX) {
             return Err(Error::invalid(format!(
-                "unknown parameter {k:?}; accepted: type (the pool), kind (image or dir), and \
-                 keys beginning {K8S_PREFIX}"
+                "unknown parameter {k:?}; accepted: type (the pool), kind (image or dir), \
+                 transferBandwidth (bytes per second, e.g. 100Mi), and keys beginning {K8S_PREFIX}"
             )));
         }
     }
@@ -73,7 +77,19 @@ pub fn parse_parameters(p: &BTreeMap<String, String>) -> Result<VolumeParams> {
         None | Some("") => DEFAULT_POOL.to_string(),
         Some(t) => t.to_string(),
     };
-    Ok(VolumeParams { pool, kind })
+    let transfer_bandwidth = match p.get("transferBandwidth").map(String::as_str) {
+        None | Some("") => 0,
+        Some(b) => crate::size::parse_size(b).map_err(|e| {
+            Error::invalid(format!(
+                "parameter transferBandwidth={b:?} is not bytes per second (e.g. 100Mi): {e}"
+            ))
+        })? as u64,
+    };
+    Ok(VolumeParams {
+        pool,
+        kind,
+        transfer_bandwidth,
+    })
 }
 
 #[derive(Debug, Clone, Default)]
@@ -95,10 +111,28 @@ pub struct VolumePage<T> {
     pub next_token: Option<String>,
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Capacity {
     pub available: u64,
     pub maximum_volume_size: u64,
     pub minimum_volume_size: u64,
+}
+
+impl Capacity {
+    /// No room.
+    pub const NONE: Capacity = Capacity {
+        available: 0,
+        maximum_volume_size: 0,
+        minimum_volume_size: 0,
+    };
+
+    /// The answer for parameters CreateVolume refuses: a figure that keeps
+    /// no claim away, not a measurement (see `Controller::get_capacity`).
+    pub const UNLIMITED: Capacity = Capacity {
+        available: i64::MAX as u64,
+        maximum_volume_size: i64::MAX as u64,
+        minimum_volume_size: 0,
+    };
 }
 
 impl Controller {
@@ -159,7 +193,7 @@ impl Controller {
     }
 
     /// Removes the data of a volume (whatever state it is in) and its record.
-    fn roll_back_volume(&self, rec: &VolumeRecord) -> Result<()> {
+    pub(crate) fn roll_back_volume(&self, rec: &VolumeRecord) -> Result<()> {
         self.remove_volume_data(rec.id, false)?;
         self.volumes.remove(rec.id)
     }

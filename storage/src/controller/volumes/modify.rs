@@ -10,6 +10,7 @@ use csi_sys::{file, xattr};
 use crate::error::{Context, Error, Result};
 use crate::failpoint;
 use crate::ids::VolumeId;
+use crate::locks::LockKey;
 use crate::model::*;
 use crate::settings::{attr_name, parse_settings};
 use crate::Controller;
@@ -76,7 +77,7 @@ impl Controller {
     pub fn modify_volume(&self, volume_id: &str, m: &BTreeMap<String, String>) -> Result<()> {
         let id = VolumeId::parse_existing(volume_id)?;
         self.check_mutable(m)?;
-        let _guard = self.locks.try_lock([format!("volume:{id}")])?;
+        let _guard = self.locks.try_lock([LockKey::Volume(id)])?;
         // The volume's lock too: a stage running now could attach with the values
         // it read before this change. Only for a volume that exists: a call about
         // another leaves no lock file.

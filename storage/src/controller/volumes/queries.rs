@@ -47,14 +47,41 @@ impl Controller {
         })
     }
 
+    /// GetCapacity: the free space of the pool the parameters name, for this
+    /// node's topology (0 for another node's), less what an unsupported
+    /// capability rules out.
+    ///
+    /// Parameters CreateVolume refuses whatever the space (an unknown pool,
+    /// kind or key) get [`Capacity::UNLIMITED`], not an error or 0: Kubernetes'
+    /// scheduler keeps a claim away from every node whose capacity for its
+    /// class is missing or too small, so either would leave the claim Pending
+    /// with "did not have enough free storage" and CreateVolume never called.
+    /// With a figure that does not stop it, the claim reaches CreateVolume,
+    /// whose INVALID_ARGUMENT naming the cause the external-provisioner shows
+    /// on the claim (ProvisioningFailed).
     pub fn get_capacity(
         &self,
         parameters: &BTreeMap<String, String>,
         capabilities: &[Capability],
         topology: Option<&BTreeMap<String, String>>,
     ) -> Result<Capacity> {
-        let params = parse_parameters(parameters)?;
-        let pool = self.pool(&params.pool)?;
+        if topology.is_some_and(|t| *t != self.topology()) {
+            return Ok(Capacity::NONE);
+        }
+        let checked = parse_parameters(parameters)
+            .and_then(|params| self.pool(&params.pool).map(|pool| (params, pool)));
+        let (params, pool) = match checked {
+            Ok(found) => found,
+            Err(Error::InvalidArgument(why)) => {
+                tracing::warn!(
+                    %why,
+                    "GetCapacity with parameters CreateVolume refuses: answered as unlimited, \
+                     so that a claim of them reaches CreateVolume and shows why"
+                );
+                return Ok(Capacity::UNLIMITED);
+            }
+            Err(e) => return Err(e),
+        };
         let fs = capabilities.iter().find_map(|c| c.fs_type());
         let minimum = if params.kind == VolumeKind::Dir {
             0
@@ -63,14 +90,12 @@ impl Controller {
         };
         let unsupported = capabilities
             .iter()
-            .any(|c| c.unsupported_reason().is_some())
+            .any(|c| self.cfg.unsupported(c).is_some())
             || (params.kind == VolumeKind::Dir && capabilities.iter().any(Capability::is_block));
-        let elsewhere = topology.is_some_and(|t| *t != self.topology());
-        if unsupported || elsewhere {
+        if unsupported {
             return Ok(Capacity {
-                available: 0,
-                maximum_volume_size: 0,
                 minimum_volume_size: minimum,
+                ..Capacity::NONE
             });
         }
         let (available, _) = pool.space()?;
@@ -94,7 +119,7 @@ impl Controller {
             return Err(Error::invalid("volume_capabilities are required"));
         }
         for c in caps {
-            if let Some(why) = c.unsupported_reason() {
+            if let Some(why) = self.cfg.unsupported(c) {
                 return Ok(Some(why));
             }
             if c.is_block() && rec.backing != Backing::Image {

@@ -372,3 +372,51 @@ fn a_stage_whose_context_names_an_unknown_filesystem_is_refused_before_anything_
     stage("").unwrap();
     assert_eq!(w.mounts_at(&w.staging()), 1);
 }
+
+/// The kubelet's SELinux context (CSIDriver seLinuxMount): the stage mounts
+/// the filesystem with it, the publish binds what is staged (a bind takes no
+/// filesystem options); a flag that only looks like a context is refused.
+#[test]
+fn an_selinux_context_labels_the_staged_filesystem() {
+    let w = World::new();
+    let context = r#"context="system_u:object_r:container_file_t:s0:c0,c1""#;
+    let with = |flags: &[&str]| Capability {
+        access: Access::Mount {
+            fs_type: "ext4".into(),
+            mount_flags: flags.iter().map(|f| f.to_string()).collect(),
+            volume_mount_group: String::new(),
+        },
+        mode: AccessMode::SingleNodeWriter,
+    };
+    let cap = with(&["noatime", context]);
+    let id = w.create("pvc-a", cap.clone());
+    w.stage(&id, &cap).unwrap();
+    let staged = w
+        .fake
+        .mounts()
+        .into_iter()
+        .find(|m| m.mount_point == w.staging())
+        .unwrap();
+    assert!(
+        staged.super_options.iter().any(|o| o == context),
+        "{:?}",
+        staged.super_options
+    );
+    let t = w.target("t1");
+    w.publish(&id, &t, &cap, false).unwrap();
+    assert_eq!(w.mounts_at(&t), 1);
+
+    for bad in [
+        r#"context="system_u:object_r:t:s0:c0",nosuid"#,
+        r#"context="system_u:object_r:t:s0:c0,suid=x""#,
+        r#"context="a:b:c""#,
+        r#"context="system_u:object_r:t:s0:c0.x""#,
+        r#"fscontext="system_u:object_r:t:s0""#,
+    ] {
+        assert_eq!(
+            kind(w.stage(&id, &with(&[bad]))),
+            Kind::InvalidArgument,
+            "{bad}"
+        );
+    }
+}

@@ -1,0 +1,741 @@
+//! The target side of a transfer: a volume that exists at once, marked as
+//! arriving, whose data a job of its own pulls from the source node.
+//!
+//! Each arrival has a record in `<state>/controller/transfers/` (how far its
+//! data is durable, and from where it comes) and a ledger beside it (the
+//! entries of the pieces written so far). The record is written before the
+//! volume's, and removed only after the mark is cleared, so a start finds
+//! every arrival that did not end and goes on with it where its last
+//! checkpoint left it. Recorded data is durable: a checkpoint syncs the image
+//! and the ledger before it moves the record on.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+use csi_sys::file::AppendFile;
+use csi_sys::image_io::ImageWriter;
+use csi_sys::{dir, file};
+use serde::{Deserialize, Serialize};
+
+use super::pieces::Checker;
+use super::target::{write_piece, LedgerFile, Meter};
+use super::{Received, Source, Trailer};
+use crate::core::arrival;
+use crate::error::{Context, Error, Result};
+use crate::ids::VolumeId;
+use crate::locks::LockKey;
+use crate::model::*;
+use crate::state::Domain;
+use crate::volumes::CreateVolume;
+use crate::Controller;
+
+/// Makes the source of an arrival, from the source node's name, the
+/// transfer's id and the token its hold is read with; set by the process that
+/// runs the mesh.
+pub type Sources = Arc<dyn Fn(&str, &str, &str) -> Box<dyn Source> + Send + Sync>;
+
+/// Bytes written between two checkpoints, at most.
+const CHECKPOINT_BYTES: u64 = 64 << 20;
+/// Time between two checkpoints, at most.
+const CHECKPOINT_EVERY: Duration = Duration::from_secs(2);
+/// The longest wait between two tries of a transfer that failed.
+const MAX_BACKOFF: Duration = Duration::from_secs(30);
+
+/// Where a new volume's data comes from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ArrivingFrom {
+    pub node: String,
+    pub transfer_id: String,
+    /// The size of the data (the hold's).
+    pub size: u64,
+    pub fs_type: Option<String>,
+    pub requested: Option<u64>,
+    /// The source volume's id on its node (a later transfer of it to this
+    /// node may start from what this one brought).
+    pub source_volume: String,
+    /// The claim's namespace and name, when the CO said.
+    pub claim: Option<(String, String)>,
+    /// What the source asks of whoever reads its hold: given to this node
+    /// alone, through the controller.
+    pub read_token: String,
+}
+
+/// An arrival as its record keeps it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub(super) struct ArrivalRecord {
+    pub(super) volume: VolumeId,
+    pub(super) transfer_id: String,
+    pub(super) source_node: String,
+    pub(super) source_volume: String,
+    size: u64,
+    /// Everything before this offset is durable here.
+    progress: u64,
+    /// Ledger entries durable, for the pieces before `progress`.
+    entries: u64,
+    /// The transfer whose data the image started from (a replica kept here).
+    base: Option<String>,
+    started: Timestamp,
+    resumed: u32,
+    claim: Option<(String, String)>,
+    /// Empty in records made before holds had tokens.
+    #[serde(default)]
+    read_token: String,
+}
+
+/// A transfer as `ListTransfers` shows it.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TransferStatus {
+    pub transfer_id: String,
+    /// "arriving" or "hold".
+    pub role: String,
+    pub volume_id: String,
+    pub peer_node: String,
+    /// queued, running, waiting, done, failed.
+    pub state: String,
+    pub bytes_done: u64,
+    pub bytes_total: u64,
+    pub rate: u64,
+    pub message: String,
+    pub incremental: bool,
+    pub claim: Option<(String, String)>,
+    pub resumed: u32,
+    /// Once done: the bytes of data the source sent.
+    pub data_bytes: u64,
+}
+
+/// A running arrival.
+struct Job {
+    stop: AtomicBool,
+    /// Stopped because its volume is deleted (else by the process's end).
+    deleted: AtomicBool,
+    status: Mutex<TransferStatus>,
+    ended: (Mutex<bool>, Condvar),
+}
+
+impl Job {
+    fn set(&self, f: impl FnOnce(&mut TransferStatus)) {
+        f(&mut self.status.lock().unwrap_or_else(|p| p.into_inner()));
+    }
+
+    fn end(&self) {
+        let (m, cv) = &self.ended;
+        *m.lock().unwrap_or_else(|p| p.into_inner()) = true;
+        cv.notify_all();
+    }
+
+    /// Waits up to `d` for the job to end; whether it did.
+    fn wait(&self, d: Duration) -> bool {
+        let (m, cv) = &self.ended;
+        let g = m.lock().unwrap_or_else(|p| p.into_inner());
+        let (g, _) = cv
+            .wait_timeout_while(g, d, |ended| !*ended)
+            .unwrap_or_else(|p| p.into_inner());
+        *g
+    }
+
+    /// Sleeps up to `d`, less when the job is stopped.
+    fn pause(&self, d: Duration) {
+        let end = Instant::now() + d;
+        while Instant::now() < end && !self.stop.load(Ordering::Relaxed) {
+            std::thread::sleep(Duration::from_millis(50).min(end - Instant::now()));
+        }
+    }
+}
+
+/// The arrivals of a controller.
+#[derive(Default)]
+pub(crate) struct Arrivals {
+    jobs: Mutex<BTreeMap<VolumeId, Arc<Job>>>,
+    sources: OnceLock<Sources>,
+    /// Arrivals running now, of at most `cfg.max_transfers`.
+    running: (Mutex<usize>, Condvar),
+    /// The last arrivals that ended whole, newest last, so that a look at
+    /// the transfers after the end still sees it done.
+    finished: Mutex<std::collections::VecDeque<TransferStatus>>,
+    /// When the bytes the arrivals read so far are paid for under the
+    /// node's bandwidth (`cfg.transfer_bandwidth`, shared by all of them).
+    paid_until: Mutex<Option<Instant>>,
+}
+
+/// Arrivals kept in the list once done.
+const FINISHED_KEPT: usize = 32;
+
+impl Arrivals {
+    fn jobs(&self) -> std::sync::MutexGuard<'_, BTreeMap<VolumeId, Arc<Job>>> {
+        self.jobs.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Waits for a free slot; false when the job is stopped meanwhile.
+    fn take_slot(&self, max: usize, job: &Job) -> bool {
+        let (m, cv) = &self.running;
+        let mut n = m.lock().unwrap_or_else(|p| p.into_inner());
+        while *n >= max.max(1) {
+            if job.stop.load(Ordering::Relaxed) {
+                return false;
+            }
+            n = cv
+                .wait_timeout(n, Duration::from_millis(200))
+                .unwrap_or_else(|p| p.into_inner())
+                .0;
+        }
+        *n += 1;
+        true
+    }
+
+    fn remember(&self, done: TransferStatus) {
+        let mut f = self.finished.lock().unwrap_or_else(|p| p.into_inner());
+        f.retain(|s| s.transfer_id != done.transfer_id);
+        f.push_back(done);
+        while f.len() > FINISHED_KEPT {
+            f.pop_front();
+        }
+    }
+
+    /// Holds `job` back until `n` more bytes fit under `cap` bytes per
+    /// second, counted together with every other arrival's: each piece books
+    /// the time it costs after those booked before it.
+    fn pace(&self, cap: u64, n: u64, job: &Job) {
+        if cap == 0 {
+            return;
+        }
+        let until = {
+            let mut paid = self.paid_until.lock().unwrap_or_else(|p| p.into_inner());
+            let now = Instant::now();
+            let from = paid.map_or(now, |t| t.max(now));
+            let until = from + Duration::from_secs_f64(n as f64 / cap as f64);
+            *paid = Some(until);
+            until
+        };
+        job.pause(until.saturating_duration_since(Instant::now()));
+    }
+
+    fn give_slot(&self) {
+        let (m, cv) = &self.running;
+        let mut n = m.lock().unwrap_or_else(|p| p.into_inner());
+        *n = n.saturating_sub(1);
+        cv.notify_all();
+    }
+}
+
+impl Controller {
+    fn transfers_dir(&self) -> PathBuf {
+        self.state.domain(Domain::Controller).join("transfers")
+    }
+
+    fn record_path(&self, id: VolumeId) -> PathBuf {
+        self.transfers_dir().join(format!("{id}.json"))
+    }
+
+    fn ledger_path(&self, id: VolumeId) -> PathBuf {
+        self.transfers_dir().join(format!("{id}.ledger"))
+    }
+
+    fn write_arrival(&self, rec: &ArrivalRecord) -> Result<()> {
+        let json = serde_json::to_vec(rec).map_err(|e| Error::internal(e.to_string()))?;
+        file::write_atomic(&self.record_path(rec.volume), &json)
+            .context(|| format!("recording the arrival of volume {}", rec.volume))
+    }
+
+    fn read_arrival(&self, id: VolumeId) -> Option<ArrivalRecord> {
+        serde_json::from_slice(&file::read(&self.record_path(id)).ok()?).ok()
+    }
+
+    fn remove_arrival(&self, id: VolumeId) -> Result<()> {
+        let at = || format!("removing the arrival record of volume {id}");
+        file::remove_file_if_exists(&self.ledger_path(id)).context(at)?;
+        file::remove_file_if_exists(&self.record_path(id)).context(at)?;
+        Ok(())
+    }
+
+    /// Whether this node is on a mesh (its transfers started): its image
+    /// data can then be restored or cloned on any other node of it.
+    pub fn on_mesh(&self) -> bool {
+        self.arrivals.sources.get().is_some()
+    }
+
+    /// The process's mesh gives the controller the way to reach the other
+    /// nodes; arrivals recorded before start then go on.
+    pub fn start_transfers(self: &Arc<Self>, sources: Sources) {
+        if self.arrivals.sources.set(sources).is_err() {
+            return;
+        }
+        for e in dir::list_if_exists(&self.transfers_dir()).unwrap_or_default() {
+            let Some(id) = e.name.strip_suffix(".json").and_then(VolumeId::parse) else {
+                continue;
+            };
+            if let Some(mut rec) = self.read_arrival(id) {
+                if rec.entries > 0 || rec.progress > 0 {
+                    // It goes on from a checkpoint an earlier process made.
+                    rec.resumed += 1;
+                }
+                self.spawn_arrival(rec);
+            }
+        }
+    }
+
+    /// CreateVolume of a volume whose data comes from another node: the
+    /// volume is made here at once, empty (or from the replica of an earlier
+    /// transfer of the same volume) and marked as arriving; its data follows.
+    /// A retry finds the same volume, and its transfer going on.
+    pub fn create_arriving_volume(
+        self: &Arc<Self>,
+        req: CreateVolume,
+        from: ArrivingFrom,
+    ) -> Result<VolumeRecord> {
+        let mut plan = self.plan_volume(&req)?;
+        if plan.backing != Backing::Image {
+            return Err(Error::invalid(
+                "only image volumes move between nodes: use kind=image",
+            ));
+        }
+        if let (Some(want), Some(have)) = (&plan.fs_type, &from.fs_type) {
+            if want != have && plan.fs_named {
+                return Err(Error::invalid(format!(
+                    "the content source holds {have}, not the requested {want}"
+                )));
+            }
+        }
+        plan.fs_type = from.fs_type.clone();
+        let id = VolumeId::for_name(&req.name);
+        let _guard = self.locks.try_lock([LockKey::Volume(id)])?;
+        if let Some(existing) = self.volumes.get(id) {
+            if existing.state == RecordState::Ready {
+                return self.same_volume(existing, &req, &plan.params, plan.backing);
+            }
+            self.roll_back_volume(&existing)?;
+        }
+        let size = self.size_in_pool(req.capacity, &plan, from.size)?;
+        let record = VolumeRecord {
+            id,
+            name: req.name.clone(),
+            pool: plan.pool.name.clone(),
+            backing: Backing::Image,
+            size,
+            fs_type: plan.fs_type.clone(),
+            capabilities: req.capabilities.clone(),
+            parameters: req.parameters.clone(),
+            mutable_parameters: req.mutable_parameters.clone(),
+            source: None,
+            created: Timestamp::now(),
+            state: RecordState::Ready,
+            pending_size: None,
+            published: BTreeMap::new(),
+            ephemeral: false,
+            requested: from
+                .requested
+                .or(requested_below(req.capacity.required, size)),
+        };
+        let volume = self.state.lock_volume(id)?;
+        self.remove_volume_data(id, false)?;
+        self.remove_arrival(id)?;
+        let made = self.make_arriving(&record, &plan.pool, &from);
+        let arrival = match made {
+            Ok(a) => a,
+            Err(e) => {
+                let undo = self
+                    .remove_arrival(id)
+                    .and_then(|()| self.roll_back_volume(&record))
+                    .and_then(|()| volume.remove());
+                return Err(e.with_cleanup(undo));
+            }
+        };
+        self.volumes.put(&record)?;
+        tracing::info!(volume.id = %id, name = %record.name, source = %from.node,
+            transfer = %from.transfer_id, incremental = arrival.base.is_some(),
+            "volume created; its data is arriving");
+        self.spawn_arrival(arrival);
+        Ok(record)
+    }
+
+    /// The image of an arriving volume, marked, and its arrival record.
+    fn make_arriving(
+        &self,
+        rec: &VolumeRecord,
+        pool: &crate::pool::Pool,
+        from: &ArrivingFrom,
+    ) -> Result<ArrivalRecord> {
+        let path = pool.volume_path(rec.id, Backing::Image, false);
+        let at = || format!("making volume {} at {}", rec.id, path.display());
+        let replica = self.replica_of(pool, &from.node, &from.source_volume);
+        let base = match &replica {
+            Some((img, r)) if file::copy_file(img, &path).is_ok() => Some(r.transfer_id.clone()),
+            _ => {
+                file::remove_file_if_exists(&path).context(at)?;
+                file::create_sparse(&path, rec.size).context(at)?;
+                None
+            }
+        };
+        file::grow(&path, rec.size).context(at)?;
+        for (name, value) in crate::core::blank::attributes(rec) {
+            csi_sys::xattr::set(&path, &name, &value).context(at)?;
+        }
+        arrival::mark(&path, &from.node)?;
+        file::mkdir_p_mode(&self.transfers_dir(), 0o700).context(at)?;
+        let arrival = ArrivalRecord {
+            volume: rec.id,
+            transfer_id: from.transfer_id.clone(),
+            source_node: from.node.clone(),
+            source_volume: from.source_volume.clone(),
+            size: from.size,
+            progress: 0,
+            entries: 0,
+            base,
+            started: Timestamp::now(),
+            resumed: 0,
+            claim: from.claim.clone(),
+            read_token: from.read_token.clone(),
+        };
+        AppendFile::create(&self.ledger_path(rec.id)).context(at)?;
+        self.write_arrival(&arrival)?;
+        Ok(arrival)
+    }
+
+    fn spawn_arrival(self: &Arc<Self>, rec: ArrivalRecord) {
+        if self.arrivals.sources.get().is_none() {
+            // Started once the mesh is up (start_transfers).
+            return;
+        }
+        let mut jobs = self.arrivals.jobs();
+        if jobs.contains_key(&rec.volume) {
+            return;
+        }
+        let job = Arc::new(Job {
+            stop: AtomicBool::new(false),
+            deleted: AtomicBool::new(false),
+            status: Mutex::new(TransferStatus {
+                transfer_id: rec.transfer_id.clone(),
+                role: "arriving".into(),
+                volume_id: rec.volume.to_string(),
+                peer_node: rec.source_node.clone(),
+                state: "queued".into(),
+                bytes_done: rec.progress,
+                bytes_total: rec.size,
+                incremental: rec.base.is_some(),
+                claim: rec.claim.clone(),
+                resumed: rec.resumed,
+                ..Default::default()
+            }),
+            ended: (Mutex::new(false), Condvar::new()),
+        });
+        jobs.insert(rec.volume, job.clone());
+        drop(jobs);
+        let c = self.clone();
+        let spawned = std::thread::Builder::new()
+            .name("transfer".into())
+            .spawn(move || {
+                let ended = job.clone();
+                // The controller is let go before the end is told: a waiting
+                // shutdown then finds no thread holding it.
+                c.run_arrival(job, rec);
+                ended.end();
+            });
+        if let Err(e) = spawned {
+            tracing::error!(error = %e, "no thread for a transfer; it goes on at the next start");
+        }
+    }
+
+    fn run_arrival(self: Arc<Self>, job: Arc<Job>, mut rec: ArrivalRecord) {
+        let id = rec.volume;
+        if self.arrivals.take_slot(self.cfg.max_transfers, &job) {
+            let mut backoff = Duration::from_secs(1);
+            while !job.stop.load(Ordering::Relaxed) {
+                // A bug in one transfer costs that try, not the thread: the
+                // transfer waits and goes on like one cut by the network.
+                let once = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                    self.arrive_once(&job, &mut rec)
+                }))
+                .unwrap_or_else(|_| Err(Error::internal("the transfer's thread panicked")));
+                match once {
+                    Ok(true) => {
+                        let done = job.status.lock().unwrap_or_else(|p| p.into_inner()).clone();
+                        self.arrivals.remember(done);
+                        break;
+                    }
+                    Ok(false) => {}
+                    Err(e) => {
+                        tracing::warn!(volume.id = %id, transfer = %rec.transfer_id,
+                            source = %rec.source_node, error = %e, retry_in = ?backoff,
+                            "transfer interrupted; it goes on from its last checkpoint");
+                        job.set(|s| {
+                            s.state = "waiting".into();
+                            s.message = e.to_string();
+                        });
+                        rec.resumed += 1;
+                        job.pause(backoff);
+                        backoff = (backoff * 2).min(MAX_BACKOFF);
+                    }
+                }
+            }
+            self.arrivals.give_slot();
+        }
+        if job.deleted.load(Ordering::Relaxed) {
+            // Stopped by a delete of the volume: the source may let its hold go.
+            let sources = self.arrivals.sources.get().cloned();
+            if let Some(sources) = sources {
+                if let Err(e) =
+                    sources(&rec.source_node, &rec.transfer_id, &rec.read_token).release(false)
+                {
+                    tracing::info!(transfer = %rec.transfer_id, error = %e,
+                        "the source's hold could not be released; it expires there");
+                }
+            }
+        }
+        self.arrivals.jobs().remove(&id);
+    }
+
+    /// One try of a transfer, from its last checkpoint: Ok(true) once the
+    /// volume is whole, Ok(false) when stopped.
+    fn arrive_once(&self, job: &Job, rec: &mut ArrivalRecord) -> Result<bool> {
+        let mut source = self.source_of(rec)?;
+        let vol = self
+            .volumes
+            .get(rec.volume)
+            .ok_or_else(|| Error::not_found(format!("volume {} is gone", rec.volume)))?;
+        let image = self
+            .pool(&vol.pool)?
+            .volume_path(vol.id, Backing::Image, false);
+        let at = || format!("writing the arriving volume {}", vol.id);
+        let writer = ImageWriter::open(&image).context(at)?;
+        let ledger = LedgerFile::open(&self.ledger_path(rec.volume), rec.entries)?;
+        job.set(|s| {
+            s.state = "running".into();
+            s.message.clear();
+            s.resumed = rec.resumed;
+        });
+        // A fresh image holds holes where zeros come: nothing to punch.
+        let fresh = rec.base.is_none();
+        let mut checker = Checker::new(rec.progress, vol.size.max(rec.size));
+        let mut unsynced = 0u64;
+        let mut last_sync = Instant::now();
+        // The class may cap this transfer; the node caps all of them.
+        let own_cap =
+            crate::volumes::parse_parameters(&vol.parameters).map_or(0, |p| p.transfer_bandwidth);
+        let mut meter = Meter::new(own_cap);
+        let mut trailer = None;
+        let stream = source.read(rec.progress, rec.base.as_deref(), &job.stop)?;
+        for item in stream {
+            if job.stop.load(Ordering::Relaxed) {
+                return Ok(false);
+            }
+            let p = match item? {
+                Received::Piece(p) => p,
+                Received::Trailer(t) => {
+                    trailer = Some(t);
+                    break;
+                }
+            };
+            checker.check(&p)?;
+            write_piece(&writer, &p, fresh).context(at)?;
+            ledger.append(&p.entry())?;
+            let progress = p.cells().1.min(rec.size).max(rec.progress);
+            unsynced += progress - rec.progress;
+            meter.note(p.data_len());
+            job.set(|s| {
+                s.bytes_done = progress;
+                s.rate = meter.rate();
+            });
+            rec.progress = progress;
+            rec.entries = ledger.len();
+            if unsynced >= CHECKPOINT_BYTES || last_sync.elapsed() >= CHECKPOINT_EVERY {
+                self.checkpoint(&writer, &ledger, rec, progress, ledger.len())?;
+                unsynced = 0;
+                last_sync = Instant::now();
+            }
+            meter.wait(&job.stop);
+            self.arrivals
+                .pace(self.cfg.transfer_bandwidth, p.data_len(), job);
+        }
+        if let Some(t) = trailer {
+            self.checkpoint(&writer, &ledger, rec, rec.size, ledger.len())?;
+            self.finish(&image, rec, &t, &ledger, source.as_mut())?;
+            job.set(|s| {
+                s.state = "done".into();
+                s.bytes_done = rec.size;
+                s.incremental = t.incremental;
+                s.data_bytes = t.data_bytes;
+            });
+            return Ok(true);
+        }
+        Err(Error::Aborted(format!(
+            "node {} stopped sending before the end of transfer {}",
+            rec.source_node, rec.transfer_id
+        )))
+    }
+
+    /// The source node of an arrival, as the mesh reaches it.
+    fn source_of(&self, rec: &ArrivalRecord) -> Result<Box<dyn Source>> {
+        let sources = self
+            .arrivals
+            .sources
+            .get()
+            .ok_or_else(|| Error::internal("no mesh to reach the source through"))?;
+        Ok(sources(&rec.source_node, &rec.transfer_id, &rec.read_token))
+    }
+
+    /// Makes everything written durable, then moves the record on.
+    fn checkpoint(
+        &self,
+        writer: &ImageWriter,
+        ledger: &LedgerFile,
+        rec: &mut ArrivalRecord,
+        progress: u64,
+        entries: u64,
+    ) -> Result<()> {
+        writer
+            .sync_data()
+            .context(|| format!("syncing the arriving volume {}", rec.volume))?;
+        ledger.sync()?;
+        rec.progress = progress;
+        rec.entries = entries;
+        crate::failpoint::hit("transfer.after-checkpoint-data");
+        self.write_arrival(rec)
+    }
+
+    /// The end of a transfer: its ledger checked whole against the source's,
+    /// the mark cleared, a replica kept for the next transfer of the volume,
+    /// the source's hold kept there as that transfer's base.
+    fn finish(
+        &self,
+        image: &Path,
+        rec: &mut ArrivalRecord,
+        trailer: &Trailer,
+        ledger: &LedgerFile,
+        source: &mut dyn Source,
+    ) -> Result<()> {
+        let ours = ledger.digest()?;
+        if ours.0 != trailer.digest || ours.1 != trailer.pieces {
+            // Something was lost or doubled on the way: start over.
+            rec.progress = 0;
+            rec.entries = 0;
+            ledger.truncate()?;
+            self.write_arrival(rec)?;
+            return Err(Error::internal(format!(
+                "transfer {} arrived with {} pieces against the {} node {} sent, or with \
+                 other digests; it starts over",
+                rec.transfer_id, ours.1, trailer.pieces, rec.source_node
+            )));
+        }
+        crate::failpoint::hit("transfer.before-unmark");
+        arrival::clear(image)?;
+        let vol = self.volumes.get(rec.volume);
+        if let Some(pool) = vol.and_then(|v| self.pool(&v.pool).ok().cloned()) {
+            self.keep_replica(&pool, image, rec);
+        }
+        self.remove_arrival(rec.volume)?;
+        if let Err(e) = source.release(true) {
+            tracing::info!(transfer = %rec.transfer_id, error = %e,
+                "the source's hold could not be kept as a base; the next transfer sends all");
+        }
+        tracing::info!(volume.id = %rec.volume, transfer = %rec.transfer_id,
+            pieces = trailer.pieces, bytes = trailer.data_bytes,
+            incremental = trailer.incremental, resumed = rec.resumed,
+            "all of the volume's data arrived and is durable");
+        Ok(())
+    }
+
+    /// DeleteVolume of a volume still arriving: its transfer is stopped (the
+    /// source's hold released) and its record removed.
+    pub(crate) fn stop_arrival(&self, id: VolumeId) -> Result<()> {
+        let job = self.arrivals.jobs().get(&id).cloned();
+        if let Some(job) = job {
+            job.deleted.store(true, Ordering::Relaxed);
+            job.stop.store(true, Ordering::Relaxed);
+            if !job.wait(Duration::from_secs(10)) {
+                tracing::warn!(volume.id = %id,
+                    "the transfer did not stop within 10 s; the volume goes anyway");
+            }
+        }
+        self.remove_arrival(id)
+    }
+
+    /// The process ends: every transfer stops at its next piece (each goes on
+    /// from its last checkpoint at the next start).
+    pub fn stop_transfers(&self) {
+        let jobs: Vec<Arc<Job>> = self.arrivals.jobs().values().cloned().collect();
+        for j in &jobs {
+            j.stop.store(true, Ordering::Relaxed);
+        }
+        for j in jobs {
+            if !j.wait(Duration::from_secs(10)) {
+                tracing::warn!("a transfer did not stop within 10 s");
+            }
+        }
+    }
+
+    /// At start: arrivals whose volume a crash left unmade are removed, and
+    /// replicas past their age.
+    pub(crate) fn recover_arrivals(&self) {
+        for e in dir::list_if_exists(&self.transfers_dir()).unwrap_or_default() {
+            let Some(id) = e.name.strip_suffix(".json").and_then(VolumeId::parse) else {
+                continue;
+            };
+            if !self.volumes.contains(id) {
+                if let Err(e) = self.remove_arrival(id) {
+                    tracing::warn!(error = %e, "cannot remove an arrival left by a crash");
+                }
+            }
+        }
+        self.remove_old_replicas();
+    }
+
+    /// The transfers of this node: arrivals and holds.
+    pub fn transfers(&self) -> Vec<TransferStatus> {
+        let mut out: Vec<TransferStatus> = self
+            .arrivals
+            .jobs()
+            .values()
+            .map(|j| j.status.lock().unwrap_or_else(|p| p.into_inner()).clone())
+            .collect();
+        for e in dir::list_if_exists(&self.transfers_dir()).unwrap_or_default() {
+            let Some(rec) = e
+                .name
+                .strip_suffix(".json")
+                .and_then(VolumeId::parse)
+                .and_then(|id| self.read_arrival(id))
+            else {
+                continue;
+            };
+            if !out.iter().any(|s| s.transfer_id == rec.transfer_id) {
+                out.push(TransferStatus {
+                    transfer_id: rec.transfer_id,
+                    role: "arriving".into(),
+                    volume_id: rec.volume.to_string(),
+                    peer_node: rec.source_node,
+                    state: "queued".into(),
+                    bytes_done: rec.progress,
+                    bytes_total: rec.size,
+                    incremental: rec.base.is_some(),
+                    claim: rec.claim,
+                    resumed: rec.resumed,
+                    ..Default::default()
+                });
+            }
+        }
+        let finished = self
+            .arrivals
+            .finished
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        for f in finished {
+            if !out.iter().any(|s| s.transfer_id == f.transfer_id) {
+                out.push(f);
+            }
+        }
+        for h in self.holds() {
+            out.push(TransferStatus {
+                transfer_id: h.transfer_id,
+                role: "hold".into(),
+                volume_id: h.source_volume.to_string(),
+                peer_node: h.target_node,
+                state: if h.base { "base" } else { "held" }.into(),
+                bytes_total: h.size,
+                ..Default::default()
+            });
+        }
+        out
+    }
+}

@@ -1,0 +1,62 @@
+//! Volumes whose data moves between nodes: a restore or clone made on one node
+//! from a snapshot or volume of another.
+//!
+//! The source node first takes a *hold* (`hold`): a copy of the snapshot, or
+//! of the volume frozen while copied (a reflink where the pool can), that no
+//! one changes while it is sent. The target node makes the volume at once,
+//! marked as arriving (`core::arrival`), and pulls the hold's data in the
+//! background (`arrive`): only what is allocated, in pieces of at most one
+//! cell (1 MiB) that never cross a cell's boundary, each with its BLAKE3
+//! digest; a run of empty cells travels as one piece of zeros and stays a
+//! hole. The target writes each piece, and at each checkpoint makes what it
+//! wrote durable and records how far it got, so that a transfer cut by a crash
+//! of either node, or by the network, goes on from there. The last message
+//! carries the digest of the whole transfer's ledger (every piece's offset,
+//! length and digest, from the start), which the target compares with its own
+//! before it clears the mark.
+//!
+//! A hold kept after its transfer is the *base* of the next transfer of the
+//! same volume to the same node, which then sends only the cells that changed
+//! since (the two holds share their unchanged extents, `metadata`).
+
+mod arrive;
+mod hold;
+mod pieces;
+mod replica;
+mod target;
+
+use std::sync::atomic::AtomicBool;
+
+pub(crate) use arrive::Arrivals;
+pub use arrive::{ArrivingFrom, Sources, TransferStatus};
+pub use hold::{HoldInfo, HoldSource, HoldStream};
+pub use pieces::{Entry, Piece, Trailer, CELL};
+
+use crate::error::Result;
+
+/// What a transfer's source sends: pieces in ascending order, then the
+/// trailer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Received {
+    Piece(Piece),
+    Trailer(Trailer),
+}
+
+/// The hold of a transfer as its target reaches it: through the mesh, from
+/// another node's agent.
+pub trait Source: Send {
+    /// The pieces of the hold from `from` (a cell boundary) on, then the
+    /// trailer; only the cells that differ from the hold `base` when it is
+    /// given (the source may send them all when it no longer has that base).
+    /// Stops soon after `stop` is set.
+    fn read<'a>(
+        &'a mut self,
+        from: u64,
+        base: Option<&str>,
+        stop: &'a AtomicBool,
+    ) -> Result<Box<dyn Iterator<Item = Result<Received>> + 'a>>;
+
+    /// The target is done with the hold: it is removed, or kept as the base
+    /// of the next transfer.
+    fn release(&mut self, keep_as_base: bool) -> Result<()>;
+}

@@ -1,0 +1,302 @@
+//! The pieces of a transfer, their ledger, and the checks a target makes of
+//! what a source sends before it writes anything.
+
+use crate::error::{Error, Result};
+
+/// The grid of a transfer: no piece of data crosses a multiple of this.
+pub const CELL: u64 = 1 << 20;
+
+/// What a source says of a range of the volume.
+#[derive(Clone, PartialEq, Eq)]
+pub enum Piece {
+    /// The cell holding `offset` reads as zeros except for `data` at `offset`.
+    Data {
+        offset: u64,
+        data: Vec<u8>,
+        digest: [u8; 32],
+    },
+    /// Whole cells of zeros: `[offset, offset + length)`.
+    Zero { offset: u64, length: u64 },
+}
+
+impl std::fmt::Debug for Piece {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Piece::Data { offset, data, .. } => write!(f, "Data({offset}+{})", data.len()),
+            Piece::Zero { offset, length } => write!(f, "Zero({offset}+{length})"),
+        }
+    }
+}
+
+impl Piece {
+    /// A piece of data, with its digest.
+    pub fn data(offset: u64, data: Vec<u8>) -> Piece {
+        let digest = *blake3::hash(&data).as_bytes();
+        Piece::Data {
+            offset,
+            data,
+            digest,
+        }
+    }
+
+    pub fn offset(&self) -> u64 {
+        match self {
+            Piece::Data { offset, .. } | Piece::Zero { offset, .. } => *offset,
+        }
+    }
+
+    pub fn length(&self) -> u64 {
+        match self {
+            Piece::Data { data, .. } => data.len() as u64,
+            Piece::Zero { length, .. } => *length,
+        }
+    }
+
+    /// The bytes of data it carries: a run of zeros is named, not sent.
+    pub fn data_len(&self) -> u64 {
+        match self {
+            Piece::Data { data, .. } => data.len() as u64,
+            Piece::Zero { .. } => 0,
+        }
+    }
+
+    /// The cells it covers, as a range of offsets.
+    pub fn cells(&self) -> (u64, u64) {
+        let start = self.offset() / CELL * CELL;
+        let end = (self.offset() + self.length()).next_multiple_of(CELL);
+        (start, end)
+    }
+
+    pub fn entry(&self) -> Entry {
+        match self {
+            Piece::Data {
+                offset,
+                data,
+                digest,
+            } => Entry {
+                offset: *offset,
+                length: data.len() as u64,
+                zero: false,
+                digest: *digest,
+            },
+            Piece::Zero { offset, length } => Entry {
+                offset: *offset,
+                length: *length,
+                zero: true,
+                digest: [0; 32],
+            },
+        }
+    }
+}
+
+/// One line of a transfer's ledger.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Entry {
+    pub offset: u64,
+    pub length: u64,
+    pub zero: bool,
+    pub digest: [u8; 32],
+}
+
+impl Entry {
+    /// Bytes of an entry as kept and hashed.
+    pub const BYTES: usize = 49;
+
+    pub fn encode(&self) -> [u8; Entry::BYTES] {
+        let mut out = [0u8; Entry::BYTES];
+        out[..8].copy_from_slice(&self.offset.to_le_bytes());
+        out[8..16].copy_from_slice(&self.length.to_le_bytes());
+        out[16] = self.zero as u8;
+        out[17..].copy_from_slice(&self.digest);
+        out
+    }
+
+    pub fn decode(b: &[u8]) -> Option<Entry> {
+        if b.len() != Entry::BYTES || b[16] > 1 {
+            return None;
+        }
+        Some(Entry {
+            offset: u64::from_le_bytes(b[..8].try_into().ok()?),
+            length: u64::from_le_bytes(b[8..16].try_into().ok()?),
+            zero: b[16] == 1,
+            digest: b[17..].try_into().ok()?,
+        })
+    }
+}
+
+/// The running digest of a ledger.
+#[derive(Default, Clone)]
+pub struct Ledger {
+    hasher: blake3::Hasher,
+    pub pieces: u64,
+    pub data_bytes: u64,
+}
+
+impl Ledger {
+    pub fn add(&mut self, e: &Entry) {
+        self.hasher.update(&e.encode());
+        self.pieces += 1;
+        if !e.zero {
+            self.data_bytes += e.length;
+        }
+    }
+
+    pub fn digest(&self) -> [u8; 32] {
+        *self.hasher.finalize().as_bytes()
+    }
+}
+
+/// The end of a transfer: what the whole of it was.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Trailer {
+    pub digest: [u8; 32],
+    pub pieces: u64,
+    pub data_bytes: u64,
+    /// Whether only what changed since a base was sent.
+    pub incremental: bool,
+}
+
+/// What a target checks of each piece before it writes it: in order after the
+/// last, within the volume, whole cells of zeros, data within one cell, and
+/// the data matching its digest. A source that breaks any of these is not
+/// believed for anything.
+pub struct Checker {
+    /// The end of the last piece: the next must start at or after it.
+    next: u64,
+    size: u64,
+}
+
+impl Checker {
+    pub fn new(from: u64, size: u64) -> Checker {
+        Checker { next: from, size }
+    }
+
+    pub fn check(&mut self, p: &Piece) -> Result<()> {
+        let bad = |why: String| Err(Error::invalid(format!("the source sent {p:?}: {why}")));
+        let (offset, length) = (p.offset(), p.length());
+        if offset < self.next {
+            return bad(format!(
+                "it overlaps what came before (up to {})",
+                self.next
+            ));
+        }
+        let Some(end) = offset.checked_add(length) else {
+            return bad("its end is past any volume".into());
+        };
+        if length == 0 || end > self.size {
+            return bad(format!("the volume holds {} bytes", self.size));
+        }
+        match p {
+            Piece::Zero { .. } => {
+                if offset % CELL != 0 || (end % CELL != 0 && end != self.size) {
+                    return bad("zeros come in whole cells".into());
+                }
+            }
+            Piece::Data { data, digest, .. } => {
+                if offset / CELL != (end - 1) / CELL {
+                    return bad("data crosses a cell's boundary".into());
+                }
+                if blake3::hash(data).as_bytes() != digest {
+                    return bad("its digest does not match its data".into());
+                }
+            }
+        }
+        // The rest of the piece's cell is zeros by definition: nothing may
+        // come for it.
+        self.next = p.cells().1.min(self.size).max(end);
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn entries_encode_and_decode() {
+        let e = Piece::data(3 * CELL + 5, vec![1, 2, 3]).entry();
+        assert_eq!(Entry::decode(&e.encode()), Some(e));
+        let z = Piece::Zero {
+            offset: 0,
+            length: 4 * CELL,
+        }
+        .entry();
+        assert!(z.zero);
+        assert_eq!(Entry::decode(&z.encode()), Some(z));
+        assert_eq!(Entry::decode(&[0u8; 10]), None);
+    }
+
+    #[test]
+    fn the_ledger_digest_depends_on_every_entry_and_its_order() {
+        let a = Piece::data(0, vec![1; 10]).entry();
+        let b = Piece::Zero {
+            offset: CELL,
+            length: CELL,
+        }
+        .entry();
+        let digest = |es: &[Entry]| {
+            let mut l = Ledger::default();
+            es.iter().for_each(|e| l.add(e));
+            l.digest()
+        };
+        assert_eq!(digest(&[a, b]), digest(&[a, b]));
+        assert_ne!(digest(&[a, b]), digest(&[b, a]));
+        assert_ne!(digest(&[a, b]), digest(&[a]));
+        let mut moved = a;
+        moved.offset += 1;
+        assert_ne!(digest(&[a, b]), digest(&[moved, b]));
+    }
+
+    #[test]
+    fn a_target_refuses_what_a_hostile_source_could_send() {
+        let size = 10 * CELL;
+        let ok = |c: &mut Checker, p: Piece| c.check(&p).unwrap();
+        let bad = |c: &mut Checker, p: Piece| {
+            let e = c.check(&p).unwrap_err();
+            assert!(e.to_string().contains("the source sent"), "{e}");
+        };
+        let mut c = Checker::new(0, size);
+        ok(&mut c, Piece::data(10, vec![1; 100]));
+        // The rest of cell 0 was zeros: nothing more for it.
+        bad(&mut c, Piece::data(500, vec![1; 10]));
+        ok(
+            &mut c,
+            Piece::Zero {
+                offset: CELL,
+                length: 2 * CELL,
+            },
+        );
+        bad(&mut c, Piece::data(2 * CELL, vec![1; 10]));
+        bad(&mut c, Piece::data(4 * CELL - 5, vec![1; 10]));
+        bad(
+            &mut c,
+            Piece::Zero {
+                offset: 4 * CELL + 1,
+                length: CELL,
+            },
+        );
+        bad(&mut c, Piece::data(size, vec![1]));
+        bad(
+            &mut c,
+            Piece::Zero {
+                offset: 5 * CELL,
+                length: u64::MAX - CELL,
+            },
+        );
+        let mut forged = Piece::data(6 * CELL, vec![1; 10]);
+        if let Piece::Data { data, .. } = &mut forged {
+            data[0] = 2;
+        }
+        bad(&mut c, forged);
+        ok(&mut c, Piece::data(9 * CELL, vec![7; 10]));
+        // A zero run may end at the volume's end, off the grid.
+        let mut c = Checker::new(0, CELL + 4096);
+        ok(
+            &mut c,
+            Piece::Zero {
+                offset: 0,
+                length: CELL + 4096,
+            },
+        );
+    }
+}
