@@ -1,11 +1,16 @@
-//! Compiles `csi.proto` and the kubelet's `pluginregistration.proto` into tonic
+//! Compiles `csi.proto`, the kubelet's `pluginregistration.proto` and the
+//! driver's `mesh.proto` into tonic
 //! servers and clients. protox parses the files in pure Rust, so building needs
 //! no system `protoc`.
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     println!("cargo:rerun-if-changed=csi.proto");
     println!("cargo:rerun-if-changed=pluginregistration.proto");
-    let fds = protox::compile(["csi.proto", "pluginregistration.proto"], ["."])?;
+    println!("cargo:rerun-if-changed=mesh.proto");
+    let fds = protox::compile(
+        ["csi.proto", "pluginregistration.proto", "mesh.proto"],
+        ["."],
+    )?;
     // Every CSI method by its service, for code that names calls (metrics
     // labels, the fuzzer) without a list of its own to keep up to date.
     let mut rpcs = String::from(

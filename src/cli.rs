@@ -13,6 +13,11 @@ pub enum Mode {
     Controller,
     /// Identity and Node.
     Node,
+    /// The controller of a multi-node cluster: Identity, Controller,
+    /// GroupController and SnapshotMetadata for the volumes of every node,
+    /// each call sent to the node agent that holds its data. Keeps no
+    /// volumes itself.
+    Router,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -91,6 +96,20 @@ pub struct Cli {
     #[arg(long, env = "CSI_METRICS_ADDRESS", default_value = "")]
     pub metrics_address: String,
 
+    /// Seconds the figures of /metrics (pools, loop devices, readiness) and the
+    /// answer of /healthz may be reused; a scrape or probe after that waits
+    /// (briefly) for new ones. However many scrapes come, they are read at most
+    /// this often, by a thread of their own, never by the CSI calls' threads.
+    #[arg(long, env = "CSI_METRICS_MAX_AGE", default_value_t = 5,
+          value_parser = clap::value_parser!(u64).range(0..=300))]
+    pub metrics_max_age: u64,
+
+    /// Connections the metrics port serves at once; more are closed at once
+    /// (counted in example_csi_metrics_connections_refused_total).
+    #[arg(long, env = "CSI_METRICS_MAX_CONNECTIONS", default_value_t = 32,
+          value_parser = clap::value_parser!(u64).range(1..=4096))]
+    pub metrics_max_connections: u64,
+
     /// Seconds the volume and pool health figures of /metrics are reused before a
     /// scrape checks again (0: every scrape checks). A check reads every volume's
     /// image or directory, so a short age costs I/O on a node with many volumes.
@@ -161,6 +180,70 @@ pub struct Cli {
           value_parser = clap::value_parser!(u8).range(0..=100))]
     pub pool_full_percent: u8,
 
+    /// More mount options callers may ask for, FS=OPTION (FS: ext4, xfs, btrfs,
+    /// or * for any; OPTION a word, or name= for that option with any plain
+    /// value). Repeatable. Options of the filesystem's own that name nothing of
+    /// the host are allowed already.
+    #[arg(
+        long = "allow-mount-option",
+        env = "CSI_ALLOW_MOUNT_OPTIONS",
+        value_delimiter = ','
+    )]
+    pub allow_mount_options: Vec<String>,
+
+    /// Flags every mount volume gets unless its request names the opposite
+    /// (dev, suid, exec, which must then be allowed with --allow-mount-option).
+    /// Empty: none. Never given to raw block volumes.
+    #[arg(
+        long,
+        env = "CSI_DEFAULT_MOUNT_FLAGS",
+        value_delimiter = ',',
+        default_value = "nodev,nosuid"
+    )]
+    pub default_mount_flags: Vec<String>,
+
+    /// Pools that inline ephemeral volumes (CSI volumes written into a pod's
+    /// spec, with no claim or quota) may use. Empty: they are refused, and
+    /// generic ephemeral volumes are the way to give a pod a volume of its own.
+    #[arg(long, env = "CSI_EPHEMERAL_POOLS", value_delimiter = ',')]
+    pub ephemeral_pools: Vec<String>,
+
+    /// The largest inline ephemeral volume (e.g. 1Gi, 512Mi). Each one reserves
+    /// its size in its pool until its pod is gone.
+    #[arg(long, env = "CSI_EPHEMERAL_MAX_SIZE", default_value = "1Gi")]
+    pub ephemeral_max_size: String,
+
+    /// The kubelet's root directory (its --root-dir). Volumes are staged and
+    /// published only below its pods/ and plugins/kubernetes.io/csi/
+    /// directories; any other path is refused.
+    #[arg(long, env = "CSI_KUBELET_DIR", default_value = csi_storage::DEFAULT_KUBELET_DIR)]
+    pub kubelet_dir: PathBuf,
+
+    /// One more directory below which volumes may be staged and published
+    /// (repeatable), beside the kubelet's: for tests and tools that are not
+    /// the kubelet. By default /tmp, where conformance tools put their
+    /// paths (in the deployed container, the container's own /tmp, which
+    /// nothing on the host sees); given, it replaces that; an empty value
+    /// allows none.
+    #[arg(
+        long = "allowed-path-root",
+        env = "CSI_ALLOWED_PATH_ROOTS",
+        value_delimiter = ',',
+        default_value = "/tmp"
+    )]
+    pub allowed_path_roots: Vec<PathBuf>,
+
+    /// Transfers of volume data from other nodes that run at once on this
+    /// node; more wait their turn.
+    #[arg(long, env = "CSI_MAX_TRANSFERS", default_value_t = 2,
+        value_parser = clap::value_parser!(u32).range(1..=64))]
+    pub max_transfers: u32,
+
+    /// Bytes per second that the transfers to this node read from the
+    /// network, together (e.g. 100Mi; 0: no limit).
+    #[arg(long, env = "CSI_TRANSFER_BANDWIDTH", default_value = "0")]
+    pub transfer_bandwidth: String,
+
     /// Seconds to let running RPCs finish after SIGTERM/SIGINT.
     #[arg(long, env = "CSI_SHUTDOWN_TIMEOUT", default_value_t = 30)]
     pub shutdown_timeout: u64,
@@ -177,6 +260,43 @@ pub struct Cli {
     /// Log level or filter (error, warn, info, debug, trace, or a tracing filter).
     #[arg(long, env = "CSI_LOG_LEVEL", default_value = "info")]
     pub log_level: String,
+
+    /// Serve this node's Controller services to the cluster's controller on
+    /// this TCP address (host:port), with mutual TLS under the mesh
+    /// authority (--mesh-dir): this process is the node's agent. Needs
+    /// --mode all.
+    #[arg(long, env = "CSI_AGENT_LISTEN", default_value = "")]
+    pub agent_listen: String,
+
+    /// Folder holding the mesh authority (ca.crt and ca.key, or tls.crt and
+    /// tls.key: a mounted Secret), for --agent-listen and --mode router.
+    #[arg(long, env = "CSI_MESH_DIR", default_value = "/etc/example-csi/mesh")]
+    pub mesh_dir: PathBuf,
+
+    /// --mode router: the node agents, as NODE=HOST:PORT (repeat, or
+    /// comma-separated), when they are not read from Kubernetes.
+    #[arg(long = "agent", env = "CSI_AGENTS", value_delimiter = ',')]
+    pub agents: Vec<String>,
+
+    /// --mode router: read the node agents from the Kubernetes API: the pods
+    /// of this pod's namespace matching --agent-selector, at --agent-port.
+    /// With it, a mesh authority missing from --mesh-dir is read from (or
+    /// made as) the Secret --mesh-secret.
+    #[arg(long, env = "CSI_AGENTS_FROM_KUBERNETES")]
+    pub agents_from_kubernetes: bool,
+
+    #[arg(
+        long,
+        env = "CSI_AGENT_SELECTOR",
+        default_value = "app.kubernetes.io/name=example-csi,app.kubernetes.io/component=node"
+    )]
+    pub agent_selector: String,
+
+    #[arg(long, env = "CSI_AGENT_PORT", default_value_t = 9820)]
+    pub agent_port: u16,
+
+    #[arg(long, env = "CSI_MESH_SECRET", default_value = "example-csi-mesh")]
+    pub mesh_secret: String,
 
     #[command(subcommand)]
     pub command: Option<Command>,
@@ -223,6 +343,15 @@ pub fn parse() -> Result<Cli, std::process::ExitCode> {
 pub enum Command {
     /// Call CSI RPCs on a socket (this driver's or any other) and print the answer.
     Client(crate::client::ClientArgs),
+    /// Make a new pair of mesh authorities in a folder: DIR/controller for
+    /// the controller's --mesh-dir, DIR/node for the nodes'. `kubectl create
+    /// secret generic example-csi-mesh --from-file=DIR/controller` and
+    /// `... example-csi-mesh-node --from-file=DIR/node` make their Secrets.
+    MeshAuthority {
+        /// The folder to write into (made if missing; existing files are kept).
+        #[arg(long)]
+        dir: PathBuf,
+    },
 }
 
 #[cfg(test)]

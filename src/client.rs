@@ -99,6 +99,9 @@ pub enum Call {
     VolumeHealth(VolumeHealth),
     /// NodeGetStorageHealth: the problems of this node's pools.
     StorageHealth,
+    /// The transfers of volume data between nodes: on a node's socket, its
+    /// arrivals and holds; on the cluster controller's, every node's.
+    Transfers,
 }
 
 #[derive(Debug, Args)]
@@ -121,6 +124,10 @@ pub struct CreateVolume {
     /// Clone this volume.
     #[arg(long)]
     source_volume: Option<String>,
+    /// Make it on this node (its topology requirement); through the cluster's
+    /// controller, a source on another node is then moved here.
+    #[arg(long)]
+    node: Option<String>,
 }
 
 #[derive(Debug, Args)]
@@ -431,6 +438,7 @@ async fn run(endpoint: &str, call: &Call) -> Result<Value, Failure> {
         Call::Stats(a) => calls::stats(s, a).await,
         Call::VolumeHealth(a) => calls::health(s, a).await,
         Call::StorageHealth => calls::storage_health(s).await,
+        Call::Transfers => calls::transfers(s).await,
     }
 }
 

@@ -5,7 +5,12 @@
 use std::os::unix::fs::FileTypeExt;
 use std::path::{Path, PathBuf};
 
-use nix::sys::stat::{umask, Mode};
+use std::os::fd::AsRawFd;
+
+use nix::sys::socket::{
+    bind as bind_fd, listen, socket, AddressFamily, Backlog, SockFlag, SockType, UnixAddr,
+};
+use nix::sys::stat::{fchmod, Mode};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Endpoint {
@@ -83,12 +88,24 @@ pub fn prepare(path: &Path) -> Result<(), String> {
     }
 }
 
-/// Binds with a umask that leaves the socket 0660 from its first moment.
+/// How many connections may wait to be accepted (the kernel caps it at somaxconn).
+const BACKLOG: i32 = 1024;
+
+/// Binds a socket that is 0660 (or stricter, by the umask) from its first
+/// moment: the kernel gives the new socket file the mode of the socket's inode,
+/// so that mode is set before the bind, and the process's umask, shared by every
+/// thread, is never changed.
 pub fn bind(path: &Path) -> std::io::Result<tokio::net::UnixListener> {
-    let old = umask(Mode::from_bits_truncate(0o117));
-    let listener = tokio::net::UnixListener::bind(path);
-    umask(old);
-    listener
+    let fd = socket(
+        AddressFamily::Unix,
+        SockType::Stream,
+        SockFlag::SOCK_CLOEXEC | SockFlag::SOCK_NONBLOCK,
+        None,
+    )?;
+    fchmod(&fd, Mode::from_bits_truncate(0o660))?;
+    bind_fd(fd.as_raw_fd(), &UnixAddr::new(path)?)?;
+    listen(&fd, Backlog::new(BACKLOG)?)?;
+    tokio::net::UnixListener::from_std(std::os::unix::net::UnixListener::from(fd))
 }
 
 #[cfg(test)]
@@ -139,5 +156,29 @@ mod tests {
         std::fs::write(&file, b"keep").unwrap();
         assert!(prepare(&file).is_err());
         assert_eq!(std::fs::read(&file).unwrap(), b"keep");
+    }
+
+    /// The process's umask, read without setting it (setting it, even back,
+    /// would race with the other tests' files).
+    fn umask_now() -> u32 {
+        let status = std::fs::read_to_string("/proc/self/status").unwrap();
+        let line = status.lines().find(|l| l.starts_with("Umask:")).unwrap();
+        u32::from_str_radix(line["Umask:".len()..].trim(), 8).unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_bound_socket_is_0660_under_any_umask_and_the_umask_is_kept() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let sock = dir.path().join("s.sock");
+        let before = umask_now();
+        let listener = bind(&sock).unwrap();
+        let mode = std::fs::metadata(&sock).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode & !0o660, 0, "{mode:o} is wider than 0660");
+        assert_eq!(mode, 0o660 & !before, "{mode:o}");
+        assert_eq!(umask_now(), before, "bind changed the umask");
+        let client = tokio::net::UnixStream::connect(&sock).await;
+        assert!(client.is_ok(), "{client:?}");
+        assert!(listener.accept().await.is_ok());
     }
 }

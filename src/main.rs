@@ -1,12 +1,17 @@
 //! `csi-driver`: serves the CSI services of example-csi on a Unix socket, or, as
 //! `csi-driver client ...`, calls them.
 
+#![forbid(unsafe_code)]
+
 mod authority;
 mod cli;
 mod client;
 mod endpoint;
+mod huffman;
+mod mesh;
 mod metrics;
 mod registration;
+mod rpc;
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -22,16 +27,17 @@ use csi_proto::csi::{
     identity_server::IdentityServer, node_server::NodeServer,
     snapshot_metadata_server::SnapshotMetadataServer,
 };
+use csi_proto::mesh::agent_server::AgentServer;
 use csi_storage::{Config, Driver, System};
 use endpoint::Endpoint;
 
 /// Largest gRPC message accepted or sent; CSI messages are small, so anything
 /// near this is hostile.
-const MAX_MESSAGE_BYTES: usize = 4 * 1024 * 1024;
+pub(crate) const MAX_MESSAGE_BYTES: usize = 4 * 1024 * 1024;
 
 /// Non-Identity RPCs running at once (at least; raised with --heavy-operations).
 /// Each runs its domain call on a blocking thread; the rest wait as futures.
-const MIN_RPCS_IN_FLIGHT: usize = 48;
+pub(crate) const MIN_RPCS_IN_FLIGHT: usize = 48;
 
 /// Blocking threads kept above the RPC limit, for Identity calls (Probe), the
 /// metrics scrape and calls whose client gave up while their work still runs.
@@ -59,48 +65,19 @@ fn main() -> ExitCode {
         Ok(c) => c,
         Err(code) => return code,
     };
-    if let Some(Command::Client(args)) = &cli.command {
-        return client::main(&cli.endpoint, args);
+    match &cli.command {
+        Some(Command::Client(args)) => return client::main(&cli.endpoint, args),
+        Some(Command::MeshAuthority { dir }) => return make_mesh_authority(dir),
+        None => {}
     }
-    let nodeid = match cli.nodeid.as_deref() {
-        Some(n) if !n.trim().is_empty() => n.to_string(),
-        _ => return usage_error("--nodeid (or NODE_ID) is required"),
-    };
-    let endpoint = match endpoint::parse(&cli.endpoint, cli.allow_tcp) {
-        Ok(e) => e,
+    if cli.mode == Mode::Router {
+        return run_router(cli);
+    }
+    let start = match Start::from_cli(&cli) {
+        Ok(s) => s,
         Err(e) => return usage_error(e),
     };
-    let pools = match pools(&cli.pools) {
-        Ok(p) => p,
-        Err(e) => return usage_error(e),
-    };
-    if let Some(bad) = cli
-        .mutable_parameters
-        .iter()
-        .find(|m| !m.is_empty() && !csi_storage::MUTABLE_PARAMETERS.contains(&m.as_str()))
-    {
-        return usage_error(format!(
-            "--mutable-parameters: {bad:?} is not one of {}",
-            csi_storage::MUTABLE_PARAMETERS.join(", ")
-        ));
-    }
-    let metrics_address = match cli.metrics_address.trim() {
-        "" => None,
-        a => match metrics::parse_address(a) {
-            Ok(a) => Some(a),
-            Err(e) => return usage_error(e),
-        },
-    };
-    let registration = match registration_config(&cli) {
-        Ok(r) => r,
-        Err(e) => return usage_error(e),
-    };
-    if let Err(e) = init_logging(&cli) {
-        return usage_error(e);
-    }
-    let cfg = config(&cli, &nodeid, pools);
-
-    let (_, blocking_threads) = limits(cfg.heavy_operations);
+    let (_, blocking_threads) = limits(start.cfg.heavy_operations);
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .max_blocking_threads(blocking_threads)
@@ -113,12 +90,131 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(serve(cli, cfg, endpoint, metrics_address, registration)) {
+    match runtime.block_on(serve(cli, start)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(Stop::Refused(e)) => {
             tracing::error!(error = %e, "refused to start");
             usage_error(e)
         }
+        Err(Stop::Failed(e)) => {
+            tracing::error!(error = %e, "stopped");
+            eprintln!("csi-driver: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// What a node or all-in-one process starts with, checked from its flags.
+struct Start {
+    cfg: Config,
+    endpoint: Endpoint,
+    metrics_address: Option<std::net::SocketAddr>,
+    registration: Option<registration::Config>,
+}
+
+impl Start {
+    /// Checks the flags (a mistake is a usage error, before anything starts)
+    /// and sets up logging.
+    fn from_cli(cli: &Cli) -> Result<Start, String> {
+        let nodeid = match cli.nodeid.as_deref() {
+            Some(n) if !n.trim().is_empty() => n.to_string(),
+            _ => return Err("--nodeid (or NODE_ID) is required".into()),
+        };
+        let endpoint = endpoint::parse(&cli.endpoint, cli.allow_tcp)?;
+        let pools = pools(&cli.pools)?;
+        if let Some(bad) = cli
+            .mutable_parameters
+            .iter()
+            .find(|m| !m.is_empty() && !csi_storage::MUTABLE_PARAMETERS.contains(&m.as_str()))
+        {
+            return Err(format!(
+                "--mutable-parameters: {bad:?} is not one of {}",
+                csi_storage::MUTABLE_PARAMETERS.join(", ")
+            ));
+        }
+        let metrics_address = match cli.metrics_address.trim() {
+            "" => None,
+            a => Some(metrics::parse_address(a)?),
+        };
+        let registration = registration_config(cli)?;
+        init_logging(cli)?;
+        let mut cfg = config(cli, &nodeid, pools);
+        ephemeral_config(cli, &mut cfg)?;
+        transfer_config(cli, &mut cfg)?;
+        path_roots_config(cli, &mut cfg)?;
+        cfg.mount_options = csi_storage::mount_options::MountOptionPolicy::new(
+            &cli.allow_mount_options,
+            &cli.default_mount_flags,
+        )
+        .map_err(|e| format!("--allow-mount-option/--default-mount-flags: {e}"))?;
+        Ok(Start {
+            cfg,
+            endpoint,
+            metrics_address,
+            registration,
+        })
+    }
+}
+
+/// Writes a new pair of mesh authorities into `dir`: `dir/controller` for the
+/// controller's Secret, `dir/node` for the nodes'.
+fn make_mesh_authority(dir: &std::path::Path) -> ExitCode {
+    let (controller, nodes) = match csi_mesh::tls::generate_pair() {
+        Ok(pair) => pair,
+        Err(e) => return usage_error(e),
+    };
+    let write = |sub: &str, files: &csi_mesh::tls::Files| -> Result<(), String> {
+        use std::io::Write;
+        use std::os::unix::fs::{DirBuilderExt, OpenOptionsExt};
+        let folder = dir.join(sub);
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&folder)
+            .map_err(|e| format!("{}: {e}", folder.display()))?;
+        for (name, text) in files {
+            let path = folder.join(name);
+            std::fs::OpenOptions::new()
+                .write(true)
+                .create_new(true)
+                .mode(0o600)
+                .open(&path)
+                .and_then(|mut f| f.write_all(text.as_bytes()))
+                .map_err(|e| format!("{}: {e}", path.display()))?;
+        }
+        Ok(())
+    };
+    match write("controller", &controller).and_then(|()| write("node", &nodes)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => usage_error(e),
+    }
+}
+
+/// `--mode router`: the cluster's controller, with no state of its own.
+fn run_router(cli: Cli) -> ExitCode {
+    let endpoint = match endpoint::parse(&cli.endpoint, cli.allow_tcp) {
+        Ok(e) => e,
+        Err(e) => return usage_error(e),
+    };
+    if !cli.metrics_address.trim().is_empty() {
+        return usage_error("--metrics-address is not served by --mode router");
+    }
+    if let Err(e) = init_logging(&cli) {
+        return usage_error(e);
+    }
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("csi-driver: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(mesh::serve_router(cli, endpoint)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(Stop::Refused(e)) => usage_error(e),
         Err(Stop::Failed(e)) => {
             tracing::error!(error = %e, "stopped");
             eprintln!("csi-driver: {e}");
@@ -141,6 +237,7 @@ fn config(cli: &Cli, nodeid: &str, pools: Vec<(String, PathBuf)>) -> Config {
         .cloned()
         .collect();
     cfg.max_volumes_per_node = cli.max_volumes_per_node;
+    cfg.command_timeout = Duration::from_secs(cli.command_timeout);
     cfg.controller = cli.mode != Mode::Node;
     cfg.node = cli.mode != Mode::Controller;
     cfg.heavy_operations = cli.heavy_operations as usize;
@@ -148,11 +245,69 @@ fn config(cli: &Cli, nodeid: &str, pools: Vec<(String, PathBuf)>) -> Config {
     cfg.freeze_timeout = Duration::from_secs(cli.freeze_timeout);
     cfg.expedite_freeze = cli.expedite_freeze;
     cfg.pool_full_percent = cli.pool_full_percent;
+    cfg.max_transfers = cli.max_transfers as usize;
     cfg
 }
 
+/// The bandwidth of this node's transfers.
+fn transfer_config(cli: &Cli, cfg: &mut Config) -> Result<(), String> {
+    let bw = &cli.transfer_bandwidth;
+    cfg.transfer_bandwidth = csi_storage::size::parse_size(bw)
+        .ok()
+        .and_then(|s| u64::try_from(s).ok())
+        .ok_or_else(|| format!("--transfer-bandwidth {bw:?} is not a size such as 100Mi"))?;
+    Ok(())
+}
+
+/// The directories below which volumes are staged and published.
+fn path_roots_config(cli: &Cli, cfg: &mut Config) -> Result<(), String> {
+    let mut roots = csi_storage::kubelet_path_roots(&cli.kubelet_dir);
+    roots.extend(
+        cli.allowed_path_roots
+            .iter()
+            .filter(|r| !r.as_os_str().is_empty())
+            .cloned(),
+    );
+    for r in &roots {
+        let bad = !r.is_absolute()
+            || r.parent().is_none()
+            || r.components()
+                .any(|c| matches!(c, std::path::Component::ParentDir));
+        if bad {
+            return Err(format!(
+                "--kubelet-dir/--allowed-path-root {:?}: an absolute directory below / \
+                 without '..' is required",
+                r.display().to_string()
+            ));
+        }
+    }
+    cfg.allowed_path_roots = roots;
+    Ok(())
+}
+
+/// The pools and largest size of inline ephemeral volumes.
+fn ephemeral_config(cli: &Cli, cfg: &mut Config) -> Result<(), String> {
+    let max = &cli.ephemeral_max_size;
+    cfg.ephemeral_max_size = csi_storage::size::parse_size(max)
+        .ok()
+        .and_then(|s| u64::try_from(s).ok())
+        .filter(|s| *s > 0)
+        .ok_or_else(|| format!("--ephemeral-max-size {max:?} is not a size such as 1Gi"))?;
+    cfg.ephemeral_pools = Vec::new();
+    for p in cli.ephemeral_pools.iter().map(|p| p.trim()) {
+        if p.is_empty() || cfg.ephemeral_pools.iter().any(|q| q == p) {
+            continue;
+        }
+        if !cfg.pools.iter().any(|(name, _)| name == p) {
+            return Err(format!("--ephemeral-pools: {p:?} is not a pool of --pool"));
+        }
+        cfg.ephemeral_pools.push(p.to_string());
+    }
+    Ok(())
+}
+
 /// Why serving ended in error.
-enum Stop {
+pub(crate) enum Stop {
     /// The driver refused to start as configured (exit status 2): another process
     /// holds the state this mode owns.
     Refused(String),
@@ -255,13 +410,13 @@ fn init_logging(cli: &Cli) -> Result<(), String> {
     Ok(())
 }
 
-async fn serve(
-    cli: Cli,
-    cfg: Config,
-    endpoint: Endpoint,
-    metrics_address: Option<std::net::SocketAddr>,
-    registration: Option<registration::Config>,
-) -> Result<(), Stop> {
+async fn serve(cli: Cli, start: Start) -> Result<(), Stop> {
+    let Start {
+        cfg,
+        endpoint,
+        metrics_address,
+        registration,
+    } = start;
     let mode = cli.mode;
     tracing::info!(version = env!("CARGO_PKG_VERSION"), node = %cfg.node_id, mode = ?mode,
         driver = %cfg.driver_name, "starting");
@@ -270,7 +425,7 @@ async fn serve(
     let (rpc_limit, _) = limits(cfg.heavy_operations);
     let mut sys = System::linux();
     sys.fs = Arc::new(csi_sys::linux::LinuxFilesystems::with_timeout(
-        Duration::from_secs(cli.command_timeout),
+        cfg.command_timeout,
     ));
     let driver = open_driver(cfg, sys.clone()).await?;
 
@@ -281,7 +436,9 @@ async fn serve(
         Some(addr) => Some(start_metrics(addr, &cli, &driver, sys, &endpoint).await?),
     };
 
-    let router = services(&driver, metrics, rpc_limit);
+    let agent = mesh::start_agent(&cli, &driver).await?;
+    let peers = agent.as_ref().map(|a| a.peers.clone()).unwrap_or_default();
+    let router = services(&driver, metrics, rpc_limit, peers);
     tokio::spawn(csi_glue::memory::release_when_idle(
         BLOCKING_KEEP_ALIVE + Duration::from_secs(1),
     ));
@@ -299,7 +456,7 @@ macro_rules! bounded {
 }
 
 type Services = tonic::transport::server::Router<
-    tower::layer::util::Stack<metrics::RpcLayer, tower::layer::util::Identity>,
+    tower::layer::util::Stack<rpc::RpcLayer, tower::layer::util::Identity>,
 >;
 
 /// The CSI services this mode serves, behind the RPC limit and the metrics.
@@ -307,12 +464,13 @@ fn services(
     driver: &Arc<Driver>,
     metrics: Option<Arc<metrics::Metrics>>,
     rpc_limit: usize,
+    peers: Arc<csi_mesh::node::Peers>,
 ) -> Services {
     let controller = driver.controller().cloned();
     let node = driver.node().cloned();
     let identity = csi_identity::IdentityService::new(driver.clone(), controller.is_some());
     tonic::transport::Server::builder()
-        .layer(metrics::RpcLayer::new(metrics, rpc_limit))
+        .layer(rpc::RpcLayer::new(metrics, rpc_limit))
         .add_service(bounded!(IdentityServer::new(identity)))
         .add_optional_service(controller.clone().map(|c| {
             bounded!(ControllerServer::new(
@@ -324,10 +482,16 @@ fn services(
                 csi_controller::GroupControllerService::new(c)
             ))
         }))
-        .add_optional_service(controller.map(|c| {
+        .add_optional_service(controller.clone().map(|c| {
             bounded!(SnapshotMetadataServer::new(
                 csi_controller::SnapshotMetadataService::new(c)
             ))
+        }))
+        // The transfers of this node's volumes (`csi-driver client transfers`).
+        .add_optional_service(controller.map(|c| {
+            bounded!(AgentServer::new(csi_mesh::node::AgentService::new(
+                c, peers, None
+            )))
         }))
         .add_optional_service(
             node.map(|n| bounded!(NodeServer::new(csi_node::NodeService::new(n)))),
@@ -336,7 +500,7 @@ fn services(
 
 /// Serves `router` on the endpoint until a signal stops it, registered with the
 /// kubelet meanwhile when asked to be.
-async fn listen(
+pub(crate) async fn listen(
     router: Services,
     endpoint: Endpoint,
     grace: Duration,
@@ -405,13 +569,19 @@ async fn start_metrics(
     ));
     tracing::info!(address = %listener.local_addr().map_err(|e| e.to_string())?,
         "serving metrics on /metrics and health on /healthz");
-    tokio::spawn(metrics::serve(
+    let limits = metrics::Limits {
+        max_age: Duration::from_secs(cli.metrics_max_age),
+        max_connections: cli.metrics_max_connections as usize,
+    };
+    metrics::serve(
         listener,
         m.clone(),
         driver.clone(),
         sys,
         endpoint.clone(),
-    ));
+        limits,
+    )
+    .await?;
     Ok(m)
 }
 
@@ -477,6 +647,7 @@ fn mode_name(mode: Mode) -> &'static str {
         Mode::All => "all",
         Mode::Controller => "controller",
         Mode::Node => "node",
+        Mode::Router => "router",
     }
 }
 

@@ -1,21 +1,17 @@
 //! The CSI Controller service.
 
-use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use csi_glue::{
-    bytes, call, capabilities, capacity, optional_capability, timestamp, topology, volume_health,
+    bytes, call, capabilities, capacity, create_volume, optional_capability, timestamp, topology,
+    volume, volume_health,
 };
-use csi_proto::csi::{
-    self, controller_server::Controller, controller_service_capability, volume_content_source,
-    ControllerServiceCapability,
-};
-use csi_storage::ids::{SnapshotId, VolumeId};
-use csi_storage::model::{ContentSource, VolumeView};
+use csi_proto::csi::{self, controller_server::Controller};
+use csi_storage::ids::VolumeId;
+use csi_storage::model::{Backing, VolumeView};
 use csi_storage::snapshots::SnapshotPage;
-use csi_storage::volumes::CreateVolume;
+use csi_storage::volumes::UnpublishReason;
 use csi_storage::Controller as Domain;
-use csi_storage::Error;
 use tonic::{Request, Response, Status};
 
 pub struct ControllerService {
@@ -25,38 +21,6 @@ pub struct ControllerService {
 impl ControllerService {
     pub fn new(controller: Arc<Domain>) -> Self {
         ControllerService { controller }
-    }
-}
-
-/// A volume as CSI carries it, in the node's topology `at` (made once for a
-/// page of many).
-fn volume(at: &csi::Topology, v: &VolumeView) -> csi::Volume {
-    csi::Volume {
-        capacity_bytes: bytes(v.size),
-        volume_id: v.id.to_string(),
-        volume_context: {
-            // Inserted one by one: a collect would gather and sort them first.
-            let mut m = BTreeMap::new();
-            for (key, value) in v.context() {
-                m.insert(key.to_string(), value.to_string());
-            }
-            m
-        },
-        content_source: v.source.map(|s| csi::VolumeContentSource {
-            r#type: Some(match s {
-                ContentSource::Snapshot(id) => {
-                    volume_content_source::Type::Snapshot(volume_content_source::SnapshotSource {
-                        snapshot_id: id.to_string(),
-                    })
-                }
-                ContentSource::Volume(id) => {
-                    volume_content_source::Type::Volume(volume_content_source::VolumeSource {
-                        volume_id: id.to_string(),
-                    })
-                }
-            }),
-        }),
-        accessible_topology: vec![at.clone()],
     }
 }
 
@@ -73,32 +37,32 @@ pub(crate) fn snapshot(d: &Domain, s: &csi_storage::model::SnapshotRecord) -> cs
         creation_time: Some(timestamp(s.created)),
         ready_to_use: true,
         group_snapshot_id: s.group.map(|g| g.to_string()).unwrap_or_default(),
-        // A snapshot is in a pool of the node that took it: only volumes made
-        // there can be restored from it.
-        accessible_topology: vec![topology(d)],
+        // A snapshot is in a pool of the node that took it. On a mesh, an
+        // image's data moves to wherever a restore is asked for: no topology
+        // is said, which CSI reads as "every node". A directory's does not
+        // move: only volumes made on its node can be restored from it.
+        accessible_topology: match d.on_mesh() && s.backing == Backing::Image {
+            true => vec![],
+            false => vec![topology(d)],
+        },
     }
 }
 
-fn content_source(s: Option<&csi::VolumeContentSource>) -> Result<Option<ContentSource>, Error> {
-    let Some(s) = s else { return Ok(None) };
-    match &s.r#type {
-        Some(volume_content_source::Type::Snapshot(snap)) => Ok(Some(ContentSource::Snapshot(
-            SnapshotId::parse_existing(&snap.snapshot_id)?,
-        ))),
-        Some(volume_content_source::Type::Volume(vol)) => Ok(Some(ContentSource::Volume(
-            VolumeId::parse_existing(&vol.volume_id)?,
-        ))),
-        None => Err(Error::invalid(
-            "volume_content_source names no snapshot or volume",
-        )),
-    }
-}
-
-fn rpc(t: controller_service_capability::rpc::Type) -> ControllerServiceCapability {
-    ControllerServiceCapability {
-        r#type: Some(controller_service_capability::Type::Rpc(
-            controller_service_capability::Rpc { r#type: t as i32 },
-        )),
+/// The reason of an unpublish; a value newer than this driver is not said.
+fn unpublish_reason(value: i32) -> UnpublishReason {
+    use csi::controller_unpublish_volume_request::Reason;
+    match Reason::try_from(value) {
+        Ok(Reason::NodeCleanupSucceeded) => UnpublishReason::NodeCleanedUp,
+        Ok(Reason::NodeCleanupTimeout) => UnpublishReason::NodeTimedOut,
+        Ok(Reason::NodeOutOfService) => UnpublishReason::NodeOutOfService,
+        Ok(Reason::Unknown) => UnpublishReason::Unsaid,
+        Err(_) => {
+            tracing::warn!(
+                reason = value,
+                "an unpublish reason this driver does not know"
+            );
+            UnpublishReason::Unsaid
+        }
     }
 }
 
@@ -113,25 +77,7 @@ impl Controller for ControllerService {
         let id = VolumeId::for_name(&r.name).to_string();
         let rr = r.clone();
         let v = call("CreateVolume", &id, &r, move || {
-            let (requisite, preferred) = rr
-                .accessibility_requirements
-                .as_ref()
-                .map(|a| {
-                    let seg =
-                        |ts: &[csi::Topology]| ts.iter().map(|t| t.segments.clone()).collect();
-                    (seg(&a.requisite), seg(&a.preferred))
-                })
-                .unwrap_or_default();
-            let v = d.create_volume(CreateVolume {
-                name: rr.name.clone(),
-                capacity: capacity(rr.capacity_range.as_ref()),
-                capabilities: capabilities(&rr.volume_capabilities)?,
-                parameters: rr.parameters.clone(),
-                mutable_parameters: rr.mutable_parameters.clone(),
-                source: content_source(rr.volume_content_source.as_ref())?,
-                requisite,
-                preferred,
-            })?;
+            let v = d.create_volume(create_volume(&rr)?)?;
             Ok(volume(&topology(&d), &v.view()))
         })
         .await?;
@@ -186,8 +132,9 @@ impl Controller for ControllerService {
         let r = req.into_inner();
         let d = self.controller.clone();
         let (v, n) = (r.volume_id.clone(), r.node_id.clone());
+        let reason = unpublish_reason(r.reason);
         call("ControllerUnpublishVolume", &r.volume_id, &r, move || {
-            d.unpublish_volume(&v, &n)
+            d.unpublish_volume(&v, &n, reason)
         })
         .await?;
         Ok(Response::new(csi::ControllerUnpublishVolumeResponse {}))
@@ -282,37 +229,14 @@ impl Controller for ControllerService {
         &self,
         req: Request<csi::ControllerGetCapabilitiesRequest>,
     ) -> Result<Response<csi::ControllerGetCapabilitiesResponse>, Status> {
-        use controller_service_capability::rpc::Type as T;
         let cfg = self.controller.cfg.clone();
         let resp = call("ControllerGetCapabilities", "", req.get_ref(), move || {
-            let mut caps = vec![
-                T::CreateDeleteVolume,
-                T::ListVolumes,
-                T::GetCapacity,
-                T::CreateDeleteSnapshot,
-                T::ListSnapshots,
-                T::CloneVolume,
-                T::GetVolume,
-                T::SingleNodeMultiWriter,
-                T::GetSnapshot,
-                T::GetVolumeHealth,
-                T::ListVolumeHealth,
-            ];
-            if cfg.enable_attach {
-                caps.extend([
-                    T::PublishUnpublishVolume,
-                    T::PublishReadonly,
-                    T::ListVolumesPublishedNodes,
-                ]);
-            }
-            if cfg.controller_expansion {
-                caps.push(T::ExpandVolume);
-            }
-            if !cfg.mutable_parameters.is_empty() {
-                caps.push(T::ModifyVolume);
-            }
             Ok(csi::ControllerGetCapabilitiesResponse {
-                capabilities: caps.into_iter().map(rpc).collect(),
+                capabilities: csi_glue::controller_capabilities(
+                    cfg.enable_attach,
+                    cfg.controller_expansion,
+                    !cfg.mutable_parameters.is_empty(),
+                ),
             })
         })
         .await?;
@@ -496,5 +420,37 @@ impl Controller for ControllerService {
         Ok(Response::new(csi::ControllerGetVolumeHealthResponse {
             volume_health: Some(volume_health(&h)),
         }))
+    }
+
+    async fn controller_get_node_info(
+        &self,
+        req: Request<csi::ControllerGetNodeInfoRequest>,
+    ) -> Result<Response<csi::ControllerGetNodeInfoResponse>, Status> {
+        if !self.controller.cfg.enable_attach {
+            return Err(Status::unimplemented(
+                "ControllerGetNodeInfo needs --enable-attach",
+            ));
+        }
+        let r = req.into_inner();
+        let d = self.controller.clone();
+        let node = r.node_id.clone();
+        let resp = call("ControllerGetNodeInfo", "", &r, move || {
+            let info = d.node_info(&node)?;
+            Ok(csi::ControllerGetNodeInfoResponse {
+                max_volumes_per_node: bytes(info.max_volumes),
+                accessible_topology: Some(topology(&d)),
+                published_volumes: info
+                    .volumes
+                    .iter()
+                    .map(
+                        |id| csi::controller_get_node_info_response::PublishedVolume {
+                            volume_id: id.to_string(),
+                        },
+                    )
+                    .collect(),
+            })
+        })
+        .await?;
+        Ok(Response::new(resp))
     }
 }

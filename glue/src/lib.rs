@@ -5,15 +5,25 @@
 //! thread with a cancellation token that trips when the caller goes away, the
 //! response or the error logged once.
 
+#![forbid(unsafe_code)]
+
 use std::fmt::Debug;
 use std::sync::Arc;
 
 use csi_proto::csi::{self, volume_capability};
-use csi_storage::model::{Access, AccessMode, Capability, CapacityRange};
+use std::collections::BTreeMap;
+
+use csi_proto::csi::volume_content_source;
+use csi_storage::ids::{SnapshotId, VolumeId};
+use csi_storage::model::{
+    Access, AccessMode, Capability, CapacityRange, ContentSource, VolumeView,
+};
+use csi_storage::volumes::CreateVolume;
 use csi_storage::{cancel, health, Core, Driver, Error};
 use tonic::Status;
 use tracing::Instrument;
 
+pub mod handle;
 pub mod memory;
 mod status;
 pub use status::{code, status};
@@ -160,6 +170,7 @@ no_secrets!(
     csi::NodeGetInfoRequest,
     csi::GroupControllerGetCapabilitiesRequest,
     csi::NodeGetVolumeHealthRequest,
+    csi::ControllerGetNodeInfoRequest,
 );
 with_secrets!(
     csi::ControllerListVolumeHealthRequest,
@@ -244,6 +255,127 @@ pub fn capacity_at_least(bytes: i64) -> Option<csi::CapacityRange> {
         required_bytes: bytes,
         limit_bytes: 0,
     })
+}
+
+pub use csi_storage::model::TOPOLOGY_KEY;
+
+/// A volume as CSI carries it, in the node's topology `at` (made once for a
+/// page of many).
+pub fn volume(at: &csi::Topology, v: &VolumeView) -> csi::Volume {
+    csi::Volume {
+        capacity_bytes: bytes(v.size),
+        volume_id: v.id.to_string(),
+        volume_context: {
+            // Inserted one by one: a collect would gather and sort them first.
+            let mut m = BTreeMap::new();
+            for (key, value) in v.context() {
+                m.insert(key.to_string(), value.to_string());
+            }
+            m
+        },
+        content_source: v.source.map(|s| csi::VolumeContentSource {
+            r#type: Some(match s {
+                ContentSource::Snapshot(id) => {
+                    volume_content_source::Type::Snapshot(volume_content_source::SnapshotSource {
+                        snapshot_id: id.to_string(),
+                    })
+                }
+                ContentSource::Volume(id) => {
+                    volume_content_source::Type::Volume(volume_content_source::VolumeSource {
+                        volume_id: id.to_string(),
+                    })
+                }
+            }),
+        }),
+        accessible_topology: vec![at.clone()],
+    }
+}
+
+/// The domain's CreateVolume from CSI's.
+pub fn create_volume(r: &csi::CreateVolumeRequest) -> Result<CreateVolume, Error> {
+    let (requisite, preferred) = r
+        .accessibility_requirements
+        .as_ref()
+        .map(|a| {
+            let seg = |ts: &[csi::Topology]| ts.iter().map(|t| t.segments.clone()).collect();
+            (seg(&a.requisite), seg(&a.preferred))
+        })
+        .unwrap_or_default();
+    Ok(CreateVolume {
+        name: r.name.clone(),
+        capacity: capacity(r.capacity_range.as_ref()),
+        capabilities: capabilities(&r.volume_capabilities)?,
+        parameters: r.parameters.clone(),
+        mutable_parameters: r.mutable_parameters.clone(),
+        source: content_source(r.volume_content_source.as_ref())?,
+        requisite,
+        preferred,
+    })
+}
+
+pub fn content_source(
+    s: Option<&csi::VolumeContentSource>,
+) -> Result<Option<ContentSource>, Error> {
+    let Some(s) = s else { return Ok(None) };
+    match &s.r#type {
+        Some(volume_content_source::Type::Snapshot(snap)) => Ok(Some(ContentSource::Snapshot(
+            SnapshotId::parse_existing(&snap.snapshot_id)?,
+        ))),
+        Some(volume_content_source::Type::Volume(vol)) => Ok(Some(ContentSource::Volume(
+            VolumeId::parse_existing(&vol.volume_id)?,
+        ))),
+        None => Err(Error::invalid(
+            "volume_content_source names no snapshot or volume",
+        )),
+    }
+}
+
+/// A volume of this node as CSI carries it.
+pub fn volume_of(core: &Core, v: &VolumeView) -> csi::Volume {
+    volume(&topology(core), v)
+}
+
+/// The Controller capabilities of a driver with these options, the same for
+/// a controller on its own pools and for the router of a multi-node cluster.
+pub fn controller_capabilities(
+    enable_attach: bool,
+    controller_expansion: bool,
+    modify_volume: bool,
+) -> Vec<csi::ControllerServiceCapability> {
+    use csi::controller_service_capability::{rpc::Type as T, Rpc, Type};
+    let mut caps = vec![
+        T::CreateDeleteVolume,
+        T::ListVolumes,
+        T::GetCapacity,
+        T::CreateDeleteSnapshot,
+        T::ListSnapshots,
+        T::CloneVolume,
+        T::GetVolume,
+        T::SingleNodeMultiWriter,
+        T::GetSnapshot,
+        T::GetVolumeHealth,
+        T::ListVolumeHealth,
+    ];
+    if enable_attach {
+        // GET_NODE_INFO needs PUBLISH_UNPUBLISH_VOLUME.
+        caps.extend([
+            T::PublishUnpublishVolume,
+            T::PublishReadonly,
+            T::ListVolumesPublishedNodes,
+            T::GetNodeInfo,
+        ]);
+    }
+    if controller_expansion {
+        caps.push(T::ExpandVolume);
+    }
+    if modify_volume {
+        caps.push(T::ModifyVolume);
+    }
+    caps.into_iter()
+        .map(|t| csi::ControllerServiceCapability {
+            r#type: Some(Type::Rpc(Rpc { r#type: t as i32 })),
+        })
+        .collect()
 }
 
 pub fn topology(core: &Core) -> csi::Topology {

@@ -87,7 +87,7 @@ pub async fn release_when_idle(after: Duration) {
         let (begun, running) = CALLS.read();
         if idle.look(begun, running, Instant::now(), after) {
             let started = Instant::now();
-            if tokio::task::spawn_blocking(csi_sys::memory::release_free)
+            if tokio::task::spawn_blocking(csi_storage::release_free_memory)
                 .await
                 .is_ok()
             {
@@ -157,7 +157,7 @@ impl Releases {
         st.pending = false;
         st.last = Some(Instant::now());
         drop(st);
-        csi_sys::memory::release_free();
+        csi_storage::release_free_memory();
         true
     }
 }

@@ -1,8 +1,8 @@
 //! The one mapping of the domain's errors to gRPC statuses, after the error tables
 //! of the CSI spec.
 
+use csi_storage::error::SystemFailure;
 use csi_storage::Error;
-use csi_sys::SysError;
 use tonic::{Code, Status};
 
 /// The gRPC code of a domain error.
@@ -17,9 +17,9 @@ pub fn code(e: &Error) -> Code {
         Error::Aborted(_) => Code::Aborted,
         Error::Cancelled(_) => Code::Cancelled,
         Error::StateInUse(_) => Code::FailedPrecondition,
-        Error::System { source, .. } => match source {
-            SysError::NoSpace { .. } => Code::ResourceExhausted,
-            SysError::Timeout { .. } => Code::DeadlineExceeded,
+        Error::System { .. } => match e.system_failure() {
+            Some(SystemFailure::NoSpace) => Code::ResourceExhausted,
+            Some(SystemFailure::Timeout) => Code::DeadlineExceeded,
             _ => Code::Internal,
         },
         // The caller asked for what failed first; the cleanup is in the message.
@@ -48,6 +48,8 @@ pub fn status(e: Error) -> Status {
 mod tests {
     use super::*;
     use std::path::PathBuf;
+
+    use csi_sys::SysError;
 
     fn system(source: SysError) -> Error {
         Error::System {

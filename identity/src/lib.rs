@@ -1,5 +1,7 @@
 //! The CSI Identity service: who the driver is, what it offers, whether it is ready.
 
+#![forbid(unsafe_code)]
+
 use std::collections::BTreeMap;
 
 use csi_glue::{call, Shared};

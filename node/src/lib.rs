@@ -1,7 +1,10 @@
 //! The CSI Node service: thin handlers over the domain's node operations.
 
+#![forbid(unsafe_code)]
+
 use std::sync::Arc;
 
+use csi_glue::handle::{self, local_id};
 use csi_glue::{bytes, call, capacity, optional_capability, topology, volume_health};
 use csi_proto::csi::{
     self, node_server::Node, node_service_capability, volume_usage, NodeServiceCapability,
@@ -21,6 +24,13 @@ impl NodeService {
     }
 }
 
+/// The id a handle names. Calls that only undo or look (unstage, unpublish,
+/// stats, health) take any handle: what this node holds decides, and a kubelet
+/// cleaning up is never refused for a handle's form.
+fn bare(handle: &str) -> String {
+    handle::parse(handle).id
+}
+
 fn rpc(t: node_service_capability::rpc::Type) -> NodeServiceCapability {
     NodeServiceCapability {
         r#type: Some(node_service_capability::Type::Rpc(
@@ -37,12 +47,13 @@ impl Node for NodeService {
     ) -> Result<Response<csi::NodeStageVolumeResponse>, Status> {
         let r = req.into_inner();
         let d = self.node.clone();
+        let volume_id = local_id(&r.volume_id, &d.cfg.node_id)?;
         let rr = r.clone();
         call("NodeStageVolume", &r.volume_id, &r, move || {
             d.node_stage(Stage {
                 capability: optional_capability(rr.volume_capability.as_ref())?,
                 volume_context: rr.volume_context.clone(),
-                volume_id: rr.volume_id,
+                volume_id,
                 staging_path: rr.staging_target_path,
             })
         })
@@ -58,7 +69,7 @@ impl Node for NodeService {
         let d = self.node.clone();
         let rr = r.clone();
         call("NodeUnstageVolume", &r.volume_id, &r, move || {
-            d.node_unstage(&rr.volume_id, &rr.staging_target_path)
+            d.node_unstage(&bare(&rr.volume_id), &rr.staging_target_path)
         })
         .await?;
         Ok(Response::new(csi::NodeUnstageVolumeResponse {}))
@@ -70,12 +81,13 @@ impl Node for NodeService {
     ) -> Result<Response<csi::NodePublishVolumeResponse>, Status> {
         let r = req.into_inner();
         let d = self.node.clone();
+        let volume_id = local_id(&r.volume_id, &d.cfg.node_id)?;
         let rr = r.clone();
         call("NodePublishVolume", &r.volume_id, &r, move || {
             d.node_publish(Publish {
                 capability: optional_capability(rr.volume_capability.as_ref())?,
                 volume_context: rr.volume_context.clone(),
-                volume_id: rr.volume_id,
+                volume_id,
                 staging_path: rr.staging_target_path,
                 target_path: rr.target_path,
                 read_only: rr.readonly,
@@ -93,7 +105,7 @@ impl Node for NodeService {
         let d = self.node.clone();
         let rr = r.clone();
         call("NodeUnpublishVolume", &r.volume_id, &r, move || {
-            d.node_unpublish(&rr.volume_id, &rr.target_path)
+            d.node_unpublish(&bare(&rr.volume_id), &rr.target_path)
         })
         .await?;
         Ok(Response::new(csi::NodeUnpublishVolumeResponse {}))
@@ -107,7 +119,7 @@ impl Node for NodeService {
         let d = self.node.clone();
         let rr = r.clone();
         let s = call("NodeGetVolumeStats", &r.volume_id, &r, move || {
-            d.node_stats(&rr.volume_id, &rr.volume_path)
+            d.node_stats(&bare(&rr.volume_id), &rr.volume_path)
         })
         .await?;
         let mut usage = vec![csi::VolumeUsage {
@@ -134,11 +146,12 @@ impl Node for NodeService {
     ) -> Result<Response<csi::NodeExpandVolumeResponse>, Status> {
         let r = req.into_inner();
         let d = self.node.clone();
+        let volume_id = local_id(&r.volume_id, &d.cfg.node_id)?;
         let rr = r.clone();
         let size = call("NodeExpandVolume", &r.volume_id, &r, move || {
             let cap = optional_capability(rr.volume_capability.as_ref())?;
             d.node_expand(
-                &rr.volume_id,
+                &volume_id,
                 &rr.volume_path,
                 capacity(rr.capacity_range.as_ref()),
                 cap.as_ref(),
@@ -200,7 +213,7 @@ impl Node for NodeService {
         let rr = r.clone();
         let h = call("NodeGetVolumeHealth", &r.volume_id, &r, move || {
             d.volume_health(
-                &rr.volume_id,
+                &bare(&rr.volume_id),
                 &rr.volume_publish_path,
                 &rr.staging_target_path,
             )

@@ -1,4 +1,4 @@
-//! Proves that `proto/csi.proto` is the CSI v1.13.0 wire contract: the official
+//! Proves that `proto/csi.proto` is the CSI v1.14.0 wire contract: the official
 //! `csi.proto` is fetched as a Go module, both files are compiled with protox, and
 //! every part of the contract is compared (names, numbers, types, labels, oneofs,
 //! streaming, options including the CSI extension options). Comments, spans and the
@@ -13,10 +13,10 @@ use std::process::Command;
 use std::sync::OnceLock;
 
 const SPEC_MODULE: &str = "github.com/container-storage-interface/spec";
-const SPEC_VERSION: &str = "v1.13.0";
+const SPEC_VERSION: &str = "v1.14.0";
 /// The Go checksum of the module zip; pinned so that a different file can never be
-/// taken for v1.13.0.
-const SPEC_SUM: &str = "h1:6ja3nYoACisewTPAAZkJ1pbf4+1ehhvt9Z/nYgWGHGw=";
+/// taken for v1.14.0.
+const SPEC_SUM: &str = "h1:lVswmW9+n0J6FrdO4eVg28s8CEyfo//BEuwclY6FBsQ=";
 const GO_FALLBACK: &str = "/usr/local/go/bin/go";
 
 /// The comparison: each file becomes a tree of named items with attributes, and two
@@ -499,7 +499,7 @@ fn report(differences: &[String]) -> String {
 }
 
 #[test]
-fn our_proto_is_the_official_csi_v1_13_0_contract() {
+fn our_proto_is_the_official_csi_v1_14_0_contract() {
     let official = contract::from_dir(official_spec_dir(), "csi.proto").unwrap();
     let ours = contract::from_dir(&our_proto_dir(), "csi.proto").unwrap();
 
@@ -631,6 +631,22 @@ const MUTATIONS: &[Mutation] = &[
         from: "OFFLINE = 2;",
         to: "OFFLINE = 3;",
         expect: &["enum Type > value OFFLINE: number: official 2, ours 3"],
+    },
+    Mutation {
+        what: "change the type of an enum field",
+        anchor: "message ControllerUnpublishVolumeRequest {",
+        from: "Reason reason = 4",
+        to: "int32 reason = 4",
+        expect: &[
+            "message ControllerUnpublishVolumeRequest > field reason: type: official TYPE_ENUM, ours TYPE_INT32",
+        ],
+    },
+    Mutation {
+        what: "renumber a capability",
+        anchor: "message ControllerServiceCapability {",
+        from: "GET_NODE_INFO = 18",
+        to: "GET_NODE_INFO = 19",
+        expect: &["value GET_NODE_INFO: number: official 18, ours 19"],
     },
     Mutation {
         what: "drop (alpha_enum_value)",

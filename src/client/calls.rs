@@ -27,7 +27,7 @@ pub(super) async fn info(s: &mut Services) -> Result<Value, Failure> {
         "ready": probe.ready,
     });
     // A controller-only driver has no Node service: say so rather than fail.
-    match node.node_get_info(csi::NodeGetInfoRequest {}).await {
+    match node.node_get_info(csi::NodeGetInfoRequest::default()).await {
         Ok(n) => {
             let n = n.into_inner();
             out["node"] = json!({
@@ -51,8 +51,21 @@ pub(super) async fn create_volume(s: &mut Services, a: &CreateVolume) -> Result<
         params,
         source_snapshot,
         source_volume,
+        node,
     } = a;
     let ctl = &mut s.ctl;
+    // The node the volume must be on: what a CO asks after scheduling.
+    let on_node = node.as_ref().map(|n| {
+        let at = csi::Topology {
+            segments: [(csi_glue::TOPOLOGY_KEY.to_string(), n.clone())]
+                .into_iter()
+                .collect(),
+        };
+        csi::TopologyRequirement {
+            requisite: vec![at.clone()],
+            preferred: vec![at],
+        }
+    });
     let source = match (source_snapshot, source_volume) {
         (Some(s), _) => Some(Type::Snapshot(SnapshotSource {
             snapshot_id: s.clone(),
@@ -72,6 +85,7 @@ pub(super) async fn create_volume(s: &mut Services, a: &CreateVolume) -> Result<
             volume_capabilities: vec![access.capability()],
             parameters: to_map(params),
             volume_content_source: source.map(|t| csi::VolumeContentSource { r#type: Some(t) }),
+            accessibility_requirements: on_node,
             ..Default::default()
         })
         .await?
@@ -458,4 +472,42 @@ pub(super) async fn health(s: &mut Services, a: &VolumeHealth) -> Result<Value, 
             out
         }
     })
+}
+
+/// ListTransfers of the mesh's Agent service.
+pub(super) async fn transfers(s: &mut Services) -> Result<Value, Failure> {
+    use csi_proto::mesh::{agent_client::AgentClient, ListTransfersRequest};
+    let list = AgentClient::new(s.channel.clone())
+        .list_transfers(ListTransfersRequest {})
+        .await?
+        .into_inner();
+    let rows: Vec<Value> = list
+        .transfers
+        .iter()
+        .map(|t| {
+            let mut row = json!({
+                "transfer_id": t.transfer_id,
+                "role": t.role,
+                "volume_id": t.volume_id,
+                "peer_node": t.peer_node,
+                "state": t.state,
+                "bytes_done": t.bytes_done,
+                "bytes_total": t.bytes_total,
+                "rate": t.rate,
+                "incremental": t.incremental,
+                "resumed": t.resumed,
+            });
+            if !t.message.is_empty() {
+                row["message"] = json!(t.message);
+            }
+            if t.data_bytes > 0 {
+                row["data_bytes"] = json!(t.data_bytes);
+            }
+            if !t.claim_name.is_empty() {
+                row["claim"] = json!(format!("{}/{}", t.claim_namespace, t.claim_name));
+            }
+            row
+        })
+        .collect();
+    Ok(json!({ "transfers": rows }))
 }
