@@ -21,7 +21,7 @@ async fn root_staging_beyond_the_limit_is_resource_exhausted() {
     let mut c = driver.clients().await;
     let info = c
         .node
-        .node_get_info(csi::NodeGetInfoRequest {})
+        .node_get_info(csi::NodeGetInfoRequest::default())
         .await
         .unwrap()
         .into_inner();

@@ -234,7 +234,7 @@ async fn root_socket_is_0660_from_its_first_moment_and_lives_with_the_process() 
         0,
         "first seen mode {first:o} is wider than 0660"
     );
-    assert_eq!(unix_socket_mode(&driver.socket), 0o660);
+    assert_eq!(unix_socket_mode(&driver.socket), socket_mode());
     let meta = std::fs::symlink_metadata(&driver.socket).unwrap();
     assert_eq!((meta.uid(), meta.gid()), (0, 0));
 
@@ -621,7 +621,14 @@ async fn root_identity_and_metrics() {
     require_root();
     let pool = Pool::new("xfs");
     let port = free_port();
-    let driver = Driver::start(&pool, &[&format!("--metrics-address=127.0.0.1:{port}")]);
+    let driver = Driver::start(
+        &pool,
+        &[
+            &format!("--metrics-address=127.0.0.1:{port}"),
+            // Every scrape and probe sees the driver as it is now.
+            "--metrics-max-age=0",
+        ],
+    );
     let mut c = driver.clients().await;
     let info = c
         .identity
@@ -787,7 +794,14 @@ async fn root_healthz_fails_when_a_pool_is_gone() {
     require_root();
     let pool = Pool::new("xfs");
     let port = free_port();
-    let _driver = Driver::start(&pool, &[&format!("--metrics-address=127.0.0.1:{port}")]);
+    let _driver = Driver::start(
+        &pool,
+        &[
+            &format!("--metrics-address=127.0.0.1:{port}"),
+            // Every scrape and probe sees the driver as it is now.
+            "--metrics-max-age=0",
+        ],
+    );
     assert_eq!(http_get(port, "/healthz").0, 200);
     let volumes = pool.path.join("volumes");
     let aside = pool.path.join("volumes.aside");
@@ -804,7 +818,14 @@ async fn root_healthz_answers_what_probe_answers_on_the_socket() {
     require_root();
     let pool = Pool::new("xfs");
     let port = free_port();
-    let driver = Driver::start(&pool, &[&format!("--metrics-address=127.0.0.1:{port}")]);
+    let driver = Driver::start(
+        &pool,
+        &[
+            &format!("--metrics-address=127.0.0.1:{port}"),
+            // Every scrape and probe sees the driver as it is now.
+            "--metrics-max-age=0",
+        ],
+    );
     assert_eq!(http_get(port, "/healthz").0, 200);
     // The CSI socket is gone (a cleaned host directory): the kubelet and the
     // sidecars can no longer reach the driver, so it is not alive to them.
@@ -815,6 +836,119 @@ async fn root_healthz_answers_what_probe_answers_on_the_socket() {
     assert_eq!(code, 503, "{body}");
     assert!(body.contains("cannot connect"), "{body}");
     assert_eq!(http_get(port, "/healthz").0, 200);
+}
+
+/// Sockets the process `pid` holds open (TCP and Unix).
+fn open_sockets(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |d| {
+        d.filter_map(|e| std::fs::read_link(e.ok()?.path()).ok())
+            .filter(|l| l.to_string_lossy().starts_with("socket:"))
+            .count()
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "needs root: loop devices and mounts"]
+async fn root_a_flood_of_scrapes_neither_fails_nor_holds_csi_calls_and_is_capped() {
+    require_root();
+    let pool = Pool::new("xfs");
+    let port = free_port();
+    let cap_connections = 32;
+    let driver = Driver::start(
+        &pool,
+        &[
+            &format!("--metrics-address=127.0.0.1:{port}"),
+            &format!("--metrics-max-connections={cap_connections}"),
+        ],
+    );
+    let mut c = driver.clients().await;
+    let pid = driver.pid();
+    let idle_sockets = open_sockets(pid);
+
+    // 300 clients, each opening a connection per scrape, for as long as the
+    // CSI calls below run.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let answered = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let scrapers: Vec<_> = (0..300)
+        .map(|_| {
+            let (stop, answered) = (stop.clone(), answered.clone());
+            tokio::spawn(async move {
+                use std::sync::atomic::Ordering::Relaxed;
+                use tokio::io::{AsyncReadExt, AsyncWriteExt};
+                while !stop.load(Relaxed) {
+                    let Ok(mut conn) = tokio::net::TcpStream::connect(("127.0.0.1", port)).await
+                    else {
+                        continue;
+                    };
+                    let mut text = Vec::new();
+                    let asked = async {
+                        conn.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").await?;
+                        conn.read_to_end(&mut text).await
+                    };
+                    if tokio::time::timeout(Duration::from_secs(30), asked)
+                        .await
+                        .is_ok()
+                        && text.starts_with(b"HTTP/1.0 200")
+                    {
+                        answered.fetch_add(1, Relaxed);
+                    }
+                }
+            })
+        })
+        .collect();
+    let watcher = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let mut most = 0;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                most = most.max(open_sockets(pid));
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            most
+        })
+    };
+
+    let cap = mount_cap("xfs", writer());
+    for i in 0..6 {
+        let name = format!("pvc-under-scrapes-{i}");
+        let vol = must_create(
+            &mut c.controller,
+            create_req(&name, 512 * MIB, cap.clone(), &[]),
+        )
+        .await;
+        let (staging, target) = (
+            pool.scratch(&format!("s{i}")),
+            pool.scratch(&format!("t{i}")),
+        );
+        c.stage_and_publish(&vol.volume_id, &staging, &target.join("m"), &cap)
+            .await;
+        c.unpublish_and_unstage(&vol.volume_id, &target.join("m"), &staging)
+            .await;
+        c.controller
+            .delete_volume(delete_req(&vol.volume_id))
+            .await
+            .unwrap();
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for s in scrapers {
+        s.await.unwrap();
+    }
+    let most = watcher.join().unwrap();
+
+    // Idle sockets: the listeners and the CSI connections; the metrics port
+    // added at most its cap (and a few the kernel had not yet closed).
+    assert!(
+        most <= idle_sockets + cap_connections + 8,
+        "{most} sockets open at most, {idle_sockets} idle, cap {cap_connections}"
+    );
+    let answered = answered.load(std::sync::atomic::Ordering::Relaxed);
+    assert!(answered > 0, "some scrapes were answered");
+    let (code, text) = http_get(port, "/metrics");
+    assert_eq!(code, 200);
+    let refused = sample(&text, "example_csi_metrics_connections_refused_total", &[]).unwrap();
+    assert!(refused > 0.0, "the cap was reached and counted:\n{text}");
+    assert_eq!(http_get(port, "/healthz").0, 200);
+    eprintln!("{answered} scrapes answered, {refused} connections refused, {most} sockets at most");
 }
 
 /// A codec that sends and receives raw bytes, to put what we like on the wire.
@@ -1165,8 +1299,13 @@ fn processes_mentioning(needle: &str) -> Vec<u32> {
         .flatten()
         .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
         .filter(|pid| {
+            // The arguments are separated by NULs: read as one line, as ps shows it.
             std::fs::read(format!("/proc/{pid}/cmdline"))
-                .map(|c| String::from_utf8_lossy(&c).contains(needle))
+                .map(|c| {
+                    String::from_utf8_lossy(&c)
+                        .replace('\0', " ")
+                        .contains(needle)
+                })
                 .unwrap_or(false)
         })
         .collect()
@@ -1216,6 +1355,13 @@ async fn root_a_stuck_mkfs_is_killed_and_the_volume_released() {
             took < Duration::from_secs(15),
             "round {round}: took {took:?}"
         );
+        // The stage's mkfs, and the template's the create asked for (the same
+        // stuck script, started in the background), are killed with their
+        // helpers within the timeout.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while !processes_mentioning("sleep 600").is_empty() && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
         let left = processes_mentioning("sleep 600");
         assert!(
             left.is_empty(),
@@ -1235,5 +1381,60 @@ async fn root_a_stuck_mkfs_is_killed_and_the_volume_released() {
         loops_below(&pool.path).len(),
         0,
         "no loop device is left on the volume"
+    );
+    // The create asked for a filesystem template, whose mkfs (the same stuck
+    // one) ran in the background: --command-timeout bounds it too, helpers
+    // and all.
+    let stuck = fake.display().to_string();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !(processes_mentioning(&stuck).is_empty() && processes_mentioning("sleep 600").is_empty())
+        && Instant::now() < deadline
+    {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    assert_eq!(processes_mentioning(&stuck), Vec::<u32>::new());
+    assert_eq!(processes_mentioning("sleep 600"), Vec::<u32>::new());
+}
+
+/// A command the driver runs dies with it: a driver killed (SIGKILL) while
+/// mkfs runs leaves no mkfs behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root: loop devices and mounts"]
+async fn root_a_command_dies_with_the_driver() {
+    require_root();
+    let pool = Pool::new("xfs");
+    let fake = pool.dir.path().join("slow-bin");
+    std::fs::create_dir_all(&fake).unwrap();
+    let mkfs = fake.join("mkfs.ext4");
+    std::fs::write(&mkfs, "#!/bin/sh\nexec sleep 601\n").unwrap();
+    std::fs::set_permissions(&mkfs, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let path = format!(
+        "{}:{}",
+        fake.display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let mut driver = Driver::start_with_env(&pool, &["--command-timeout=600"], &[("PATH", &path)]);
+    let mut c = driver.clients().await;
+    let cap = mount_cap("ext4", writer());
+    // A new ext4 volume on a reflink pool asks for its template: mkfs runs.
+    must_create(
+        &mut c.controller,
+        create_req("pvc-slow", 64 * MIB, cap.clone(), &[]),
+    )
+    .await;
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while processes_mentioning("sleep 601").is_empty() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(processes_mentioning("sleep 601").len(), 1, "mkfs runs");
+    driver.kill9();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    while !processes_mentioning("sleep 601").is_empty() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        processes_mentioning("sleep 601"),
+        Vec::<u32>::new(),
+        "the mkfs of a killed driver is left running"
     );
 }

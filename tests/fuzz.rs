@@ -479,6 +479,7 @@ enum Input {
     ControllerModifyVolume(csi::ControllerModifyVolumeRequest),
     ControllerGetVolumeHealth(csi::ControllerGetVolumeHealthRequest),
     ControllerListVolumeHealth(csi::ControllerListVolumeHealthRequest),
+    ControllerGetNodeInfo(csi::ControllerGetNodeInfoRequest),
     CreateVolumeGroupSnapshot(csi::CreateVolumeGroupSnapshotRequest),
     DeleteVolumeGroupSnapshot(csi::DeleteVolumeGroupSnapshotRequest),
     GetVolumeGroupSnapshot(csi::GetVolumeGroupSnapshotRequest),
@@ -547,6 +548,12 @@ fn generate(rpc: &str, seed: u64, d: &Dict) -> Input {
                 volume_id: g.id(0),
                 node_id: g.pick(&["fuzz-node", "other", ""]).to_string(),
                 secrets: g.secrets(),
+                reason: g.pick(&[0, 1, 2, 3, 99]),
+            })
+        }
+        "ControllerGetNodeInfo" => {
+            Input::ControllerGetNodeInfo(csi::ControllerGetNodeInfoRequest {
+                node_id: g.pick(&["fuzz-node", "other", ""]).to_string(),
             })
         }
         "ValidateVolumeCapabilities" => {
@@ -830,6 +837,7 @@ async fn dispatch(s: &Services, input: Input) -> Result<(), Status> {
             .controller_list_volume_health(rq(r))
             .await
             .map(drop),
+        ControllerGetNodeInfo(r) => s.controller.controller_get_node_info(rq(r)).await.map(drop),
         CreateVolumeGroupSnapshot(r) => s.group.create_volume_group_snapshot(rq(r)).await.map(drop),
         DeleteVolumeGroupSnapshot(r) => s.group.delete_volume_group_snapshot(rq(r)).await.map(drop),
         GetVolumeGroupSnapshot(r) => s.group.get_volume_group_snapshot(rq(r)).await.map(drop),
@@ -1051,11 +1059,12 @@ async fn root_fuzz_every_rpc_with_arbitrary_requests() {
     let state = pool.dir.path().join("state");
     let before = outside_fingerprint(pool.dir.path());
 
-    let cfg = csi_storage::Config::new(
+    let mut cfg = csi_storage::Config::new(
         "fuzz-node",
         &state,
         vec![("default".to_string(), pool.path.clone())],
     );
+    cfg.allowed_path_roots = vec![scratch.clone()];
     let driver = Arc::new(csi_storage::Driver::open(cfg, csi_sys::System::linux()).expect("open"));
     let services = Services {
         identity: csi_identity::IdentityService::new(driver.clone(), true),
@@ -1281,9 +1290,15 @@ fn saved_seeds_regenerate_the_requests_their_files_show() {
         };
         let saved = same_dir(&saved[2..]);
         let mut now = format!("{:?}", generate(rpc, seed, &dict));
-        if rpc == "CreateSnapshot" && !saved.contains("accessibility_requirements") {
-            if let Some(i) = now.find(", accessibility_requirements: ") {
-                now = format!("{} }})", &now[..i]);
+        // The last field of a request, drawn after a file was saved.
+        for (drawn_later, field) in [
+            ("CreateSnapshot", "accessibility_requirements"),
+            ("ControllerUnpublishVolume", "reason"),
+        ] {
+            if rpc == drawn_later && !saved.contains(&format!(", {field}: ")) {
+                if let Some(i) = now.find(&format!(", {field}: ")) {
+                    now = format!("{} }})", &now[..i]);
+                }
             }
         }
         let whole = complete(&saved);

@@ -605,19 +605,6 @@ async fn root_pool_shut_down_makes_images_unreadable() {
 
 // ---------------------------------------------------------------- metrics
 
-/// GET /metrics on the driver's --metrics-address.
-fn scrape(port: u16) -> String {
-    use std::io::{Read, Write};
-    let mut conn = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
-    conn.set_read_timeout(Some(std::time::Duration::from_secs(30)))
-        .unwrap();
-    conn.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
-    let mut answer = String::new();
-    conn.read_to_string(&mut answer).unwrap();
-    assert!(answer.starts_with("HTTP/1.0 200"), "{answer}");
-    answer
-}
-
 /// The value of one series, named with its labels as the driver writes them.
 fn value(text: &str, series: &str) -> Option<f64> {
     text.lines()
@@ -634,7 +621,15 @@ async fn root_health_problems_show_in_the_metrics() {
         .unwrap()
         .port();
     let address = format!("--metrics-address=127.0.0.1:{port}");
-    let mut fx = fixture("xfs", &[&address, "--metrics-health-max-age=0"]).await;
+    let mut fx = fixture(
+        "xfs",
+        &[
+            &address,
+            "--metrics-health-max-age=0",
+            "--metrics-max-age=0",
+        ],
+    )
+    .await;
     let cap = mount_cap("ext4", writer());
     let mut ids = Vec::new();
     for name in ["pvc-short", "pvc-gone", "pvc-gone-too", "pvc-fine"] {

@@ -82,7 +82,7 @@ async fn root_the_kubelet_registers_the_driver_and_a_refusal_is_retried() {
     let first = wait_new_socket(&reg, stale, 30).expect("the stale socket is replaced");
     assert_eq!(
         std::fs::symlink_metadata(&reg).unwrap().mode() & 0o777,
-        0o660
+        socket_mode()
     );
 
     let mut k = kubelet(&reg).await;

@@ -78,11 +78,12 @@ impl Place {
     }
 
     fn driver(&self) -> Driver {
-        let cfg = Config::new(
+        let mut cfg = Config::new(
             "node-1",
             &self.path("state"),
             vec![("default".into(), self.path("pool"))],
         );
+        cfg.allowed_path_roots = vec![self.dir.path().to_path_buf()];
         Driver::open(cfg, System::linux()).unwrap()
     }
 

@@ -382,6 +382,42 @@ async fn root_small_volume_refuses_writes_past_its_size() {
     fx.remove(&id, &staging, &target).await;
 }
 
+/// The kubelet's SELinux context (CSIDriver seLinuxMount, on an SELinux node)
+/// reaches the filesystem's mount at the stage. Where the kernel has SELinux
+/// the staged filesystem carries it; where it has none (as here) the kernel
+/// refuses the option, and the stage says so and leaves nothing behind.
+#[tokio::test]
+#[ignore = "needs root: loop devices and mounts"]
+async fn root_an_selinux_context_goes_to_the_filesystem_mount() {
+    let mut fx = fixture("xfs", &[]).await;
+    let context = r#"context="system_u:object_r:container_file_t:s0:c0,c1""#;
+    let mut cap = ext4();
+    if let Some(csi::volume_capability::AccessType::Mount(m)) = cap.access_type.as_mut() {
+        m.mount_flags = vec![context.to_string()];
+    }
+    let (id, cap, staging, target) = fx.volume("pvc-selinux", 64 * MIB, cap).await;
+    let answer = fx.stage(&id, &staging, &cap).await;
+    if Path::new("/sys/fs/selinux/enforce").exists() {
+        answer.unwrap();
+        fx.publish(&id, &staging, &target, &cap, false)
+            .await
+            .unwrap();
+        let mountinfo = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+        let line = mountinfo
+            .lines()
+            .find(|l| l.split(' ').nth(4) == Some(&*staging.display().to_string()))
+            .expect("the staging mount");
+        assert!(line.contains("context="), "{line}");
+        fx.remove(&id, &staging, &target).await;
+    } else {
+        let e = answer.unwrap_err();
+        assert!(e.message().contains("context="), "{e:?}");
+        assert!(mounts_below(&staging).is_empty(), "the stage left a mount");
+        assert!(fx.volume_loops().is_empty(), "{:?}", fx.volume_loops());
+        fx.delete(&id).await;
+    }
+}
+
 #[tokio::test]
 #[ignore = "needs root: loop devices and mounts"]
 async fn root_read_only_publish_refuses_writes() {
@@ -1289,6 +1325,239 @@ async fn root_ephemeral_inline_volume_lives_and_dies_with_the_pod() {
     fx.unpublish("csi-0123456789abcdef", &target).await.unwrap();
 }
 
+/// The pool's inline ephemeral images.
+fn ephemeral_images(fx: &Fx) -> usize {
+    std::fs::read_dir(fx.pool.path.join("ephemeral")).map_or(0, |d| d.count())
+}
+
+#[tokio::test]
+#[ignore = "needs root: loop devices and mounts"]
+async fn root_inline_ephemeral_volumes_are_off_by_default_and_kept_to_named_pools_and_sizes() {
+    let mut fx = fixture("xfs", &[]).await;
+    let other = fx.pool.scratch("other-pool");
+    let target = fx.pool.scratch("pods").join("inline");
+    let cap = mount_cap("", writer());
+    let publish =
+        |attributes: &[(&str, &str)]| ephemeral_req("csi-eph", &target, cap.clone(), attributes);
+
+    // The driver as deployed by default: no --ephemeral-pools.
+    fx.driver.args.retain(|a| !a.starts_with("--ephemeral"));
+    fx.respawn(&[]).await;
+    let e =
+        fx.c.node
+            .node_publish_volume(publish(&[]))
+            .await
+            .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    assert!(e.message().contains("generic ephemeral volume"), "{e:?}");
+
+    // Pools and a largest size named: other pools and larger sizes are refused.
+    fx.driver.args.extend([
+        format!("--pool=other={}", other.display()),
+        "--ephemeral-pools=default".into(),
+        "--ephemeral-max-size=128Mi".into(),
+    ]);
+    fx.respawn(&[]).await;
+    for (attributes, says) in [
+        (&[("type", "other")][..], "only the pools default"),
+        (&[("size", "256Mi")][..], "--ephemeral-max-size"),
+        // xfs is made no smaller than 300 MiB, above the largest size.
+        (&[("size", "64Mi")][..], "--ephemeral-max-size"),
+    ] {
+        let mut req = publish(attributes);
+        if attributes == [("size", "64Mi")] {
+            req.volume_capability = Some(mount_cap("xfs", writer()));
+        }
+        let e = fx.c.node.node_publish_volume(req).await.unwrap_err();
+        assert_eq!(e.code(), Code::InvalidArgument, "{attributes:?}: {e:?}");
+        assert!(e.message().contains(says), "{attributes:?}: {e:?}");
+    }
+    assert!(!target.exists(), "a refused publish makes no target");
+    assert_eq!(ephemeral_images(&fx), 0);
+    assert!(fx.volume_loops().is_empty());
+    assert_eq!(
+        std::fs::read_dir(other.join("ephemeral")).map_or(0, |d| d.count()),
+        0
+    );
+
+    fx.c.node
+        .node_publish_volume(publish(&[("size", "100Mi")]))
+        .await
+        .unwrap();
+    assert_eq!(mount_count(&target), 1);
+    fx.unpublish("csi-eph", &target).await.unwrap();
+    assert_eq!(ephemeral_images(&fx), 0);
+}
+
+/// A pool of 2 GiB and a driver that makes inline volumes of up to 2 GiB in it.
+async fn small_pool_fixture(envs: &[(&str, &str)]) -> Fx {
+    require_root();
+    let pool = Pool::with_size("xfs", "2G");
+    let driver = Driver::start_with_env(&pool, &["--ephemeral-max-size=2Gi"], envs);
+    let c = driver.clients().await;
+    Fx { pool, driver, c }
+}
+
+#[tokio::test]
+#[ignore = "needs root: loop devices and mounts"]
+async fn root_inline_ephemeral_sizes_are_reserved_across_restarts_and_released_with_the_pod() {
+    let mut fx = small_pool_fixture(&[]).await;
+    let first = fx.pool.scratch("pods").join("first");
+    let second = fx.pool.scratch("pods").join("second");
+    let cap = mount_cap("ext4", writer());
+    let big = [("size", "1200Mi")];
+    // Each fits the pool's free space alone (the images are sparse, so the
+    // first takes little of it); both do not.
+    fx.c.node
+        .node_publish_volume(ephemeral_req("csi-first", &first, cap.clone(), &big))
+        .await
+        .unwrap();
+    let used = fx.pool.used_bytes();
+    assert!(used < 600 * MIB as u64, "the first image is sparse: {used}");
+    let second_req = ephemeral_req("csi-second", &second, cap.clone(), &big);
+    for when in ["beside the first", "after a restart"] {
+        let e =
+            fx.c.node
+                .node_publish_volume(second_req.clone())
+                .await
+                .unwrap_err();
+        assert_eq!(e.code(), Code::ResourceExhausted, "{when}: {e:?}");
+        assert!(e.message().contains("reserved"), "{when}: {e:?}");
+        assert!(!second.exists(), "{when}");
+        assert_eq!(ephemeral_images(&fx), 1, "{when}");
+        fx.respawn(&[]).await;
+    }
+    // The first pod goes: its reservation with it.
+    fx.unpublish("csi-first", &first).await.unwrap();
+    fx.c.node.node_publish_volume(second_req).await.unwrap();
+    assert_eq!(mount_count(&second), 1);
+    fx.unpublish("csi-second", &second).await.unwrap();
+    assert_eq!(ephemeral_images(&fx), 0);
+    assert!(fx.volume_loops().is_empty());
+}
+
+#[tokio::test]
+#[ignore = "needs root: loop devices and mounts"]
+async fn root_concurrent_inline_ephemeral_publishes_cannot_both_take_the_same_space() {
+    // The first admission pauses after its check: a second one that did not
+    // wait for it would find the same free space and pass too.
+    let fx = small_pool_fixture(&[(FAILPOINTS, "ephemeral.admission=1*sleep(1500)")]).await;
+    let cap = mount_cap("ext4", writer());
+    let mut calls = Vec::new();
+    for (i, name) in ["csi-a", "csi-b"].into_iter().enumerate() {
+        let target = fx.pool.scratch("pods").join(name);
+        let req = ephemeral_req(name, &target, cap.clone(), &[("size", "1200Mi")]);
+        let mut node = fx.c.node.clone();
+        calls.push(tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(300 * i as u64)).await;
+            (name, target, node.node_publish_volume(req).await.map(drop))
+        }));
+    }
+    let mut fx = fx;
+    let mut published = Vec::new();
+    for call in calls {
+        let (name, target, answer) = call.await.unwrap();
+        match answer {
+            Ok(()) => published.push((name, target)),
+            Err(e) => assert_eq!(e.code(), Code::ResourceExhausted, "{name}: {e:?}"),
+        }
+    }
+    assert_eq!(published.len(), 1, "exactly one of the two is admitted");
+    assert_eq!(ephemeral_images(&fx), 1);
+    for (name, target) in published {
+        fx.unpublish(name, &target).await.unwrap();
+    }
+    assert_eq!(ephemeral_images(&fx), 0);
+}
+
+/// The per-mount options (nodev, nosuid, noatime, ...) of the mount at `p`.
+fn mount_flags_at(p: &Path) -> Vec<String> {
+    let m = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    let line = m
+        .lines()
+        .rfind(|l| l.split(' ').nth(4) == Some(p.to_str().unwrap()))
+        .unwrap_or_else(|| panic!("{} is not mounted", p.display()));
+    line.split(' ')
+        .nth(5)
+        .unwrap()
+        .split(',')
+        .map(String::from)
+        .collect()
+}
+
+#[tokio::test]
+#[ignore = "needs root: loop devices and mounts"]
+async fn root_mounts_are_nodev_nosuid_and_host_naming_options_are_refused() {
+    let mut fx = fixture("xfs", &[]).await;
+    let loops_before = fx.volume_loops();
+    for (fs, bad) in [
+        ("ext4", "journal_path=/dev/loop0"),
+        ("ext4", "errors=panic"),
+        ("xfs", "logdev=/dev/loop0"),
+        ("btrfs", "device=/dev/loop0"),
+        ("ext4", "suid"),
+    ] {
+        let cap = cap_with(fs, writer(), &[bad], "");
+        let e =
+            fx.c.controller
+                .create_volume(create_req(
+                    &format!("pvc-bad-{fs}"),
+                    512 * MIB,
+                    cap.clone(),
+                    &[],
+                ))
+                .await
+                .unwrap_err();
+        assert_eq!(e.code(), Code::InvalidArgument, "{fs} {bad}: {e:?}");
+        assert!(e.message().contains(fs), "{fs} {bad}: {e:?}");
+    }
+    // A volume made for plain ext4, then staged with an option that names a device.
+    let (id, plain, staging, target) = fx.volume("pvc-flags", 64 * MIB, ext4()).await;
+    let bad = cap_with("ext4", writer(), &["journal_path=/dev/loop0"], "");
+    let e = fx.stage(&id, &staging, &bad).await.unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    assert_eq!(mount_count(&staging), 0);
+    assert_eq!(
+        fx.volume_loops(),
+        loops_before,
+        "a refused stage attaches nothing"
+    );
+
+    // Allowed options reach the mount, with nodev and nosuid added.
+    let cap = cap_with("ext4", writer(), &["noatime", "commit=30"], "");
+    fx.c.stage_and_publish(&id, &staging, &target, &cap).await;
+    for p in [&staging, &target] {
+        let flags = mount_flags_at(p);
+        for f in ["nodev", "nosuid", "noatime"] {
+            assert!(
+                flags.iter().any(|x| x == f),
+                "{f} at {}: {flags:?}",
+                p.display()
+            );
+        }
+    }
+    fx.c.unpublish_and_unstage(&id, &target, &staging).await;
+
+    // An operator who lets volumes be suid, and sets no default flags.
+    fx.driver.args.extend([
+        "--allow-mount-option=*=suid".to_string(),
+        "--default-mount-flags=".to_string(),
+    ]);
+    fx.respawn(&[]).await;
+    let suid = cap_with("ext4", writer(), &["suid"], "");
+    fx.c.stage_and_publish(&id, &staging, &target, &suid).await;
+    for p in [&staging, &target] {
+        let flags = mount_flags_at(p);
+        assert!(
+            !flags.iter().any(|x| x == "nosuid" || x == "nodev"),
+            "{}: {flags:?}",
+            p.display()
+        );
+    }
+    fx.c.unpublish_and_unstage(&id, &target, &staging).await;
+    let _ = plain;
+}
+
 // ---------------------------------------------------------------- access modes
 
 #[tokio::test]
@@ -1455,6 +1724,145 @@ async fn root_validation_refuses_bad_paths_and_capabilities() {
     assert_eq!(fx.all_mounts(), mounts_before);
     fx.delete(&id).await;
     assert!(fx.volume_loops().is_empty());
+}
+
+/// A kubelet's directory of its own for a test, with the directories a
+/// kubelet makes before it asks for a volume, and an outside folder.
+struct KubeletDirs {
+    _top: tempfile::TempDir,
+    kubelet: PathBuf,
+    outside: PathBuf,
+}
+
+impl KubeletDirs {
+    fn new() -> KubeletDirs {
+        let top = tempfile::Builder::new()
+            .prefix("example-csi-kubelet")
+            .tempdir_in("/tmp")
+            .unwrap();
+        let kubelet = top.path().join("kubelet");
+        let outside = top.path().join("outside");
+        for d in [
+            "pods/uid-1/volumes/kubernetes.io~csi/pv-1",
+            "plugins/kubernetes.io/csi/example.csi.k8s.io/hash-1",
+            "plugins_registry",
+            "pki",
+        ] {
+            std::fs::create_dir_all(kubelet.join(d)).unwrap();
+        }
+        std::fs::create_dir_all(&outside).unwrap();
+        KubeletDirs {
+            _top: top,
+            kubelet,
+            outside,
+        }
+    }
+}
+
+#[tokio::test]
+#[ignore = "needs root: loop devices and mounts"]
+async fn root_volumes_go_only_below_the_kubelet_volume_dirs_and_allowed_roots() {
+    let k = KubeletDirs::new();
+    let kubelet_flag = format!("--kubelet-dir={}", k.kubelet.display());
+    let mut fx = fixture("xfs", &[&kubelet_flag]).await;
+    let cap = mount_cap("xfs", writer());
+    let id = fx.c.create("pvc-roots", 300 * MIB, cap.clone(), &[]).await;
+    let pods = k.kubelet.join("pods");
+    let csi_dir = k.kubelet.join("plugins/kubernetes.io/csi");
+    let staging = csi_dir.join("example.csi.k8s.io/hash-1/globalmount");
+    let target = pods.join("uid-1/volumes/kubernetes.io~csi/pv-1/mount");
+    // Links a pod's author or a node's tenant could have left on the way out.
+    std::os::unix::fs::symlink(&k.outside, pods.join("escape")).unwrap();
+    std::os::unix::fs::symlink("../../outside", pods.join("relative-escape")).unwrap();
+
+    // Where the kubelet stages and publishes: served.
+    fx.stage(&id, &staging, &cap).await.unwrap();
+    fx.publish(&id, &staging, &target, &cap, false)
+        .await
+        .unwrap();
+    write_synced(&target.join("data"), b"in the kubelet's dirs");
+    fx.stats(&id, &target).await.unwrap();
+    // --allowed-path-root adds a root beside the kubelet's (the tests' own
+    // directory here).
+    let extra = fx.pool.scratch("pods").join("t");
+    fx.publish(&id, &staging, &extra, &cap, false)
+        .await
+        .unwrap();
+    fx.unpublish(&id, &extra).await.unwrap();
+
+    let roots = [pods.display().to_string(), csi_dir.display().to_string()];
+    let refused: Vec<(PathBuf, &str)> = vec![
+        (k.outside.join("t"), "outside every root"),
+        (
+            k.kubelet.join("plugins_registry/t"),
+            "the kubelet's registration dir",
+        ),
+        (k.kubelet.join("pki/t"), "the kubelet's credentials"),
+        (k.kubelet.join("t"), "the kubelet dir itself"),
+        (pods.clone(), "a root itself"),
+        (pods.join("escape/t"), "through an absolute link out"),
+        (pods.join("escape"), "an absolute link out"),
+        (
+            pods.join("relative-escape/t"),
+            "through a relative link out",
+        ),
+        (
+            pods.join("relative-escape/new/t"),
+            "below a link out, not made yet",
+        ),
+    ];
+    for (path, why) in &refused {
+        let p = path.display().to_string();
+        let check = |what: &str, r: Result<(), tonic::Status>, want: Code| {
+            let e = r.expect_err(&format!("{what} at {p} ({why})"));
+            assert_eq!(e.code(), want, "{what} at {p} ({why}): {e:?}");
+            assert!(e.message().contains(&p), "{what} ({why}): {}", e.message());
+            // A path outside every root is told which roots there are.
+            if !path.starts_with(&pods) && !path.starts_with(&csi_dir) {
+                for r in &roots {
+                    assert!(e.message().contains(r), "{what} ({why}): {}", e.message());
+                }
+            }
+        };
+        let invalid = Code::InvalidArgument;
+        check(
+            "publish",
+            fx.publish(&id, &staging, path, &cap, false).await,
+            invalid,
+        );
+        check("stage", fx.stage(&id, path, &cap).await, invalid);
+        check("unpublish", fx.unpublish(&id, path).await, invalid);
+        check("unstage", fx.unstage(&id, path).await, invalid);
+        // NodeGetVolumeStats: no volume is at a path where none is ever put.
+        check("stats", fx.stats(&id, path).await.map(drop), Code::NotFound);
+        let expand = csi::NodeExpandVolumeRequest {
+            volume_id: id.clone(),
+            volume_path: p.clone(),
+            capacity_range: Some(csi::CapacityRange {
+                required_bytes: 400 * MIB,
+                limit_bytes: 0,
+            }),
+            ..Default::default()
+        };
+        check(
+            "expand",
+            fx.c.node.node_expand_volume(expand).await.map(drop),
+            invalid,
+        );
+    }
+    // Nothing was made or mounted outside, and the volume kept its size.
+    assert_eq!(std::fs::read_dir(&k.outside).unwrap().count(), 0);
+    assert!(!k.kubelet.join("t").exists() && !k.kubelet.join("pki/t").exists());
+    assert!(mounts_below(&k.outside).is_empty());
+    assert!(
+        fs_bytes(&target) < 350 * MIB as u64,
+        "the volume did not grow"
+    );
+
+    fx.unpublish(&id, &target).await.unwrap();
+    fx.unstage(&id, &staging).await.unwrap();
+    fx.delete(&id).await;
+    assert!(mounts_below(&k.kubelet).is_empty());
 }
 
 // ---------------------------------------------------------------- concurrency
@@ -1802,7 +2210,7 @@ async fn root_node_info_and_capabilities() {
     let mut fx = fixture("xfs", &["--max-volumes-per-node=7"]).await;
     let info =
         fx.c.node
-            .node_get_info(csi::NodeGetInfoRequest {})
+            .node_get_info(csi::NodeGetInfoRequest::default())
             .await
             .unwrap()
             .into_inner();
@@ -1884,6 +2292,7 @@ async fn ephemeral_crash(point: &str, during_publish: bool) {
 }
 
 root_cases! {
+    root_crash_ephemeral_after_reserve: ephemeral_crash("ephemeral.after-reserve", true);
     root_crash_ephemeral_after_create: ephemeral_crash("ephemeral.after-create", true);
     root_crash_ephemeral_publish_after_mount: ephemeral_crash("stage.after-mount", true);
     root_crash_ephemeral_after_unstage: ephemeral_crash("ephemeral.after-unstage", false);

@@ -404,3 +404,44 @@ async fn root_the_node_process_fills_a_new_volume_from_the_controllers_template(
     assert_eq!(std::fs::read(target.join("data")).unwrap(), b"kept");
     n.unpublish_and_unstage(&id, &target, &staging).await;
 }
+
+#[test]
+#[ignore = "needs root: loop devices and mounts"]
+fn root_a_state_of_a_later_format_is_refused_at_start_and_left_as_it_is() {
+    require_root();
+    let pool = Pool::new("xfs");
+    let dir = tempfile::tempdir().unwrap();
+    let state = dir.path().join("state");
+    std::fs::create_dir_all(&state).unwrap();
+    std::fs::write(state.join("format"), "999\n").unwrap();
+    let socket = dir.path().join("csi.sock");
+    let args = [
+        format!("--endpoint=unix://{}", socket.display()),
+        "--nodeid=node-1".to_string(),
+        format!("--pool=default={}", pool.path.display()),
+        format!("--state-dir={}", state.display()),
+    ];
+    let (code, err) = run_second(&args);
+    assert_eq!(code, Some(2), "exit status; stderr: {err}");
+    let lines: Vec<&str> = err
+        .lines()
+        .filter(|l| l.starts_with("csi-driver:"))
+        .collect();
+    assert_eq!(lines.len(), 1, "one line of error: {err}");
+    assert!(
+        lines[0].contains("format 999") && lines[0].contains("later csi-driver"),
+        "{}",
+        lines[0]
+    );
+    assert!(!socket.exists(), "it made its socket");
+    let left: Vec<_> = std::fs::read_dir(&state)
+        .unwrap()
+        .flatten()
+        .map(|e| e.file_name())
+        .collect();
+    assert_eq!(left, vec![std::ffi::OsString::from("format")]);
+    assert_eq!(
+        std::fs::read_to_string(state.join("format")).unwrap(),
+        "999\n"
+    );
+}

@@ -308,6 +308,13 @@ impl Driver {
             // and the tests of a binary run at once: only a test that asks for
             // it (`--expedite-freeze`, which comes later and wins) touches it.
             "--expedite-freeze=false".to_string(),
+            // Inline ephemeral volumes are off by default; the tests that
+            // publish them use the pool, up to its size.
+            "--ephemeral-pools=default".to_string(),
+            "--ephemeral-max-size=8Gi".to_string(),
+            // The staging and target paths of the tests are in their own
+            // directory, not the kubelet's.
+            format!("--allowed-path-root={}", pool.dir.path().display()),
         ];
         args.extend(extra.iter().map(|s| s.to_string()));
         let mut d = Driver {
@@ -837,4 +844,29 @@ pub fn loop_settings(dev: &str) -> (String, String) {
             .to_string()
     };
     (read("loop/dio"), read("queue/read_ahead_kb"))
+}
+
+/// The mode a socket the driver binds gets: 0660, less what the umask (which
+/// the driver inherits from the test) takes away.
+pub fn socket_mode() -> u32 {
+    let status = std::fs::read_to_string("/proc/self/status").unwrap();
+    let umask = status
+        .lines()
+        .find_map(|l| l.strip_prefix("Umask:"))
+        .and_then(|v| u32::from_str_radix(v.trim(), 8).ok())
+        .expect("Umask in /proc/self/status");
+    0o660 & !umask
+}
+
+/// GET /metrics on a driver's --metrics-address: the whole answer.
+pub fn scrape(port: u16) -> String {
+    use std::io::{Read, Write};
+    let mut conn = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+    conn.set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    conn.write_all(b"GET /metrics HTTP/1.0\r\n\r\n").unwrap();
+    let mut answer = String::new();
+    conn.read_to_string(&mut answer).unwrap();
+    assert!(answer.starts_with("HTTP/1.0 200"), "{answer}");
+    answer
 }
