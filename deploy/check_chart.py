@@ -3,17 +3,24 @@
 
 Usage:
   check_chart.py [--helm PATH] [--rendered NAME=FILE ...] [--out DIR] [-v]
-      For each flavor (central, central-attach, distributed), alone and with
-      the builtin-sidecars component, render the chart with `helm template`
-      (values: flavor=<flavor>, builtinSidecars=true|false) and compare it
-      with the overlay rendered by kustomize (--rendered NAME=FILE, as
-      validate.sh passes them, NAME being the overlay or overlay+component;
-      rendered here when not given). Every object of the overlay must be
+      For each flavor (central, central-attach, distributed, cluster), alone
+      and with each component of deploy/components/ it takes (builtin-sidecars
+      and inline-ephemeral for every flavor; snapshot-metadata for the central
+      flavors), render the chart with `helm template` (values:
+      flavor=<flavor>, and builtinSidecars=true, the inlineEphemeral values or
+      snapshotMetadata.enabled=true with the chart's CRDs for the components)
+      and compare it with the overlay rendered by kustomize (--rendered
+      NAME=FILE, as validate.sh passes them, NAME being the overlay or
+      overlay+component; rendered here when not given). The TLS material of
+      snapshot-metadata is made anew by each side: it is compared as
+      consistent (the SnapshotMetadataService names the secret's CA), not
+      as equal. Every object of the overlay must be
       rendered by the chart, field for field, and the chart must render
       nothing else but the example StorageClass and VolumeSnapshotClass of
-      deploy/examples/, equal to those files. Also: the chart's version and
-      appVersion are the crate version; `helm lint --strict` passes for
-      every flavor; values.schema.json rejects bad values with a clear
+      deploy/examples/, equal to those files; without values, the chart
+      renders the cluster overlay (the default flavor). Also: the chart's
+      version and appVersion are the crate version; `helm lint --strict`
+      passes for every flavor; values.schema.json rejects bad values with a clear
       message; the optional objects (ServiceMonitor, snapshot classes)
       appear only where their API exists; non-default values reach the
       objects they are for; and the comparison itself finds a changed
@@ -26,8 +33,10 @@ Exit status: 0 when every check passed, 1 otherwise, 2 on a usage error.
 
 import argparse
 import copy
+import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -48,14 +57,18 @@ KUBE_VERSION = "1.35.0"
 SNAPSHOT_API = "snapshot.storage.k8s.io/v1/VolumeSnapshotClass"
 GROUP_SNAPSHOT_API = "groupsnapshot.storage.k8s.io/v1/VolumeGroupSnapshotClass"
 MONITORING_API = "monitoring.coreos.com/v1/ServiceMonitor"
+# The flavor a chart installed without values renders (README.md and
+# deploy/README.md say so).
+DEFAULT_FLAVOR = "cluster"
 
 # Labels Helm charts put on their objects; the overlays do not have them.
 HELM_LABELS = {"helm.sh/chart", "app.kubernetes.io/managed-by", "app.kubernetes.io/instance",
                "app.kubernetes.io/version"}
-# Lists whose items Kubernetes identifies by name and whose order carries no
-# meaning: compared as maps by name (a container that a kustomize patch adds
-# lands first in the list). env and volumeMounts are compared in order: a
-# variable may refer to an earlier one, and a mount may lie inside another.
+# Lists whose items Kubernetes identifies by name (or by port) and whose
+# order carries no meaning: compared as maps by name (a container that a
+# kustomize patch adds lands first in the list). env and volumeMounts are
+# compared in order: a variable may refer to an earlier one, and a mount may
+# lie inside another.
 KEYED_LISTS = {"containers", "initContainers", "volumes", "ports"}
 # The chart does not own the namespace (it goes into the release's).
 OVERLAY_ONLY_KINDS = {"Namespace"}
@@ -94,10 +107,11 @@ def values_args(values):
     return out
 
 
-def helm_template(helm, values=None, api_versions=(), values_file=None):
-    """(returncode, stdout, stderr) of helm template with these values."""
+def helm_template(helm, values=None, api_versions=(), values_file=None, crds=False):
+    """(returncode, stdout, stderr) of helm template with these values (and
+    the chart's crds/ with crds)."""
     cmd = [helm, "template", RELEASE, str(CHART), "--namespace", NAMESPACE,
-           "--kube-version", KUBE_VERSION]
+           "--kube-version", KUBE_VERSION] + (["--include-crds"] if crds else [])
     for a in api_versions:
         cmd += ["--api-versions", a]
     if values_file:
@@ -128,8 +142,8 @@ def render_notes(helm, values, api_versions=()):
     return yaml.safe_load(out.stdout)["data"]["notes"]
 
 
-def render_chart(helm, values=None, api_versions=(), values_file=None):
-    rc, out, err = helm_template(helm, values, api_versions, values_file)
+def render_chart(helm, values=None, api_versions=(), values_file=None, crds=False):
+    rc, out, err = helm_template(helm, values, api_versions, values_file, crds)
     if rc != 0:
         raise RuntimeError(f"helm template {values or ''} failed: {err.strip()}")
     return out, [d for d in yaml.safe_load_all(out) if d]
@@ -147,6 +161,14 @@ def show(k):
     return f"{kind}/{ns + '/' if ns else ''}{name}"
 
 
+def list_key(item):
+    """What names an item of a keyed list: its name, or a port (a container's
+    or a NetworkPolicy's) by number and protocol."""
+    if "name" in item:
+        return item["name"]
+    return f"{item.get('containerPort', item.get('port'))}/{item.get('protocol', 'TCP')}"
+
+
 def normalize(o, problems, path="", parent=None):
     """A copy of o with Helm's labels dropped and the keyed lists as maps by name."""
     if isinstance(o, dict):
@@ -160,7 +182,7 @@ def normalize(o, problems, path="", parent=None):
         if parent in KEYED_LISTS and all(isinstance(i, dict) for i in o):
             byname = {}
             for i in o:
-                n = i.get("name", i.get("containerPort"))
+                n = list_key(i)
                 if n in byname:
                     problems.append(f"{path}: {n} appears twice")
                 byname[n] = normalize(i, problems, f"{path}[{n}]", None)
@@ -218,9 +240,43 @@ def expected_objects(overlay_docs, examples):
     return exp
 
 
+# The TLS material of snapshot-metadata, made anew by each rendering:
+# (kind, name, path to the value).
+TLS_SECRET = "example-csi-snapshot-metadata-tls"
+TLS_FIELDS = [("Secret", TLS_SECRET, ("data", "ca.crt")), ("Secret", TLS_SECRET, ("data", "tls.crt")),
+              ("Secret", TLS_SECRET, ("data", "tls.key")),
+              ("SnapshotMetadataService", cm.DRIVER_NAME, ("spec", "caCert"))]
+
+
+def without_tls(docs):
+    """The documents with the TLS material replaced by a mark, and the
+    problems of that material: each field there, and the CA the
+    SnapshotMetadataService gives clients the one of the secret."""
+    out, problems, found = [], [], {}
+    for d in docs:
+        d = copy.deepcopy(d)
+        for kind, name, path in TLS_FIELDS:
+            if d.get("kind") == kind and d["metadata"].get("name") == name:
+                parent = d
+                for p in path[:-1]:
+                    parent = parent.get(p) or {}
+                value = parent.get(path[-1])
+                found[(kind, path)] = "".join(str(value or "").split())
+                if not found[(kind, path)]:
+                    problems.append(f"{kind}/{name}: no {'.'.join(path)}")
+                parent[path[-1]] = "<made by each rendering>"
+        out.append(d)
+    if found and found.get(("Secret", ("data", "ca.crt"))) != found.get(("SnapshotMetadataService", ("spec", "caCert"))):
+        problems.append(f"SnapshotMetadataService/{cm.DRIVER_NAME}: spec.caCert is not the CA of Secret {TLS_SECRET}")
+    return out, problems
+
+
 def compare(chart_docs, expected):
     """Every difference between the chart's objects and the expected ones, one a line."""
-    problems = []
+    chart_docs, problems = without_tls(chart_docs)
+    expected_docs, expected_problems = without_tls(expected.values())
+    expected = {key(d): d for d in expected_docs}
+    problems += [f"(overlay) {p}" for p in expected_problems]
     chart = {}
     for d in chart_docs:
         if key(d) in chart:
@@ -251,6 +307,14 @@ def check_versions(r, crate=None):
                    f"Chart.yaml appVersion {chart.get('appVersion')} is the crate version {crate}") and ok
 
 
+# The chart's values that stand for each component of deploy/components/.
+COMPONENT_VALUES = {
+    "builtin-sidecars": {"builtinSidecars": True},
+    "inline-ephemeral": {"inlineEphemeral": {"pools": ["default"], "maxSize": "1Gi"}},
+    "snapshot-metadata": {"snapshotMetadata": {"enabled": True}},
+}
+
+
 def check_lint(helm, r):
     for flavor in cm.OVERLAYS:
         for builtin in (False, True):
@@ -266,10 +330,11 @@ def check_drift(helm, overlays, examples, r, out_dir):
     """The chart against each overlay, alone and with each component."""
     renderings = {}
     for flavor in cm.OVERLAYS:
-        for comp in [None] + cm.COMPONENTS:
+        for comp in [None] + [c for c in cm.COMPONENTS if flavor in cm.COMPONENT_OVERLAYS[c]]:
             name = f"{flavor}+{comp}" if comp else flavor
-            values = {"flavor": flavor, "builtinSidecars": comp == "builtin-sidecars"}
-            text, docs = render_chart(helm, values, api_versions=[SNAPSHOT_API])
+            values = {"flavor": flavor, **COMPONENT_VALUES.get(comp, {})}
+            text, docs = render_chart(helm, values, api_versions=[SNAPSHOT_API],
+                                      crds=comp == "snapshot-metadata")
             renderings[name] = docs
             if out_dir:
                 (Path(out_dir) / f"chart-{name}.yaml").write_text(text)
@@ -278,6 +343,10 @@ def check_drift(helm, overlays, examples, r, out_dir):
                 r.fail(f"chart with {values} != overlay {name} + examples: {p}")
             r.check(not problems, f"chart with {values} renders overlay {name} and the example classes, "
                     f"{len(docs)} objects, field for field")
+    _, docs = render_chart(helm, api_versions=[SNAPSHOT_API])
+    problems = compare(docs, expected_objects(overlays[DEFAULT_FLAVOR], examples))
+    r.check(not problems, f"the chart without values renders overlay {DEFAULT_FLAVOR}, the default flavor",
+            "; ".join(problems[:5]))
     return renderings
 
 
@@ -339,6 +408,14 @@ def check_self_test(renderings, r):
         spec["volumes"].reverse()
     r.check(not mutated(reordered), "self-test: the order of containers and volumes is not a difference")
 
+    # NetworkPolicy ports have no names: they are keyed by port and protocol.
+    cluster = copy.deepcopy(renderings["cluster"])
+    find(cluster, "NetworkPolicy", "example-csi-agent")["spec"]["ingress"][0]["ports"][0]["port"] = 9821
+    found = compare(cluster, {key(d): d for d in renderings["cluster"]})
+    r.check(any("9820/TCP: missing in the chart" in f for f in found)
+            and any("9821/TCP: only in the chart" in f for f in found),
+            "self-test: a changed NetworkPolicy port is reported", "; ".join(found) or "not found")
+
     def env_order(m):
         container(m, "csi-driver")["env"].reverse()
     found = mutated(env_order)
@@ -374,6 +451,10 @@ CUSTOM_VALUES = {
 }
 
 
+ROUTER_VALUES = {"replicas": 2, "resources": {"requests": {"cpu": "20m", "memory": "24Mi"},
+                                              "limits": {"cpu": "500m", "memory": "96Mi"}}}
+
+
 def custom_values_file(tmp, flavor, builtin):
     values = copy.deepcopy(CUSTOM_VALUES)
     values["flavor"] = flavor
@@ -382,6 +463,8 @@ def custom_values_file(tmp, flavor, builtin):
         values["controller"] = {"priorityClassName": "",
                                 "resources": {"requests": {"cpu": "10m", "memory": "32Mi"},
                                               "limits": {"cpu": "1", "memory": "256Mi"}}}
+    if flavor == "cluster":
+        values["router"] = ROUTER_VALUES
     path = Path(tmp) / f"custom-{flavor}-{builtin}.yaml"
     path.write_text(yaml.safe_dump(values))
     return path
@@ -413,15 +496,16 @@ def check_custom_rendering(name, flavor, docs, r):
         flags, _ = cm.flag_values(drv)
         mode = cm.flag(drv, "--mode")
         resizer = d["metadata"]["name"] == "example-csi-resizer"
+        router = mode == "router"
         serves_controller = mode in ("controller", "all")
         serves_node = mode in ("node", "all") and not resizer
         r.check(cm.flag(drv, "--log-level") == "debug" and cm.flag(drv, "--log-format") == "text",
                 f"{w}: the driver logs at debug, as text")
         r.check(drv["imagePullPolicy"] == "Always", f"{w}: the driver's pull policy is Always")
         r.check(spec.get("imagePullSecrets") == [{"name": "regcred"}], f"{w}: pulls with the secret regcred")
-        r.check((flags.get("--mutable-parameters") == ["directIO"]) == serves_controller,
-                f"{w}: --mutable-parameters=directIO exactly where the driver serves the controller ({mode})",
-                str(flags.get("--mutable-parameters")))
+        r.check((flags.get("--mutable-parameters") == ["directIO"]) == (serves_controller or router),
+                f"{w}: --mutable-parameters=directIO exactly where the driver serves the controller "
+                f"or routes it ({mode})", str(flags.get("--mutable-parameters")))
         r.check((flags.get("--max-volumes-per-node") == ["16"]) == serves_node,
                 f"{w}: --max-volumes-per-node=16 exactly where the driver serves the node ({mode})",
                 str(flags.get("--max-volumes-per-node")))
@@ -431,7 +515,9 @@ def check_custom_rendering(name, flavor, docs, r):
         for c in spec["containers"]:
             if c is not drv and c["name"] != "liveness-probe":
                 r.check(cm.flag(c, "--v") == "5", f"{w}/{c['name']}: sidecar --v=5")
-        if resizer:
+        if router:
+            check_custom_router(w, d, spec, drv, r)
+        if resizer or router:
             continue
         r.check(flags.get("--pool") == ["fast=/mnt/nvme/example-csi", "default=/srv/pool"]
                 and cm.flag(drv, "--state-dir") == "/srv/example-csi/state"
@@ -453,8 +539,23 @@ def check_custom_rendering(name, flavor, docs, r):
             r.check(spec.get("nodeSelector") == {"example-csi/storage": "yes"}
                     and drv["resources"]["limits"] == {"cpu": "2", "memory": "1Gi"},
                     f"{w}: the node values' nodeSelector and driver resources")
+            if flavor == "cluster":
+                agent = cm.flag(drv, "--agent-listen")
+                r.check(agent == "0.0.0.0:9820"
+                        and {"name": "agent", "containerPort": 9820, "protocol": "TCP"} in drv["ports"],
+                        f"{w}: the driver is the node's agent on port 9820", str(agent))
         elif flavor != "distributed":
             r.check("priorityClassName" not in spec, f"{w}: no priorityClassName when the value is empty")
+    if flavor == "cluster":
+        policy = next((d for d in docs if d["kind"] == "NetworkPolicy"
+                       and d["metadata"]["name"] == "example-csi-agent"), None)
+        ports = [p["port"] for rule in (policy or {}).get("spec", {}).get("ingress", [])
+                 for p in rule.get("ports") or []]
+        peers = [sel.get("podSelector", {}).get("matchLabels", {}).get("app.kubernetes.io/component")
+                 for rule in (policy or {}).get("spec", {}).get("ingress", []) for sel in rule.get("from") or []]
+        r.check(ports == [9820] and sorted(peers) == ["controller", "node"],
+                f"{name}: the agent NetworkPolicy lets the controller and node pods in on the agent port "
+                f"alone (the metrics port stays as example-csi-metrics keeps it)", f"{ports} from {peers}")
     classes = [d for d in docs if d["kind"] == "StorageClass"]
     want = {"apiVersion": "storage.k8s.io/v1", "kind": "StorageClass", "provisioner": cm.DRIVER_NAME,
             "parameters": {"type": "fast", "kind": "dir"}, "reclaimPolicy": "Retain",
@@ -468,6 +569,19 @@ def check_custom_rendering(name, flavor, docs, r):
             f"{name}: no VolumeSnapshotClass without the snapshot API")
 
 
+def check_custom_router(w, d, spec, drv, r):
+    """The router's own values reach it; it holds no volumes and no host path."""
+    r.check(d["spec"]["replicas"] == ROUTER_VALUES["replicas"]
+            and drv["resources"] == ROUTER_VALUES["resources"],
+            f"{w}: the router values' replicas and resources", f"{d['spec']['replicas']} {drv['resources']}")
+    flags, _ = cm.flag_values(drv)
+    r.check(not {"--pool", "--state-dir", "--nodeid", "--metrics-address", "--max-volumes-per-node",
+                 "--expedite-freeze"} & set(flags),
+            f"{w}: the router gets no pool, state, node or metrics flags", str(sorted(flags)))
+    host = [v["name"] for v in spec["volumes"] if "hostPath" in v]
+    r.check(not host, f"{w}: the router mounts no host path", str(host))
+
+
 def check_optional(helm, r):
     """Objects that depend on an API of the cluster."""
     _, docs = render_chart(helm, {"metrics": {"port": 9810, "serviceMonitor": {"enabled": True}}})
@@ -479,6 +593,8 @@ def check_optional(helm, r):
     notes = render_notes(helm, {"metrics": {"port": 9810, "serviceMonitor": {"enabled": True}}},
                          api_versions=[SNAPSHOT_API, MONITORING_API])
     r.check("NOTE:" not in notes, "NOTES.txt says nothing was left out where the APIs exist", notes)
+    r.check("the Secret example-csi-mesh " in notes and "example-csi-mesh-node" in notes,
+            "NOTES.txt of the cluster flavor names the mesh Secrets", notes)
     _, docs = render_chart(helm, {"metrics": {"port": 9810, "serviceMonitor": {
         "enabled": True, "interval": "15s", "labels": {"release": "prom"}}}},
         api_versions=[MONITORING_API])
@@ -507,6 +623,39 @@ def check_optional(helm, r):
             "with the snapshot APIs: the VolumeSnapshotClass and the VolumeGroupSnapshotClass", str(kinds))
 
 
+def check_kubelet_dir(helm, r):
+    """Another kubelet root: the node's driver stages and publishes below it,
+    and mounts it."""
+    for flavor in ("cluster", "distributed", "central", "central-attach"):
+        _, docs = render_chart(helm, {"flavor": flavor, "kubeletDir": "/srv/kubelet"})
+        node = [spec for d, spec in cm.pod_workloads(docs) if d["metadata"]["name"] == "example-csi-node"]
+        drv = next((c for spec in node for c in spec["containers"] if c["name"] == "csi-driver"), None)
+        if not r.check(drv is not None, f"{flavor}: a node DaemonSet with the driver"):
+            continue
+        mounts = sorted(m["mountPath"] for m in drv["volumeMounts"] if m["mountPath"].startswith("/srv/kubelet"))
+        r.check(cm.flag(drv, "--kubelet-dir") == "/srv/kubelet"
+                and mounts == ["/srv/kubelet/plugins", "/srv/kubelet/pods"],
+                f"{flavor}: with kubeletDir /srv/kubelet the node's driver gets --kubelet-dir=/srv/kubelet "
+                f"and mounts its pods and plugins directories there",
+                f"{cm.flag(drv, '--kubelet-dir')} {mounts}")
+
+
+def check_digests(helm, r):
+    """Images pinned by digest: each image value's digest is rendered after its tag."""
+    sidecars = ["provisioner", "attacher", "snapshotter", "resizer", "nodeDriverRegistrar", "livenessProbe",
+                "snapshotMetadata"]
+    digest = {n: "sha256:" + hashlib.sha256(n.encode()).hexdigest() for n in sidecars + ["driver"]}
+    values = {"driver": {"image": {"digest": digest["driver"]}},
+              "sidecars": {n: {"image": {"digest": digest[n]}} for n in sidecars}}
+    for flavor in ("cluster", "distributed", "central-attach"):
+        _, docs = render_chart(helm, dict(values, flavor=flavor))
+        images = sorted({c["image"] for _, spec in cm.pod_workloads(docs) for c in spec["containers"]})
+        r.check(images and all(re.fullmatch(r"[^:@]+(:[0-9]+)?[^:@]*:[A-Za-z0-9_.-]+@sha256:[0-9a-f]{64}", i)
+                               and i.split("@")[1] in digest.values() for i in images),
+                f"{flavor}: with a digest in every image value, every container runs repository:tag@digest",
+                str(images))
+
+
 # Bad values, and what the error must say (all of it, case-insensitive).
 REJECTED = [
     ("an unknown flavor", {"flavor": "centralized"}, ["/flavor", "distributed"]),
@@ -525,6 +674,9 @@ REJECTED = [
      ['kubeletDir "/var/lib/kubelet/" must be']),
     ("an image tag latest", {"sidecars": {"provisioner": {"image": {"tag": "latest"}}}},
      ["/sidecars/provisioner/image/tag"]),
+    ("an image digest that is not sha256 of 64 hex digits",
+     {"sidecars": {"provisioner": {"image": {"digest": "sha256:abc"}}}},
+     ["/sidecars/provisioner/image/digest"]),
     ("an unknown value (a typo)", {"flavour": "central"}, ["flavour"]),
     ("an unknown log format", {"driver": {"logFormat": "xml"}}, ["/driver/logFormat"]),
     ("an unknown mutable parameter", {"driver": {"mutableParameters": ["iops"]}},
@@ -532,12 +684,19 @@ REJECTED = [
     ("a negative max volumes per node", {"driver": {"maxVolumesPerNode": -1}}, ["/driver/maxVolumesPerNode"]),
     ("expediteFreeze not a boolean", {"driver": {"expediteFreeze": "yes"}}, ["/driver/expediteFreeze"]),
     ("a metrics port a sidecar uses", {"metrics": {"port": 9898}}, ["/metrics/port"]),
+    ("the node agent's port as the metrics port", {"metrics": {"port": 9820}}, ["/metrics/port"]),
+    ("no router replica", {"router": {"replicas": 0}}, ["/router/replicas"]),
     ("a pool name given twice", {"pools": [{"name": "a", "path": "/a"}, {"name": "a", "path": "/b"}]},
      ['the name "a" is given twice']),
     ("a pool on the data directory", {"pools": [{"name": "a", "path": "/var/lib/example-csi"}]},
      ["the path /var/lib/example-csi is already"]),
     ("a StorageClass on an unknown pool", {"storageClasses": [{"name": "x", "pool": "nvme"}]},
      ['names pool "nvme", which is not in pools (default, ssd)']),
+    ("snapshot metadata in the distributed flavor",
+     {"flavor": "distributed", "snapshotMetadata": {"enabled": True}},
+     ["snapshotMetadata.enabled needs a central flavor"]),
+    ("a certificate valid for no day", {"snapshotMetadata": {"certificateDays": 0}},
+     ["/snapshotMetadata/certificateDays"]),
 ]
 
 
@@ -570,7 +729,7 @@ def main():
             overlays[n] = cm.load_file(f)
         kustomize = None
         for o in cm.OVERLAYS:
-            for comp in [None] + cm.COMPONENTS:
+            for comp in [None] + [c for c in cm.COMPONENTS if o in cm.COMPONENT_OVERLAYS[c]]:
                 name = f"{o}+{comp}" if comp else o
                 if name not in overlays:
                     kustomize = kustomize or cm.find_kustomize()
@@ -593,7 +752,8 @@ def main():
         r.section("helm lint --strict", "every flavor, with and without builtinSidecars")
         check_lint(helm, r)
         r.section("chart = overlays",
-                  "helm template with flavor=<overlay> (and builtinSidecars=true for +builtin-sidecars) "
+                  "helm template with flavor=<overlay> (and builtinSidecars=true for +builtin-sidecars, "
+                  "snapshotMetadata.enabled=true and the chart's CRDs for +snapshot-metadata) "
                   "renders every object of `kustomize build` of the overlay but its Namespace, and the "
                   "example StorageClass and VolumeSnapshotClass, field for field",
                   "ignored: Helm's own labels; the order of containers, volumes and ports")
@@ -605,6 +765,10 @@ def main():
         check_custom(helm, r, args.out)
         r.section("optional objects", "ServiceMonitor and snapshot classes only where their API exists")
         check_optional(helm, r)
+        r.section("kubeletDir", "another kubelet root reaches the node driver's flag and mounts")
+        check_kubelet_dir(helm, r)
+        r.section("image digests", "an image value's digest is rendered as repository:tag@digest")
+        check_digests(helm, r)
         r.section("values.schema.json and the chart's own checks reject bad values, saying where")
         check_rejections(helm, r)
     except RuntimeError as e:

@@ -38,9 +38,13 @@ import yaml
 
 DEPLOY = Path(__file__).resolve().parent
 REPO = DEPLOY.parent
-OVERLAYS = ["central", "central-attach", "distributed"]
-# Components an operator may add to any overlay; each overlay is checked with each.
-COMPONENTS = ["builtin-sidecars"]
+OVERLAYS = ["central", "central-attach", "distributed", "cluster"]
+# Components an operator may add to an overlay, with the overlays each is for;
+# each of those overlays is checked with each.
+COMPONENTS = ["builtin-sidecars", "inline-ephemeral", "snapshot-metadata"]
+COMPONENT_OVERLAYS = {"builtin-sidecars": OVERLAYS, "inline-ephemeral": OVERLAYS,
+                      # one service address cannot reach every node's snapshots
+                      "snapshot-metadata": ["central", "central-attach"]}
 DRIVER_NAME = "example.csi.k8s.io"
 DRIVER_IMAGE_REPO = "example-csi/csi-driver"
 DRIVER_CONTAINER = "csi-driver"
@@ -55,6 +59,7 @@ CRD_SCHEMAS = {
     ("snapshot.storage.k8s.io/v1", "VolumeSnapshot"): "volumesnapshot-snapshot-v1.json",
     ("groupsnapshot.storage.k8s.io/v1", "VolumeGroupSnapshotClass"): "volumegroupsnapshotclass-groupsnapshot-v1.json",
     ("groupsnapshot.storage.k8s.io/v1", "VolumeGroupSnapshot"): "volumegroupsnapshot-groupsnapshot-v1.json",
+    ("cbt.storage.k8s.io/v1beta1", "SnapshotMetadataService"): "snapshotmetadataservice-cbt-v1beta1.json",
 }
 # Kinds knowingly not validated against any schema, with the reason.
 # Empty: every kind the manifests use has a schema.
@@ -139,6 +144,13 @@ def find_kustomize():
 def render(overlay, kustomize, component=None):
     """The overlay rendered, alone or with a component (through a kustomization
     made for the purpose, which names both by relative path as kustomize requires)."""
+    if component == "snapshot-metadata":
+        # Its TLS material is made once by the component's script, not kept
+        # in git; a fresh clone has none yet.
+        made = subprocess.run([str(DEPLOY / "components" / component / "make-certs.sh")],
+                              capture_output=True, text=True)
+        if made.returncode != 0:
+            raise RuntimeError(f"make-certs.sh failed: {made.stderr.strip()}")
     with tempfile.TemporaryDirectory() as tmp:
         target = DEPLOY / "overlays" / overlay
         if component:
@@ -366,10 +378,16 @@ def check_images(name, docs, crate_version, r, seen_tags):
         for c in containers(spec):
             cn = f"{wname(d)}/{c['name']}"
             image = c.get("image", "")
-            repo, _, tag = image.rpartition(":")
+            # repository:tag, or repository:tag@digest where an operator pins
+            # digests (the tag stays: it names the version the checks compare).
+            ref, _, digest = image.partition("@")
+            repo, _, tag = ref.rpartition(":")
             if "/" in tag or not repo:
-                repo, tag = image, ""
-            if not r.check(bool(tag) and tag != "latest" and "@" not in tag,
+                repo, tag = ref, ""
+            if digest or name.endswith("+digests"):
+                r.check(re.fullmatch(r"sha256:[0-9a-f]{64}", digest) is not None,
+                        f"{name}: {cn} image {image} pinned by a sha256 digest beside its tag")
+            if not r.check(bool(tag) and tag != "latest",
                            f"{name}: {cn} image {image} pinned to a version"):
                 continue
             if is_driver(c):
@@ -419,7 +437,7 @@ def check_pods(name, docs, r):
                 and csidriver is not None and csidriver["metadata"]["name"] == DRIVER_NAME,
                 f"{name}: {w} driver name {DRIVER_NAME} matches the CSIDriver object")
         mode = flag(drv, "--mode", "all")
-        allowed = {"DaemonSet": {"node", "all"}, "Deployment": {"controller", "all"},
+        allowed = {"DaemonSet": {"node", "all"}, "Deployment": {"controller", "all", "router"},
                    "StatefulSet": {"controller", "all"}}.get(d["kind"], {"all"})
         r.check(mode in allowed, f"{name}: {w} driver --mode={mode} fits a {d['kind']}")
         for c in cs:
@@ -543,13 +561,20 @@ def check_overlay_flags(name, docs, r):
     if not r.check(csidriver is not None, f"{name}: has the CSIDriver object"):
         return
     s = csidriver["spec"]
-    r.check(s.get("podInfoOnMount") is True and s.get("fsGroupPolicy") == "File"
-            and sorted(s.get("volumeLifecycleModes") or []) == ["Ephemeral", "Persistent"]
-            and s.get("requiresRepublish") is False,
-            f"{name}: CSIDriver has podInfoOnMount, fsGroupPolicy File, Persistent+Ephemeral, "
-            "requiresRepublish false")
     all_c = [(d, c) for d, spec in pod_workloads(docs) for c in containers(spec)]
     drivers = [c for _, c in all_c if is_driver(c)]
+    # Inline ephemeral volumes are on exactly where the node plugin is given
+    # pools for them.
+    inline = any(e.get("name") == "CSI_EPHEMERAL_POOLS" and e.get("value")
+                 for c in drivers for e in c.get("env") or [])
+    modes = ["Ephemeral", "Persistent"] if inline else ["Persistent"]
+    r.check(s.get("podInfoOnMount") is True and s.get("fsGroupPolicy") == "File"
+            and sorted(s.get("volumeLifecycleModes") or []) == modes
+            and s.get("requiresRepublish") is False and s.get("seLinuxMount") is True
+            and "nodeAllocatableUpdatePeriodSeconds" not in s,
+            f"{name}: CSIDriver has podInfoOnMount, fsGroupPolicy File, {'+'.join(modes)} "
+            "(Ephemeral only with CSI_EPHEMERAL_POOLS), requiresRepublish false, seLinuxMount true, "
+            "no nodeAllocatableUpdatePeriodSeconds")
     images = [c.get("image", "") for _, c in all_c]
     attach = any("--enable-attach" in flag_values(c)[0] for c in drivers)
     attacher = any(SIDECAR_REGISTRY + "csi-attacher:" in i for i in images)
@@ -601,6 +626,45 @@ def allows(rules, group, resource, verb):
                and verb in r.get("verbs", []) for r in rules)
 
 
+MESH_SECRETS = ["example-csi-mesh", "example-csi-mesh-node"]
+
+
+def mesh_secret_rule(role, rule):
+    """The one grant on Secrets: the router's namespaced Role may read the
+    mesh authorities' Secrets by their names, and create Secrets (a create
+    cannot be limited to a name) in its own namespace; nothing else."""
+    if role["kind"] != "Role" or rule.get("resources") != ["secrets"]:
+        return False
+    verbs = rule.get("verbs", [])
+    named = rule.get("resourceNames") == MESH_SECRETS and verbs == ["get"]
+    create = verbs == ["create"] and not rule.get("resourceNames")
+    return named or create
+
+
+def node_pv_policy(docs, user):
+    """Whether a ValidatingAdmissionPolicy bound with Deny holds `user` (a
+    ServiceAccount on every node) to PVs of this driver on the node its token
+    names: it matches PV creates and updates by that user alone, and judges
+    the driver, the node affinity and the token's node."""
+    bound = {b["spec"].get("policyName") for b in docs if b["kind"] == "ValidatingAdmissionPolicyBinding"
+             and "Deny" in (b["spec"].get("validationActions") or [])}
+    for p in docs:
+        if p["kind"] != "ValidatingAdmissionPolicy" or p["metadata"]["name"] not in bound:
+            continue
+        spec = p["spec"]
+        rules = (spec.get("matchConstraints") or {}).get("resourceRules") or []
+        pv = any("persistentvolumes" in rule.get("resources", []) and {"CREATE", "UPDATE"} <= set(rule.get("operations", []))
+                 for rule in rules)
+        conditions = " ".join(c["expression"] for c in spec.get("matchConditions") or [])
+        judged = " ".join([v["expression"] for v in spec.get("variables") or []]
+                          + [v["expression"] for v in spec.get("validations") or []])
+        if (pv and f"'{user}'" in conditions and spec.get("failurePolicy") == "Fail"
+                and "authentication.kubernetes.io/node-name" in judged and f"'{DRIVER_NAME}'" in judged
+                and "topology.example.csi/node" in judged and "hostPath" in judged):
+            return True
+    return False
+
+
 def check_rbac(name, docs, r):
     names = {(d["kind"], d["metadata"].get("namespace"), d["metadata"]["name"]) for d in docs}
     for b in docs:
@@ -622,6 +686,8 @@ def check_rbac(name, docs, r):
                    if x == "*"]
             r.check(not bad, f"{name}: {d['kind']}/{d['metadata']['name']} has no wildcard in "
                     f"{rule.get('resources')}")
+            if "secrets" in rule.get("resources", []) and mesh_secret_rule(d, rule):
+                continue
             r.check("secrets" not in rule.get("resources", []),
                     f"{name}: {d['kind']}/{d['metadata']['name']} grants nothing on secrets "
                     f"({rule.get('resources')})")
@@ -640,6 +706,11 @@ def check_rbac(name, docs, r):
         "csi-attacher": [("storage.k8s.io", "volumeattachments", "patch"),
                          ("storage.k8s.io", "volumeattachments/status", "patch"),
                          ("", "persistentvolumes", "patch"), ("storage.k8s.io", "csinodes", "get")],
+        "csi-snapshot-metadata": [("cbt.storage.k8s.io", "snapshotmetadataservices", "get"),
+                                  ("authentication.k8s.io", "tokenreviews", "create"),
+                                  ("authorization.k8s.io", "subjectaccessreviews", "create"),
+                                  ("snapshot.storage.k8s.io", "volumesnapshots", "get"),
+                                  ("snapshot.storage.k8s.io", "volumesnapshotcontents", "get")],
     }
     group_needs = [("groupsnapshot.storage.k8s.io", "volumegroupsnapshotcontents", "patch"),
                    ("groupsnapshot.storage.k8s.io", "volumegroupsnapshotcontents/status", "update"),
@@ -679,6 +750,18 @@ def check_rbac(name, docs, r):
                     if d["kind"] == "Deployment" and level >= 2:
                         r.check(allows(local, "apps", "replicasets", "get"),
                                 f"{name}: {w}/{c['name']} may get its ReplicaSet to find the Deployment owning its capacity objects")
+        # The controller's mesh authority signs the controller's role: a
+        # node pod that had it would let root on that node act as the
+        # controller towards every other node.
+        secrets = {v.get("secret", {}).get("secretName") for v in spec.get("volumes") or []}
+        if d["kind"] == "DaemonSet":
+            r.check(MESH_SECRETS[0] not in secrets,
+                    f"{name}: {w} does not mount the controller's mesh Secret {MESH_SECRETS[0]}")
+        if d["kind"] == "DaemonSet" and allows(cluster, "", "persistentvolumes", "create"):
+            r.check(node_pv_policy(docs, f"system:serviceaccount:{ns}:{sa}"),
+                    f"{name}: {w} may create PersistentVolumes on every node: a ValidatingAdmissionPolicy, "
+                    f"bound with Deny, limits {ns}/{sa} to PVs of {DRIVER_NAME} pinned to the node its "
+                    f"token names")
         if not api_users:
             r.check(not cluster and not local,
                     f"{name}: {w} (no sidecar that uses the API) has no RBAC rules")
@@ -880,7 +963,8 @@ def main():
             for o in OVERLAYS:
                 rendered[o] = render(o, kustomize)
                 for comp in COMPONENTS:
-                    rendered[f"{o}+{comp}"] = render(o, kustomize, comp)
+                    if o in COMPONENT_OVERLAYS[comp]:
+                        rendered[f"{o}+{comp}"] = render(o, kustomize, comp)
     except (OSError, RuntimeError, yaml.YAMLError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -928,7 +1012,9 @@ def main():
     each_overlay(check_security, r)
 
     r.section("images",
-              "every image pinned to a version (no latest, no missing tag)",
+              "every image pinned to a version (no latest, no missing tag), and where it names a "
+              "digest (every image of a +digests rendering: an operator's kustomize images: block), "
+              "tag@sha256:<64 hex>",
               f"the driver's image is {DRIVER_IMAGE_REPO}:v{version} (version of Cargo.toml)",
               f"sidecars from {SIDECAR_REGISTRY}, one tag per sidecar across all overlays")
     seen = {}
@@ -951,7 +1037,9 @@ def main():
     each_overlay(check_pods, r)
 
     r.section("CSIDriver and flags across each overlay",
-              "podInfoOnMount, fsGroupPolicy File, Persistent+Ephemeral, requiresRepublish false",
+              "podInfoOnMount, fsGroupPolicy File, Persistent (and Ephemeral exactly where the "
+              "node plugin has CSI_EPHEMERAL_POOLS), requiresRepublish false, seLinuxMount true, "
+              "no nodeAllocatableUpdatePeriodSeconds",
               "attachRequired agrees with --enable-attach and with external-attacher being deployed",
               "storageCapacity agrees with --enable-capacity",
               "with node-deployment provisioning, every driver has --disable-controller-expansion")

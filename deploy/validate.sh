@@ -18,7 +18,7 @@
 # `go install`) the first time, and reuses them afterwards.
 #
 # Environment:
-#   K8S_VERSIONS     Kubernetes versions to validate against (default "1.35 1.37")
+#   K8S_VERSIONS     Kubernetes versions to validate against (default "1.35 1.36 1.37")
 #   CSI_DRIVER_BIN   a built csi-driver: also check that it accepts every flag
 #                    the manifests pass to it (its --help)
 #   KUSTOMIZE        a kustomize binary to use instead of the pinned one
@@ -29,13 +29,16 @@ set -euo pipefail
 
 DEPLOY="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(dirname "$DEPLOY")"
-K8S_VERSIONS="${K8S_VERSIONS:-1.35 1.37}"
+K8S_VERSIONS="${K8S_VERSIONS:-1.35 1.36 1.37}"
 KUSTOMIZE_VERSION="v5.8.2"         # the newest that builds with this machine's Go 1.26
 HELM_VERSION="v3.19.0"
 KUBERNETES_VALIDATE_VERSION="1.37.0"
 YAMLLINT_VERSION="1.38.0"
-OVERLAYS=(central central-attach distributed)
-COMPONENTS=(builtin-sidecars)       # each overlay is also validated with each of these
+OVERLAYS=(central central-attach distributed cluster)
+# Each overlay is also validated with each component it takes.
+COMPONENTS=(builtin-sidecars inline-ephemeral snapshot-metadata)
+declare -A COMPONENT_OVERLAYS=([builtin-sidecars]="${OVERLAYS[*]}" [inline-ephemeral]="${OVERLAYS[*]}"
+                              [snapshot-metadata]="central central-attach")
 PYTHON="${PYTHON:-python3}"
 
 step() { printf '\n### %s\n' "$*"; }
@@ -99,6 +102,8 @@ echo "helm: $helm ($("$helm" version --short 2>/dev/null || true))"
 
 # ------------------------------------------------------------ render
 step "render overlays"
+# The snapshot-metadata component's TLS material (made once, not in git).
+"$DEPLOY/components/snapshot-metadata/make-certs.sh" >/dev/null || die "make-certs.sh failed"
 out="$(mktemp -d)"
 trap 'rm -rf "$out"' EXIT
 rendered=()
@@ -112,6 +117,7 @@ done
 # relative path (kustomize refuses absolute ones).
 for o in "${OVERLAYS[@]}"; do
   for c in "${COMPONENTS[@]}"; do
+    [[ " ${COMPONENT_OVERLAYS[$c]} " == *" $o "* ]] || continue
     k="$out/$o+$c"
     mkdir -p "$k"
     rel="$(realpath --relative-to="$k" "$DEPLOY")"
@@ -138,8 +144,27 @@ for f in "$out"/chart/chart-*.yaml; do
   rendered+=(--rendered "$n=$f")
 done
 
+# Images pinned by digest, as an operator pins them where a registry serves
+# digests: a kustomize images: block with newTag and digest for every image
+# of an overlay (the digests here are made up for the check: the form is
+# what is checked, never an image).
+for o in "${OVERLAYS[@]}"; do
+  k="$out/$o+digests"
+  mkdir -p "$k"
+  rel="$(realpath --relative-to="$k" "$DEPLOY")"
+  {
+    printf 'apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources:\n  - %s\nimages:\n' "$rel/overlays/$o"
+    grep -oE 'image: [^[:space:]]+' "$out/$o.yaml" | sort -u | while read -r _ image; do
+      printf '  - name: %s\n    newTag: %s\n    digest: sha256:%s\n' "${image%:*}" "${image##*:}" \
+        "$(printf '%s' "$image" | sha256sum | cut -c1-64)"
+    done
+  } >"$k/kustomization.yaml"
+  "${kustomize_cmd[@]}" "$k" >"$k.yaml" || die "kustomize build of overlays/$o with image digests failed"
+  rendered+=(--rendered "$o+digests=$k.yaml")
+done
+
 # ------------------------------------------------------------ checks
-step "check_manifests.py (the overlays and the chart's renderings)"
+step "check_manifests.py (the overlays, with image digests, and the chart's renderings)"
 versions=()
 for v in $K8S_VERSIONS; do versions+=(--k8s-version "$v"); done
 binary=()
@@ -148,6 +173,27 @@ if [[ -n "${CSI_DRIVER_BIN:-}" ]]; then
 fi
 "$PYTHON" "$DEPLOY/check_manifests.py" "${versions[@]}" "${rendered[@]}" \
   --examples "$DEPLOY/examples" "${binary[@]}" || die "manifest checks failed"
+
+# ------------------------------------------------------------ pins
+# The sidecar versions are pinned in deploy/ alone; the end-to-end test
+# (e2e/versions.sh) builds each image deploy/ names at that version.
+step "e2e/versions.sh builds every sidecar deploy/ pins"
+# shellcheck source=../e2e/versions.sh
+. "$REPO/e2e/versions.sh"
+fail=0
+while read -r image; do
+  name=${image#registry.k8s.io/sig-storage/}; tag=${name#*:}; tag=${tag%%@*}; name=${name%%:*}
+  if [[ "${SIDECAR_VERSIONS[$name]:-}" == "$tag" ]]; then
+    echo "  ok    $name $tag"
+  else
+    echo "  FAIL  deploy/ runs $name $tag, e2e/versions.sh builds '${SIDECAR_VERSIONS[$name]:-nothing}'"; fail=1
+  fi
+done < <(for r in "${rendered[@]}"; do [[ "$r" == --rendered ]] || cat "${r#*=}"; done \
+           | grep -oE 'registry\.k8s\.io/sig-storage/[a-z0-9-]+:[^"[:space:]]+' | sort -u)
+for name in "${!SIDECAR_VERSIONS[@]}"; do
+  [[ -n "${SIDECAR_VERSIONS[$name]}" ]] || { echo "  FAIL  no version of $name found in deploy/"; fail=1; }
+done
+[[ $fail -eq 0 ]] || die "sidecar pins and e2e/versions.sh disagree"
 
 # ------------------------------------------------------------ image
 step "Dockerfile"

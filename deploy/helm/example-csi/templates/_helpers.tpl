@@ -24,9 +24,36 @@ app.kubernetes.io/component: {{ .component }}
 {{- if has .Values.flavor (list "central" "central-attach") }}true{{ end }}
 {{- end }}
 
-{{/* image: "repository:tag" of an image value, (dict "image" VALUE "default" TAG). */}}
+{{/* The cluster flavor's mesh: where each node's agent listens (the router
+dials it, the NetworkPolicy lets the controller pods reach it), the Secret of
+the mesh authorities (the controller's, the nodes') and where they are
+mounted. */}}
+{{- define "example-csi.agentPort" -}}9820{{- end }}
+{{- define "example-csi.meshSecret" -}}example-csi-mesh{{- end }}
+{{- define "example-csi.meshNodeSecret" -}}example-csi-mesh-node{{- end }}
+{{- define "example-csi.meshDir" -}}/etc/example-csi/mesh{{- end }}
+
+{{/* A mesh authority's Secret as a pod volume: (dict "secret" NAME "optional" BOOL "mode" OCTAL). */}}
+{{- define "example-csi.meshVolume" -}}
+- name: mesh
+  secret:
+    secretName: {{ .secret }}
+    {{- if .optional }}
+    optional: true
+    {{- end }}
+    defaultMode: {{ .mode }}
+{{- end }}
+
+{{- define "example-csi.meshMount" -}}
+- name: mesh
+  mountPath: {{ include "example-csi.meshDir" . }}
+  readOnly: true
+{{- end }}
+
+{{/* image: "repository:tag", or "repository:tag@digest" where the value
+names a digest, of an image value, (dict "image" VALUE "default" TAG). */}}
 {{- define "example-csi.image" -}}
-{{ .image.repository }}:{{ .image.tag | default .default }}
+{{ .image.repository }}:{{ .image.tag | default .default }}{{ with .image.digest }}@{{ . }}{{ end }}
 {{- end }}
 
 {{- define "example-csi.driverImage" -}}
@@ -76,10 +103,12 @@ seccompProfile:
 - --log-level={{ .Values.driver.logLevel }}
 {{- end }}
 
-{{/* Optional flags: (dict "ctx" $ "controller" BOOL "node" BOOL), by the services served. */}}
+{{/* Optional flags: (dict "ctx" $ "controller" BOOL "node" BOOL "router" BOOL), by
+the services served. The router holds no volumes, but offers ControllerModifyVolume
+only when parameters are mutable. */}}
 {{- define "example-csi.driverOptionalArgs" -}}
 {{- $d := .ctx.Values.driver }}
-{{- if and .controller (kindIs "slice" $d.mutableParameters) }}
+{{- if and (or .controller .router) (kindIs "slice" $d.mutableParameters) }}
 - --mutable-parameters={{ join "," $d.mutableParameters }}
 {{- end }}
 {{- if and .node $d.maxVolumesPerNode }}
@@ -90,10 +119,17 @@ seccompProfile:
 {{- end }}
 {{- end }}
 
-{{/* The driver's ports and livenessProbe: the livenessprobe sidecar's port, or its own metrics port. */}}
+{{/* The driver's ports and livenessProbe: the livenessprobe sidecar's port, or
+its own metrics port; with "agent", the node agent's port of the cluster flavor.
+(dict "ctx" $ "agent" BOOL) */}}
 {{- define "example-csi.driverHealth" -}}
 ports:
-  {{- if not .Values.builtinSidecars }}
+  {{- if .agent }}
+  - name: agent
+    containerPort: {{ include "example-csi.agentPort" . }}
+    protocol: TCP
+  {{- end }}
+  {{- if not .ctx.Values.builtinSidecars }}
   # Served by the livenessprobe sidecar, probed here so that a failing
   # Probe restarts the driver container.
   - name: healthz
@@ -101,16 +137,21 @@ ports:
     protocol: TCP
   {{- end }}
   - name: metrics
-    containerPort: {{ .Values.metrics.port }}
+    containerPort: {{ .ctx.Values.metrics.port }}
     protocol: TCP
-{{ include "example-csi.driverProbe" . }}
+{{ include "example-csi.driverProbe" .ctx }}
 {{- end }}
 
 {{- define "example-csi.driverProbe" -}}
+{{ include "example-csi.probe" (dict "port" (ternary "metrics" "healthz" .Values.builtinSidecars)) }}
+{{- end }}
+
+{{/* The driver container's livenessProbe on a named port: (dict "port" NAME). */}}
+{{- define "example-csi.probe" -}}
 livenessProbe:
   httpGet:
     path: /healthz
-    port: {{ if .Values.builtinSidecars }}metrics{{ else }}healthz{{ end }}
+    port: {{ .port }}
   initialDelaySeconds: 10
   timeoutSeconds: 3
   periodSeconds: 10
@@ -186,8 +227,69 @@ resources:
     {{- include "example-csi.socketMount" . | nindent 4 }}
 {{- end }}
 
+{{/* The external-provisioner of a controller Deployment (central, cluster):
+leader-elected, publishing CSIStorageCapacity owned by the Deployment.
+(dict "ctx" $ "strictTopology" BOOL) */}}
+{{- define "example-csi.controllerProvisioner" -}}
+- name: csi-provisioner
+  {{- include "example-csi.sidecarCommon" (dict "ctx" .ctx "sidecar" .ctx.Values.sidecars.provisioner) | nindent 2 }}
+  args:
+    - --csi-address=/csi/csi.sock
+    - --v={{ .ctx.Values.sidecars.logLevel }}
+    - --timeout=60s
+    - --extra-create-metadata
+    {{- include "example-csi.leaderElectionArgs" . | nindent 4 }}
+    {{- if .strictTopology }}
+    # The node the scheduler chose is the one node a volume may
+    # go to: the router makes it there (and a copy of another
+    # node's volume, there).
+    - --strict-topology
+    {{- end }}
+    # Publish CSIStorageCapacity for the pools, owned by the
+    # Deployment (2: pod, ReplicaSet, Deployment), so they outlive
+    # a replaced pod and go with the release.
+    - --enable-capacity
+    - --capacity-ownerref-level=2
+  env:
+    {{- include "example-csi.namespaceEnv" . | nindent 4 }}
+    - name: POD_NAME
+      valueFrom:
+        fieldRef:
+          fieldPath: metadata.name
+  volumeMounts:
+    {{- include "example-csi.socketMount" . | nindent 4 }}
+{{- end }}
+
+{{/* The external-snapshotter of a controller Deployment, leader-elected, with
+volume group snapshots. */}}
+{{- define "example-csi.controllerSnapshotter" -}}
+- name: csi-snapshotter
+  {{- include "example-csi.sidecarCommon" (dict "ctx" . "sidecar" .Values.sidecars.snapshotter) | nindent 2 }}
+  args:
+    - --csi-address=/csi/csi.sock
+    - --v={{ .Values.sidecars.logLevel }}
+    # A snapshot without reflink is a full (sparse-aware) copy.
+    - --timeout=300s
+    - --extra-create-metadata
+    {{- include "example-csi.leaderElectionArgs" . | nindent 4 }}
+    # GA and on by default since v8.7.0; said here so that an
+    # older snapshotter put in its place still makes them.
+    - --feature-gates=CSIVolumeGroupSnapshot=true
+  env:
+    {{- include "example-csi.namespaceEnv" . | nindent 4 }}
+  volumeMounts:
+    {{- include "example-csi.socketMount" . | nindent 4 }}
+{{- end }}
+
 {{- define "example-csi.livenessProbeSidecar" -}}
 {{- if not .Values.builtinSidecars }}
+{{- include "example-csi.livenessProbeContainer" . }}
+{{- end }}
+{{- end }}
+
+{{/* The livenessprobe sidecar, whatever builtinSidecars says (the router has
+no /healthz of its own). */}}
+{{- define "example-csi.livenessProbeContainer" -}}
 - name: liveness-probe
   {{- include "example-csi.sidecarCommon" (dict "ctx" . "sidecar" .Values.sidecars.livenessProbe) | nindent 2 }}
   args:
@@ -196,7 +298,6 @@ resources:
     - --probe-timeout=3s
   volumeMounts:
     {{- include "example-csi.socketMount" . | nindent 4 }}
-{{- end }}
 {{- end }}
 
 {{/* Scheduling of a workload's pods from its values (controller, node, resizer). */}}
@@ -239,6 +340,9 @@ imagePullSecrets:
 {{- end }}
 {{- $names = append $names .name }}
 {{- $paths = append $paths .path }}
+{{- end }}
+{{- if and .Values.snapshotMetadata.enabled (not (include "example-csi.central" .)) }}
+{{- fail "snapshotMetadata.enabled needs a central flavor: in the distributed flavor each node's driver holds that node's snapshots, which one service address cannot reach" }}
 {{- end }}
 {{- range .Values.storageClasses }}
 {{- if and .pool (not (has .pool $names)) }}
