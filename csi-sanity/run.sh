@@ -16,7 +16,8 @@ set -euo pipefail
 CSI_SANITY_VERSION=v5.6.0
 here=$(cd "$(dirname "$0")" && pwd)
 top=$(cd "$here/.." && pwd)
-export PATH="$PATH:/usr/local/go/bin:$(go env GOPATH 2>/dev/null || echo /root/go)/bin:/usr/sbin:/sbin"
+gopath=$(go env GOPATH 2>/dev/null || echo /root/go)
+export PATH="$PATH:/usr/local/go/bin:$gopath/bin:/usr/sbin:/sbin"
 
 # name | pool filesystem | driver flags | volume parameters (k=v,...) | volume MiB
 # | processes: 1 (--mode all) or 2 (--mode controller and --mode node on one pool
@@ -170,7 +171,7 @@ for entry in "${CONFIGS[@]}"; do
   start_driver() { # socket mode log
     # shellcheck disable=SC2086
     "$driver" --endpoint "unix://$1" --mode "$2" --nodeid sanity-node --pool "$d/pool" \
-      --state-dir "$d/state" --log-level "${CSI_LOG_LEVEL:-info}" $flags > "$3" 2>&1 &
+      --state-dir "$d/state" --allowed-path-root "$d/target" --log-level "${CSI_LOG_LEVEL:-info}" $flags > "$3" 2>&1 &
   }
   wait_socket() { # socket log
     for _ in $(seq 100); do [ -S "$1" ] && break; sleep 0.1; done
@@ -243,6 +244,11 @@ done
 echo "== csi-sanity total: ran $total_ran specs in $configs_run configurations"
 printf '  %s\n' "${config_lines[@]}"
 echo "csi-sanity: $total_passed passed, $total_failed failed, $total_skipped skipped"
+# The same counts for a program to read (scripts/test-all.sh): RESULT_JSON=FILE.
+if [ -n "${RESULT_JSON:-}" ]; then
+  printf '{"passed": %d, "failed": %d, "skipped": %d, "failed_configurations": %d}\n' \
+    "$total_passed" "$total_failed" "$total_skipped" "${#failed_configs[@]}" >"$RESULT_JSON"
+fi
 echo "probes failed on this machine: ${failed_probes[*]:-none}"
 if [ ${#skipped_lines[@]} -gt 0 ]; then
   echo "skipped specs:"

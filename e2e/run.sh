@@ -1,31 +1,52 @@
 #!/usr/bin/env bash
-# The end-to-end test: a real single-node Kubernetes built on this machine from
-# upstream sources runs the driver from deploy/, and workloads use it as users
-# do. Run as root:
+# The globals set here are read by the e2e/lib/*.sh files it sources.
+# shellcheck disable=SC2034
+# The end-to-end test: a real Kubernetes of one or two nodes built on this
+# machine from upstream sources runs the driver from deploy/, and workloads
+# use it as users do. Run as root:
 #
-#   e2e/run.sh [--flavor central|central-attach|distributed]... [--helm]
-#              [--suite | --suite-only] [--single-node]
-#              [--registrar-bin PATH] [--livenessprobe-bin PATH] [--keep]
+#   e2e/run.sh [--flavor central|central-attach|distributed|cluster]... [--helm]
+#              [--suite | --suite-only] [--single-node] [--builtin-sidecars]
+#              [--keep] [--scenario NAME]...
 #
 # It builds or reuses (e2e/build.sh, cache in ~/.cache/example-csi-e2e) the
-# Kubernetes binaries, etcd and the sidecars deploy/ pins; builds the driver's
-# image and the sidecars' images without a registry; starts etcd, the control
-# plane (NodeRestriction on), containerd and a kubelet; applies each flavor of
-# deploy/ and runs the scenarios of e2e/lib/scenarios.sh against it; and tears
-# everything down on success, failure or interrupt, putting back what the
-# kubelet and CNI changed on the host. Without --flavor it runs all three.
+# Kubernetes binaries, etcd, containerd and the sidecars deploy/ pins; builds
+# the driver's image and the sidecars' images without a registry; starts etcd,
+# the control plane (NodeRestriction on), containerd and a kubelet; applies
+# each flavor of deploy/ and runs the scenarios of e2e/lib/scenarios.sh against
+# it; and tears everything down on success, failure or interrupt, putting back
+# what the kubelet and CNI changed on the host. Without --flavor it runs all
+# four.
 #
-# node-driver-registrar and livenessprobe are not served by the Go module
-# proxy: unless their binaries are given, each flavor is applied with the
-# deploy/components/builtin-sidecars component (the driver's own kubelet
-# registration and liveness endpoint).
+# Each flavor is applied as deploy/ ships it, with the stock
+# node-driver-registrar and livenessprobe; but in the run of all three flavors
+# central-attach runs with the deploy/components/builtin-sidecars component
+# (the driver's own kubelet registration and liveness endpoint), and
+# --builtin-sidecars applies that component to every flavor.
 #
 # --helm installs each flavor with the Helm chart (deploy/helm/example-csi)
 # instead of kustomize, and checks that `helm uninstall` leaves nothing behind.
 #
-# The distributed flavor runs last, and for its per-node scenario a second
-# kubelet starts (in a mount namespace of its own, with its own pools);
-# --single-node leaves it out.
+# The flavors for more than one node run last: distributed, then cluster. A
+# second kubelet, node2, starts for them (in a mount namespace of its own,
+# with its own pools, containerd and pod subnet): for distributed's per-node
+# scenario, and for cluster before it is deployed, so that its controller
+# (the router) reaches a node agent on each node. In the cluster flavor every
+# scenario runs with volumes on either node, and the two-node scenarios add:
+# a claim made on each node; a snapshot restored and a claim cloned for pods
+# pinned to the other node, which read byte for byte what was written (the
+# data pulled over the mesh); and the network between the two nodes' pod
+# subnets cut for 30 s during such a transfer, which then goes on and
+# arrives whole; and a claim moved to the other node by scripts/move-claim.sh
+# while its workload writes. --single-node leaves the second kubelet out.
+#
+# --scenario NAME (again for more) runs only the scenarios of those names
+# (the function scenario_NAME of e2e/lib/, e.g. network_cut) in each flavor,
+# then the check that everything deleted leaves nothing behind: to look
+# again at one scenario without the whole run.
+#
+# RESULT_JSON=FILE writes the counts of checks passed and failed there as
+# JSON at the end.
 #
 # --suite also runs Kubernetes' own storage e2e suite, "External Storage"
 # (e2e/lib/suite.sh, e2e/testdriver.yaml, skips in e2e/skips.md), against the
@@ -39,10 +60,13 @@ E2E_DIR=$(cd "$(dirname "$0")" && pwd)
 . "$E2E_DIR/lib/images.sh"
 . "$E2E_DIR/lib/checks.sh"
 . "$E2E_DIR/lib/scenarios.sh"
+. "$E2E_DIR/lib/scenarios_move.sh"
+. "$E2E_DIR/lib/scenarios_policy.sh"
 . "$E2E_DIR/lib/suite.sh"
 export PATH="$PATH:/usr/local/go/bin:$HOME/go/bin:/usr/sbin:/sbin:$HOME/.cargo/bin"
 
 FLAVORS=()
+ONLY=()
 SUITE=0
 NODE_VOLUME_LIMIT=""
 SCENARIOS=1
@@ -50,8 +74,7 @@ SINGLE_NODE=0
 INSTALLER=kustomize
 KEEP=0
 TEARDOWN_ONLY=0
-REGISTRAR_BIN=""
-LIVENESSPROBE_BIN=""
+BUILTIN_SIDECARS=0
 while [ $# -gt 0 ]; do
     case $1 in
         --flavor) FLAVORS+=("$2"); shift 2 ;;
@@ -60,26 +83,40 @@ while [ $# -gt 0 ]; do
         --single-node) SINGLE_NODE=1; shift ;;
         --helm) INSTALLER=helm; shift ;;
         --keep) KEEP=1; shift ;;
+        --scenario)
+            declare -F "scenario_$2" >/dev/null || { echo "no scenario named $2" >&2; exit 2; }
+            ONLY+=("$2"); shift 2 ;;
         --teardown-only) TEARDOWN_ONLY=1; shift ;;
-        --registrar-bin) REGISTRAR_BIN=$2; shift 2 ;;
-        --livenessprobe-bin) LIVENESSPROBE_BIN=$2; shift 2 ;;
+        --builtin-sidecars) BUILTIN_SIDECARS=1; shift ;;
         -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
         *) echo "e2e/run.sh: unknown argument $1" >&2; exit 2 ;;
     esac
 done
-[ ${#FLAVORS[@]} -gt 0 ] || FLAVORS=(central central-attach distributed)
+# the flavors that run with the builtin-sidecars component, and those with
+# the snapshot-metadata component (central flavors only)
+declare -A BUILTIN_IN=()
+declare -A SNAPSHOT_METADATA_IN=([central]=1)
+if [ ${#FLAVORS[@]} -eq 0 ]; then
+    FLAVORS=(central central-attach distributed cluster)
+    BUILTIN_IN[central-attach]=1
+fi
 [ "$SCENARIOS" = 1 ] || FLAVORS=()
-# distributed last: its second node stays until the end
+for f in "${FLAVORS[@]}"; do
+    case $f in central|central-attach|distributed|cluster) ;;
+        *) echo "e2e/run.sh: unknown flavor $f" >&2; exit 2 ;; esac
+done
+# distributed, then cluster, last: the second node stays until the end
 ordered=()
-for f in "${FLAVORS[@]}"; do [ "$f" = distributed ] || ordered+=("$f"); done
-for f in "${FLAVORS[@]}"; do [ "$f" = distributed ] && { ordered+=("$f"); break; }; done
+for f in "${FLAVORS[@]}"; do [ "$f" = distributed ] || [ "$f" = cluster ] || ordered+=("$f"); done
+for f in distributed cluster; do [[ " ${FLAVORS[*]} " == *" $f "* ]] && ordered+=("$f"); done
 FLAVORS=("${ordered[@]}")
 [ "$(id -u)" = 0 ] || { echo "e2e/run.sh: run as root" >&2; exit 2; }
 
 W=${E2E_WORK:-/tmp/example-csi-e2e}
 NODE=localhost
 NODES=("$NODE")
-[ "$SINGLE_NODE" = 0 ] && [[ " ${FLAVORS[*]} " == *" distributed "* ]] && NODES+=(node2)
+[ "$SINGLE_NODE" = 0 ] && [[ " ${FLAVORS[*]} " == *" distributed "* || " ${FLAVORS[*]} " == *" cluster "* ]] \
+    && NODES+=(node2)
 NS=e2e
 DRIVER_NS=example-csi
 POOL_ROOT=/var/lib/example-csi
@@ -94,7 +131,7 @@ STARTED=$SECONDS
 
 install_host_packages() {
     local need=() pair
-    for pair in containerd:containerd runc:runc ctr:containerd iptables:iptables mmdebstrap:mmdebstrap \
+    for pair in runc:runc iptables:iptables mmdebstrap:mmdebstrap \
                 openssl:openssl gcc:gcc getfattr:attr curl:curl /usr/lib/cni/bridge:containernetworking-plugins \
                 /bin/busybox:busybox-static mkfs.xfs:xfsprogs; do
         [ -e "${pair%%:*}" ] || command -v "${pair%%:*}" >/dev/null 2>&1 || need+=("${pair#*:}")
@@ -186,8 +223,27 @@ make_pools() {
 
 # ------------------------------------------------------------------ deploy
 
+# builtin_sidecars FLAVOR: whether FLAVOR runs with the builtin-sidecars
+# component instead of node-driver-registrar and livenessprobe.
+builtin_sidecars() { [ "$BUILTIN_SIDECARS" = 1 ] || [ -n "${BUILTIN_IN[$1]:-}" ]; }
+
+# snapshot_metadata FLAVOR: whether FLAVOR runs with external-snapshot-metadata.
+snapshot_metadata() { [ -n "${SNAPSHOT_METADATA_IN[$1]:-}" ]; }
+
+# flavor_components FLAVOR: the components of deploy/components FLAVOR runs
+# with; inline-ephemeral in each, since the scenarios write a CSI inline
+# volume (off unless an operator names its pools).
+flavor_components() {
+    echo inline-ephemeral
+    builtin_sidecars "$1" && echo builtin-sidecars
+    snapshot_metadata "$1" && echo snapshot-metadata
+    return 0
+}
+
 KUSTOMIZE=""
 find_kustomize() {
+    # the snapshot-metadata component's TLS material (kept, not in git)
+    "$E2E_ROOT/deploy/components/snapshot-metadata/make-certs.sh" >/dev/null || die "make-certs.sh failed"
     local gobin; gobin=$(go env GOPATH)/bin
     if [ -x "$gobin/kustomize" ]; then KUSTOMIZE="$gobin/kustomize build --load-restrictor LoadRestrictionsNone"
     else KUSTOMIZE="$BIN_K8S/kubectl kustomize --load-restrictor LoadRestrictionsNone"; fi
@@ -202,7 +258,11 @@ render() {
         echo "kind: Kustomization"
         # kustomize takes only relative paths
         echo "resources: [$(realpath --relative-to="$dir" "$E2E_ROOT/deploy/overlays/$flavor")]"
-        [ -z "$REGISTRAR_BIN" ] && echo "components: [$(realpath --relative-to="$dir" "$E2E_ROOT/deploy/components/builtin-sidecars")]"
+        local c components=()
+        for c in $(flavor_components "$flavor"); do
+            components+=("$(realpath --relative-to="$dir" "$E2E_ROOT/deploy/components/$c")")
+        done
+        echo "components: [$(IFS=,; echo "${components[*]}")]"
         # NODE_VOLUME_LIMIT: the node plugin's --max-volumes-per-node (the
         # suite's volume limit tests), through its environment variable
         if [ -n "$NODE_VOLUME_LIMIT" ]; then
@@ -242,7 +302,9 @@ helm_() { "$HELM_BIN" --kubeconfig "$W/admin.kubeconfig" "$@"; }
 helm_install() {
     kc apply -f "$E2E_ROOT/deploy/base/namespace.yaml" >/dev/null
     local args=(--set "flavor=$1" --set-json 'storageClasses=[]' --set-json 'volumeSnapshotClasses=[]')
-    [ -z "$REGISTRAR_BIN" ] && args+=(--set builtinSidecars=true)
+    args+=(--set-json 'inlineEphemeral.pools=["default"]')
+    builtin_sidecars "$1" && args+=(--set builtinSidecars=true)
+    snapshot_metadata "$1" && args+=(--set snapshotMetadata.enabled=true)
     [ -n "$NODE_VOLUME_LIMIT" ] && args+=(--set "driver.maxVolumesPerNode=$NODE_VOLUME_LIMIT")
     helm_ install example-csi "$E2E_ROOT/deploy/helm/example-csi" -n "$DRIVER_NS" "${args[@]}" \
         >"$W/logs/helm-install.log" 2>&1 || fail "helm install (logs/helm-install.log)"
@@ -284,7 +346,14 @@ deploy_flavor() {
         helm_install "$flavor"
     else
         render "$flavor"
-        kc apply -f "$W/deploy-$flavor.yaml" >/dev/null
+        # A custom resource of a CRD applied at once (snapshot-metadata's)
+        # waits for its definition: a second apply, as a user would.
+        if ! kc apply -f "$W/deploy-$flavor.yaml" >"$W/logs/apply-$flavor.log" 2>&1; then
+            kc wait --for=condition=Established crd -l app.kubernetes.io/part-of=example-csi --timeout=60s >/dev/null || true
+            local rc=0
+            kc apply -f "$W/deploy-$flavor.yaml" >>"$W/logs/apply-$flavor.log" 2>&1 || rc=$?
+            check_eq "kubectl apply of the rendered $flavor, again once its CRDs are there (logs/apply-$flavor.log)" 0 "$rc"
+        fi
     fi
     local d
     for d in $(kc -n "$DRIVER_NS" get deployment -o name); do
@@ -293,13 +362,43 @@ deploy_flavor() {
     for d in $(kc -n "$DRIVER_NS" get daemonset -o name); do
         eventually 180 "$d ready" kc -n "$DRIVER_NS" rollout status "$d" --timeout=5s
     done
-    eventually 120 "the kubelet registered the driver (CSINode $NODE lists it)" csinode_has_driver || return 1
-    check_eq "CSINode topology key" topology.example.csi/node \
-        "$(kc get csinode "$NODE" -o jsonpath='{.spec.drivers[?(@.name=="example.csi.k8s.io")].topologyKeys[0]}')"
-    check_eq "the Node carries the topology label (set by the kubelet under NodeRestriction)" "$NODE" \
-        "$(kc get node "$NODE" -o jsonpath='{.metadata.labels.topology\.example\.csi/node}')"
+    local n
+    for n in $(nodes_up); do
+        eventually 120 "the kubelet registered the driver (CSINode $n lists it)" csinode_has_driver "$n" || return 1
+        check_eq "CSINode topology key" topology.example.csi/node \
+            "$(kc get csinode "$n" -o jsonpath='{.spec.drivers[?(@.name=="example.csi.k8s.io")].topologyKeys[0]}')"
+        check_eq "the Node carries the topology label (set by the kubelet under NodeRestriction)" "$n" \
+            "$(kc get node "$n" -o jsonpath='{.metadata.labels.topology\.example\.csi/node}')"
+    done
     check_eq "CSIDriver attachRequired" "$([ "$flavor" = central-attach ] && echo true || echo false)" \
         "$(kc get csidriver example.csi.k8s.io -o jsonpath='{.spec.attachRequired}')"
+    if builtin_sidecars "$flavor"; then
+        check "the driver registered itself (builtin-sidecars: no registrar container)" \
+            count_is 0 node_plugin_containers node-driver-registrar
+    else
+        check_eq "the node plugin runs the stock registrar deploy/ pins (on every node)" \
+            "$SIDECAR_REGISTRY/csi-node-driver-registrar:$REGISTRAR_VERSION" \
+            "$(node_plugin_containers node-driver-registrar | sort -u)"
+        local pod
+        for pod in $(kc -n "$DRIVER_NS" get pod -l app.kubernetes.io/component=node -o name); do
+            eventually 60 "the stock registrar of $pod was told by the kubelet that the driver is registered" \
+                registrar_says_registered "$pod"
+        done
+    fi
+}
+
+# node_plugin_containers NAME: the image of container NAME in each node plugin pod.
+node_plugin_containers() {
+    kc -n "$DRIVER_NS" get pod -l app.kubernetes.io/component=node \
+        -o jsonpath="{range .items[*]}{.spec.containers[?(@.name==\"$1\")].image}{\"\\n\"}{end}" | grep .
+}
+
+# registrar_says_registered POD: the registrar of the node plugin's POD logged
+# the kubelet's NotifyRegistrationStatus with the plugin registered (v2.17.0
+# prints the status as "plugin_registered:true").
+registrar_says_registered() {
+    kc -n "$DRIVER_NS" logs "$1" -c node-driver-registrar 2>/dev/null \
+        | grep "NotifyRegistrationStatus" | grep -qE "plugin_registered:true|PluginRegistered:true"
 }
 
 undeploy_flavor() {
@@ -311,11 +410,24 @@ undeploy_flavor() {
         kc delete -f "$W/deploy-$flavor.yaml" --wait=true --timeout=180s >/dev/null 2>&1 || true
     fi
     eventually 120 "driver pods gone" count_is 0 kc -n "$DRIVER_NS" get pods -o name
-    eventually 60 "the kubelet unregistered the driver" not csinode_has_driver
+    local n
+    for n in $(nodes_up); do
+        eventually 60 "the kubelet of $n unregistered the driver" not csinode_has_driver "$n"
+    done
     eventually 120 "no CSIStorageCapacity left (collected with its owner)" \
         count_is 0 kc get csistoragecapacity -A -o name
-    check "no registration socket left" count_is 0 find /var/lib/kubelet/plugins_registry -name 'example.csi.k8s.io*'
-    check "no driver socket left" count_is 0 find /var/lib/kubelet/plugins/example.csi.k8s.io -type s
+    local kubelet_dirs=(/var/lib/kubelet)
+    for n in $(nodes_up | tail -n +2); do kubelet_dirs+=("$W/node-$n/kubelet"); done
+    check "no registration socket left" count_is 0 find "${kubelet_dirs[@]/%//plugins_registry}" -name 'example.csi.k8s.io*'
+    check "no driver socket left" count_is 0 find "${kubelet_dirs[@]/%//plugins/example.csi.k8s.io}" -type s
+}
+
+# run_scenario NAME: scenario_NAME, unless --scenario named others.
+run_scenario() {
+    if [ ${#ONLY[@]} -gt 0 ] && [[ " ${ONLY[*]} " != *" $1 "* ]]; then
+        return 0
+    fi
+    "scenario_$1"
 }
 
 run_flavor() {
@@ -325,22 +437,39 @@ run_flavor() {
     [ "$flavor" = distributed ] && CONTROLLER_COMPONENT=node
     # a failed check is counted, never the end of the run
     set +e
+    # the cluster flavor spans every node from the start
+    [ "$flavor" = cluster ] && [ ${#NODES[@]} -gt 1 ] && second_node_up
     deploy_flavor "$flavor" || { undeploy_flavor "$flavor"; set -e; return; }
     kc create namespace "$NS" >/dev/null
     storage_classes
     SUM=""
-    scenario_provision
-    scenario_capacity
-    scenario_snapshot_restore_clone
-    scenario_expand
-    scenario_block
-    scenario_ephemeral
-    scenario_modify
-    scenario_group_snapshot
-    scenario_fsgroup
-    scenario_node_restart
-    scenario_churn
-    [ "$flavor" = distributed ] && [ ${#NODES[@]} -gt 1 ] && scenario_two_nodes
+    run_scenario provision
+    run_scenario capacity
+    run_scenario unknown_pool_event
+    [ "$flavor" = distributed ] && run_scenario node_pv_policy
+    run_scenario snapshot_restore_clone
+    run_scenario expand
+    run_scenario block
+    run_scenario ephemeral
+    run_scenario modify
+    run_scenario group_snapshot
+    run_scenario fsgroup
+    run_scenario node_restart
+    snapshot_metadata "$flavor" && run_scenario snapshot_metadata
+    run_scenario liveness
+    run_scenario health
+    run_scenario churn
+    if [ ${#NODES[@]} -gt 1 ]; then
+        case $flavor in
+            distributed) run_scenario two_nodes ;;
+            cluster)
+                run_scenario two_nodes
+                run_scenario across_nodes
+                run_scenario network_cut
+                run_scenario move
+                ;;
+        esac
+    fi
     scenario_cleanup
     kc delete namespace "$NS" --wait=true --timeout=120s >/dev/null 2>&1 || true
     undeploy_flavor "$flavor"
@@ -358,12 +487,13 @@ fi
 rm -rf --one-file-system "$W"; mkdir -p "$W/logs"
 
 install_host_packages
-log "building (or reusing) Kubernetes $KUBERNETES_VERSION, etcd $ETCD_VERSION and the sidecars"
+log "building (or reusing) Kubernetes $KUBERNETES_VERSION, etcd $ETCD_VERSION, containerd $CONTAINERD_VERSION and the sidecars"
 build_args=()
 [ "$SUITE" = 1 ] && build_args+=(--suite)
 "$E2E_DIR/build.sh" "${build_args[@]}"
 BIN_K8S=$E2E_CACHE/kubernetes-$KUBERNETES_VERSION
 BIN_ETCD=$E2E_CACHE/etcd-$ETCD_VERSION
+BIN_CONTAINERD=$E2E_CACHE/containerd-$CONTAINERD_VERSION
 BIN_SNAPSHOTTER=$E2E_CACHE/snapshotter-$SNAPSHOTTER_VERSION
 declare -A SIDECAR_BINS=(
     [csi-provisioner]=$E2E_CACHE/provisioner-$PROVISIONER_VERSION/csi-provisioner
@@ -371,20 +501,12 @@ declare -A SIDECAR_BINS=(
     [csi-resizer]=$E2E_CACHE/resizer-$RESIZER_VERSION/csi-resizer
     [csi-snapshotter]=$BIN_SNAPSHOTTER/csi-snapshotter
     [snapshot-controller]=$BIN_SNAPSHOTTER/snapshot-controller
+    [csi-node-driver-registrar]=$E2E_CACHE/registrar-$REGISTRAR_VERSION/csi-node-driver-registrar
+    [livenessprobe]=$E2E_CACHE/livenessprobe-$LIVENESSPROBE_VERSION/livenessprobe
+    [csi-snapshot-metadata]=$E2E_CACHE/snapshot-metadata-$SNAPSHOT_METADATA_VERSION/csi-snapshot-metadata
 )
-declare -A SIDECAR_TAGS=(
-    [csi-provisioner]=$PROVISIONER_VERSION [csi-attacher]=$ATTACHER_VERSION
-    [csi-resizer]=$RESIZER_VERSION [csi-snapshotter]=$SNAPSHOTTER_VERSION
-    [snapshot-controller]=$SNAPSHOTTER_VERSION
-)
-if [ -n "$REGISTRAR_BIN" ]; then
-    SIDECAR_BINS[csi-node-driver-registrar]=$REGISTRAR_BIN
-    SIDECAR_TAGS[csi-node-driver-registrar]=$(pinned_tag csi-node-driver-registrar)
-fi
-if [ -n "$LIVENESSPROBE_BIN" ]; then
-    SIDECAR_BINS[livenessprobe]=$LIVENESSPROBE_BIN
-    SIDECAR_TAGS[livenessprobe]=$(pinned_tag livenessprobe)
-fi
+declare -A SIDECAR_TAGS=([snapshot-controller]=$SNAPSHOTTER_VERSION)
+for name in "${!SIDECAR_VERSIONS[@]}"; do SIDECAR_TAGS[$name]=${SIDECAR_VERSIONS[$name]}; done
 
 log "building the driver (release)"
 (cd "$E2E_ROOT" && cargo build --release --quiet --bin csi-driver)
@@ -399,6 +521,8 @@ trap 'exit 130' INT TERM
 log "building the images"
 build_images
 [ "$SUITE" = 1 ] && suite_images
+# the images' folders are in their tarballs now: room on a shared disk
+find "$W/images" -mindepth 1 -maxdepth 1 -type d -exec rm -rf --one-file-system {} +
 make_pools
 start_control_plane
 start_node 0 "$NODE"
@@ -419,4 +543,9 @@ fi
 label=$(IFS=,; echo "${FLAVORS[*]}")
 [ "$SUITE" = 1 ] && label="${label:+$label,}suite"
 echo "e2e ($label; Kubernetes $KUBERNETES_VERSION; $((SECONDS - STARTED))s): $E2E_PASSED passed, $E2E_FAILED failed"
+# The same counts for a program to read (scripts/test-all.sh): RESULT_JSON=FILE.
+if [ -n "${RESULT_JSON:-}" ]; then
+    printf '{"passed": %d, "failed": %d, "seconds": %d}\n' \
+        "$E2E_PASSED" "$E2E_FAILED" "$((SECONDS - STARTED))" >"$RESULT_JSON"
+fi
 [ "$E2E_FAILED" = 0 ]

@@ -79,18 +79,73 @@ pool_files() {
     done | sort
 }
 
-# pool_file_of VOLUME_ID: the volume's backing file or directory.
-pool_file_of() {
+# transfer_files: what transfers between nodes keep in the pools (holds of
+# a source, replicas of a target) and in the nodes' state (arrival records),
+# one path a line.
+transfer_files() {
     local p
     for p in "${POOL_DIRS[@]}"; do
-        for f in "$p/volumes/$1.img" "$p/volumes/$1"; do [ -e "$f" ] && { echo "$f"; return 0; }; done
+        find "$p/.holds" "$p/.replicas" -mindepth 1 -maxdepth 1 2>/dev/null
+    done
+    for p in "$POOL_ROOT/state" "$W"/node-*/example-csi/state; do
+        find "$p/controller/transfers" -mindepth 1 -maxdepth 1 2>/dev/null
+    done
+    return 0
+}
+
+# pool_file_of VOLUME_ID: the volume's backing file or directory, in any
+# node's pools.
+pool_file_of() {
+    local p id; id=$(bare_id "$1")
+    for p in "${POOL_DIRS[@]}"; do
+        for f in "$p/volumes/$id.img" "$p/volumes/$id"; do [ -e "$f" ] && { echo "$f"; return 0; }; done
     done
     return 1
 }
 
+# bare_id HANDLE: the node's own id of a volume or snapshot handle (the
+# cluster flavor's router hands out ID@NODE, or ID#DIGEST for a long node
+# name; the files in the pools are named by ID).
+bare_id() { local h=${1%%@*}; echo "${h%%#*}"; }
+
+# pool_dir NODE POOL: where the host sees POOL of NODE (the first node's at
+# /var/lib/example-csi, another's under its own folder of the work directory).
+pool_dir() {
+    if [ "$1" = "${NODES[0]}" ]; then echo "$POOL_ROOT/$2"; else echo "$W/node-$1/example-csi/$2"; fi
+}
+
+# node_of_pvc CLAIM: the node the claim's PV is pinned to by the driver's
+# topology key.
+node_of_pvc() {
+    local pv; pv=$(jp "pvc/$1" '{.spec.volumeName}')
+    [ -n "$pv" ] && kc get pv "$pv" \
+        -o jsonpath='{.spec.nodeAffinity.required.nodeSelectorTerms[0].matchExpressions[?(@.key=="topology.example.csi/node")].values[0]}'
+}
+
+# image_of CLAIM POOL: the image of a bound claim's volume in POOL of the
+# node the claim's PV names.
+image_of() {
+    echo "$(pool_dir "$(node_of_pvc "$1")" "$2")/volumes/$(bare_id "$(volume_of "$1")").img"
+}
+
+# nodes_up: the nodes of NODES whose kubelet has joined, in that order.
+nodes_up() {
+    local n
+    for n in "${NODES[@]}"; do kc get node "$n" >/dev/null 2>&1 && echo "$n"; done
+    return 0
+}
+
+# on_node NODE: the nodeSelector line that pins a pod to NODE, when there is
+# more than one node (nothing else to choose from otherwise).
+on_node() {
+    [ "$(nodes_up | grep -c .)" -gt 1 ] && echo "  nodeSelector: {kubernetes.io/hostname: $1}"
+    return 0
+}
+
 # Pod and claim manifests -------------------------------------------------
 
-# pvc NAME SIZE STORAGECLASS [MODE] [extra spec lines]
+# pvc NAME SIZE STORAGECLASS [MODE] [extra spec lines]; PVC_LABELS and
+# PVC_ANNOTATIONS ("key: value, ...") add to its metadata.
 pvc() {
     local mode=${4:-Filesystem}
     apply <<EOF
@@ -99,6 +154,7 @@ kind: PersistentVolumeClaim
 metadata:
   name: $1
   labels: {e2e: "true"${PVC_LABELS:+, $PVC_LABELS}}
+  annotations: {${PVC_ANNOTATIONS:-}}
 spec:
   accessModes: [ReadWriteOnce]
   volumeMode: $mode

@@ -4,12 +4,16 @@
 # by PID, and stopped at teardown. Nothing listens beyond loopback and the
 # machine's own address; pods live on a bridge of their own with no route out.
 #
-# Needs: W (the work directory), BIN_K8S, BIN_ETCD, HOST_IP.
+# Needs: W (the work directory), BIN_K8S, BIN_ETCD, BIN_CONTAINERD, HOST_IP.
 
 SERVICE_CIDR=10.96.0.0/24
 SERVICE_IP=10.96.0.1
 POD_CIDR_BASE=10.244     # node i gets 10.244.i.0/24 on bridge e2e-br<i>
 APISERVER_PORT=6443
+# Alpha: the kubelet asks the driver for volume and storage health and writes
+# it into Pod.status.volumeHealth and CSINode.status.storageHealth (the API
+# server keeps those fields only with the gate on).
+FEATURE_GATES=CSIVolumeHealth=true
 
 log() { printf '%s e2e: %s\n' "$(date +%T)" "$*" >&2; }
 die() { log "FAIL: $*"; exit 1; }
@@ -39,6 +43,7 @@ wait_for() {
 }
 
 kc() { "$BIN_K8S/kubectl" --kubeconfig "$W/admin.kubeconfig" "$@"; }
+ctr_() { "$BIN_CONTAINERD/ctr" "$@"; }
 
 start_control_plane() {
     local pki=$W/pki
@@ -71,7 +76,7 @@ start_control_plane() {
         --service-cluster-ip-range=$SERVICE_CIDR \
         --service-account-key-file="$pki/sa.pub" --service-account-signing-key-file="$pki/sa.key" \
         --service-account-issuer=https://kubernetes.default.svc \
-        --profiling=false --v=1
+        --feature-gates="$FEATURE_GATES" --profiling=false --v=1
     wait_for 120 kube-apiserver kc get --raw /readyz || die "kube-apiserver did not become ready (logs/kube-apiserver.log)"
 
     log "starting kube-controller-manager and kube-scheduler"
@@ -80,10 +85,10 @@ start_control_plane() {
         --service-account-private-key-file="$pki/sa.key" --root-ca-file="$pki/ca.crt" \
         --use-service-account-credentials=true --service-cluster-ip-range=$SERVICE_CIDR \
         --cluster-signing-cert-file="$pki/ca.crt" --cluster-signing-key-file="$pki/ca.key" \
-        --bind-address=127.0.0.1 --secure-port=10257 --v=1
+        --bind-address=127.0.0.1 --secure-port=10257 --feature-gates="$FEATURE_GATES" --v=1
     start_bg kube-scheduler "$BIN_K8S/kube-scheduler" \
         --kubeconfig="$W/scheduler.kubeconfig" --leader-elect=false \
-        --bind-address=127.0.0.1 --secure-port=10259 --v=1
+        --bind-address=127.0.0.1 --secure-port=10259 --feature-gates="$FEATURE_GATES" --v=1
 
     # The pods reach the API server at the kubernetes Service's address, as in
     # any cluster; with no kube-proxy here, one DNAT rule plays its part.
@@ -93,6 +98,30 @@ start_control_plane() {
         -j DNAT --to-destination "$HOST_IP:$APISERVER_PORT"
     wait_for 60 "the default service account" kc -n default get serviceaccount default \
         || die "no default service account (logs/kube-controller-manager.log)"
+}
+
+# route_service NAMESPACE NAME: plays kube-proxy (there is none here) for one
+# Service of one port: its cluster IP and port lead to its first ready
+# endpoint, from pods and from the host.
+route_service() {
+    local ip port ep eport
+    ip=$(kc -n "$1" get service "$2" -o jsonpath='{.spec.clusterIP}')
+    port=$(kc -n "$1" get service "$2" -o jsonpath='{.spec.ports[0].port}')
+    wait_for 120 "a ready endpoint of $1/$2" service_endpoint "$1" "$2" || return 1
+    read -r ep eport <<<"$(service_endpoint "$1" "$2")"
+    local chain
+    for chain in PREROUTING OUTPUT; do
+        iptables -t nat -I "$chain" -d "$ip/32" -p tcp --dport "$port" \
+            -j DNAT --to-destination "$ep:$eport" || return 1
+    done
+}
+
+# service_endpoint NAMESPACE NAME: "IP PORT" of a ready endpoint of a Service.
+service_endpoint() {
+    local out
+    out=$(kc -n "$1" get endpointslices -l "kubernetes.io/service-name=$2" -o jsonpath='{range .items[*]}{range .endpoints[?(@.conditions.ready==true)]}{.addresses[0]}{" "}{end}{.ports[0].port}{"\n"}{end}' 2>/dev/null \
+        | awk 'NF >= 2 {print $1, $NF; exit}')
+    [ -n "$out" ] && echo "$out"
 }
 
 # start_node INDEX NAME: a containerd and a kubelet for node NAME. The first node
@@ -131,8 +160,10 @@ start_node() {
   ]
 }
 EOF
+    # containerd 2's configuration (version 3); restrict_oom_score_adj because
+    # this machine withholds CAP_SYS_RESOURCE.
     cat >"$cdir/config.toml" <<EOF
-version = 2
+version = 3
 root = "$cdir/root"
 state = "$cdir/state"
 [grpc]
@@ -141,24 +172,28 @@ state = "$cdir/state"
   address = "$cdir/containerd.sock.ttrpc"
 [debug]
   level = "warn"
-[plugins."io.containerd.grpc.v1.cri"]
-  sandbox_image = "$PAUSE_IMAGE"
+[plugins."io.containerd.cri.v1.images"]
+  snapshotter = "overlayfs"
+  [plugins."io.containerd.cri.v1.images".pinned_images]
+    sandbox = "$PAUSE_IMAGE"
+[plugins."io.containerd.cri.v1.runtime"]
   restrict_oom_score_adj = true
   enable_cdi = false
-  [plugins."io.containerd.grpc.v1.cri".containerd]
-    snapshotter = "overlayfs"
+  [plugins."io.containerd.cri.v1.runtime".containerd]
     default_runtime_name = "runc"
-    [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]
+    [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc]
       runtime_type = "io.containerd.runc.v2"
-      [plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc.options]
+      [plugins."io.containerd.cri.v1.runtime".containerd.runtimes.runc.options]
         SystemdCgroup = false
-  [plugins."io.containerd.grpc.v1.cri".cni]
-    bin_dir = "/usr/lib/cni"
+  [plugins."io.containerd.cri.v1.runtime".cni]
+    bin_dirs = ["/usr/lib/cni"]
     conf_dir = "$W/cni-$name/net.d"
 EOF
-    log "starting containerd for node $name"
-    start_bg "containerd-$name" "${in_ns[@]}" containerd --config "$cdir/config.toml"
-    wait_for 60 "containerd of $name" ctr --address "$cdir/containerd.sock" version \
+    log "starting containerd $CONTAINERD_VERSION for node $name"
+    # its runc shim is found on PATH, next to it
+    start_bg "containerd-$name" "${in_ns[@]}" env PATH="$BIN_CONTAINERD:$PATH" \
+        "$BIN_CONTAINERD/containerd" --config "$cdir/config.toml"
+    wait_for 60 "containerd of $name" ctr_ --address "$cdir/containerd.sock" version \
         || die "containerd did not start (logs/containerd-$name.log)"
     import_images "$cdir/containerd.sock"
 
@@ -197,7 +232,9 @@ containerRuntimeEndpoint: unix://$cdir/containerd.sock
 imageServiceEndpoint: unix://$cdir/containerd.sock
 staticPodPath: ""
 serializeImagePulls: false
-evictionHard: {memory.available: "100Mi", nodefs.available: "1%", imagefs.available: "1%", nodefs.inodesFree: "1%"}
+# Images cannot be pulled again here: a disk shared with other work and low on
+# room must not make the kubelet reclaim them (1 % of a large disk is GiBs).
+evictionHard: {memory.available: "100Mi", nodefs.available: "256Mi", imagefs.available: "256Mi", nodefs.inodesFree: "1%"}
 imageGCHighThresholdPercent: 100
 imageGCLowThresholdPercent: 99
 resolvConf: /etc/resolv.conf
@@ -208,6 +245,7 @@ volumeStatsAggPeriod: 10s
 # pods are looked at again every 10 s (not 1 min): a resized claim is grown
 # in its running pod sooner
 syncFrequency: 10s
+featureGates: {CSIVolumeHealth: true}
 EOF
     log "starting kubelet $name (root $root)"
     start_bg "kubelet-$name" "${in_ns[@]}" "$BIN_K8S/kubelet" \
@@ -215,6 +253,15 @@ EOF
         --hostname-override="$name" --node-ip="$HOST_IP" --root-dir="$root" \
         --cert-dir="$W/kubelet-$name-certs" --v=2
     wait_for 120 "node $name Ready" node_ready "$name" || die "node $name not Ready (logs/kubelet-$name.log)"
+}
+
+# second_node_up: the second node (NODES[1]), once: its kubelet joins and its
+# pools join the ones the checks look at.
+second_node_up() {
+    local second=${NODES[1]}
+    kc get node "$second" >/dev/null 2>&1 && return 0
+    start_node 1 "$second"
+    POOL_DIRS+=("$W/node-$second/example-csi/pool" "$W/node-$second/example-csi/ssd")
 }
 
 # mount_pools PREFIX DIR: the two pools the manifests name (pool, ssd), each an
@@ -291,12 +338,12 @@ stop_cluster() {
     for sock in "$W"/containerd-*/containerd.sock; do
         [ -S "$sock" ] || continue
         local t
-        for t in $(ctr --address "$sock" -n k8s.io tasks ls -q 2>/dev/null); do
-            ctr --address "$sock" -n k8s.io tasks kill -s KILL "$t" >/dev/null 2>&1 || true
+        for t in $(ctr_ --address "$sock" -n k8s.io tasks ls -q 2>/dev/null); do
+            ctr_ --address "$sock" -n k8s.io tasks kill -s KILL "$t" >/dev/null 2>&1 || true
         done
         sleep 1
-        for t in $(ctr --address "$sock" -n k8s.io tasks ls -q 2>/dev/null); do
-            ctr --address "$sock" -n k8s.io tasks delete -f "$t" >/dev/null 2>&1 || true
+        for t in $(ctr_ --address "$sock" -n k8s.io tasks ls -q 2>/dev/null); do
+            ctr_ --address "$sock" -n k8s.io tasks delete -f "$t" >/dev/null 2>&1 || true
         done
     done
     stop_pids containerd

@@ -6,13 +6,17 @@
 #     (a minbase root filesystem by mmdebstrap with exactly the packages the
 #     Dockerfile installs) plus the release binary;
 #   - each sidecar: its static binary alone;
-#   - busybox from Debian's busybox-static; the pause image from pause.c.
+#   - busybox from Debian's busybox-static; the pause image from pause.c;
+#   - external-snapshot-metadata's lister on the busybox layer (a backup
+#     client for the scenarios).
 #
 # Needs: E2E_ROOT, E2E_CACHE, W, the *_VERSION variables, BIN_SIDECARS (name -> dir).
 
 PAUSE_IMAGE=registry.k8s.io/pause:3.10
 BUSYBOX_IMAGE=registry.k8s.io/e2e-test-images/busybox:1.36.1-1
 SIDECAR_REGISTRY=registry.k8s.io/sig-storage
+# The changed block tracking scenario's backup client.
+LISTER_IMAGE=example-csi-e2e/snapshot-metadata-lister:$SNAPSHOT_METADATA_VERSION
 
 # The tools the driver runs; the image must hold each of them.
 DRIVER_TOOLS=(mount umount losetup blkid findmnt fsfreeze mkfs.ext4 e2fsck resize2fs tune2fs
@@ -82,11 +86,16 @@ build_images() {
     chmod 1777 "$dir/busybox/tmp"
     python3 "$mk" "$dir/busybox.tar" "$BUSYBOX_IMAGE" --layer "$dir/busybox" --cmd '["sh"]'
 
+    # a backup client: the lister, with a shell to run it from
+    rm -rf "$dir/lister"; cp -a "$dir/busybox" "$dir/lister"
+    cp "$E2E_CACHE/snapshot-metadata-lister-$SNAPSHOT_METADATA_VERSION/snapshot-metadata-lister" "$dir/lister/bin/"
+    python3 "$mk" "$dir/lister.tar" "$LISTER_IMAGE" --layer "$dir/lister" --cmd '["sh"]'
+
     # sidecars: one static binary each
     local name bin image
     for name in "${!SIDECAR_BINS[@]}"; do
         bin=${SIDECAR_BINS[$name]}
-        rm -rf "$dir/$name"; mkdir -p "$dir/$name"
+        rm -rf "${dir:?}/$name"; mkdir -p "$dir/$name"
         cp "$bin" "$dir/$name/$name"
         image=$SIDECAR_REGISTRY/$name:${SIDECAR_TAGS[$name]}
         python3 "$mk" "$dir/$name.tar" "$image" --layer "$dir/$name" --entrypoint "[\"/$name\"]"
@@ -105,7 +114,7 @@ build_images() {
 import_images() {
     local sock=$1 t
     for t in "$W"/images/*.tar; do
-        ctr --address "$sock" -n k8s.io images import --no-unpack=false "$t" >/dev/null \
+        ctr_ --address "$sock" -n k8s.io images import --no-unpack=false "$t" >/dev/null 2>>"$W/logs/ctr.log" \
             || die "cannot import $t"
     done
 }

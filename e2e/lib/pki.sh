@@ -8,7 +8,7 @@ pki_make() {
     local dir=$1 host_ip=$2 service_ip=$3; shift 3
     mkdir -p "$dir"
     (
-        cd "$dir"
+        cd "$dir" || exit 1
         openssl genrsa -out ca.key 2048 2>/dev/null
         openssl req -x509 -new -key ca.key -days 2 -subj "/CN=example-csi-e2e-ca" -out ca.crt 2>/dev/null
         openssl genrsa -out sa.key 2048 2>/dev/null

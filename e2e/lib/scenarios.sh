@@ -50,12 +50,11 @@ scenario_provision() {
     SUM=$(in_pod writer cat /data/file.sum)
     local pv; pv=$(jp pvc/data '{.spec.volumeName}')
     check_eq "PV made by our driver" example.csi.k8s.io "$(kc get pv "$pv" -o jsonpath='{.spec.csi.driver}')"
-    check_eq "PV pinned to the node by our topology key" "$NODE" \
-        "$(kc get pv "$pv" -o jsonpath='{.spec.nodeAffinity.required.nodeSelectorTerms[0].matchExpressions[?(@.key=="topology.example.csi/node")].values[0]}')"
+    check_eq "PV pinned by our topology key to the node the pod runs on" "$(jp pod/writer '{.spec.nodeName}')" \
+        "$(node_of_pvc data)"
     check_eq "PV capacity" 10Gi "$(kc get pv "$pv" -o jsonpath='{.spec.capacity.storage}')"
-    local vol file; vol=$(volume_of data)
-    file=$(pool_file_of "$vol")
-    check "the volume's image is in the ssd pool" test -f "$POOL_SSD/volumes/$vol.img"
+    local file; file=$(image_of data ssd)
+    check "the volume's image is in that node's ssd pool" test -f "$file"
     check_eq "image size is the claim's size" $((10 << 30)) "$(stat -c %s "$file" 2>/dev/null)"
     local blocks; blocks=$(( $(stat -c %b "$file") * 512 ))
     check "the image is sparse (holds $((blocks >> 20)) MiB of 10 GiB)" test "$blocks" -lt $((1 << 30))
@@ -82,7 +81,8 @@ EOF
     local content handle
     content=$(jp volumesnapshot/snap '{.status.boundVolumeSnapshotContentName}')
     handle=$(kc get volumesnapshotcontent "$content" -o jsonpath='{.status.snapshotHandle}')
-    check "the snapshot is a file in the pool ($handle)" test -e "$POOL_SSD/snapshots/$handle.img"
+    check "the snapshot is a file in the pool of its volume's node ($handle)" \
+        test -e "$(pool_dir "$(node_of_pvc data)" ssd)/snapshots/$(bare_id "$handle").img"
     check_eq "snapshot size" 10Gi "$(jp volumesnapshot/snap '{.status.restoreSize}')"
     pvc restored 10Gi example-csi Filesystem "  dataSource: {apiGroup: snapshot.storage.k8s.io, kind: VolumeSnapshot, name: snap}"
     pvc clone 10Gi example-csi Filesystem "  dataSource: {kind: PersistentVolumeClaim, name: data}"
@@ -95,13 +95,35 @@ EOF
         check_sum "$p sees the same checksum" "$SUM" "$(in_pod $p cat /tmp/now.sum)"
     done
     local a b
-    a=$(volume_of restored); b=$(volume_of clone)
-    check "restore and clone are volumes of their own in the pool" \
-        test -f "$POOL_SSD/volumes/$a.img" -a -f "$POOL_SSD/volumes/$b.img" -a "$a" != "$b"
+    a=$(image_of restored ssd); b=$(image_of clone ssd)
+    check "restore and clone are volumes of their own in the ssd pool of their node" \
+        test -f "$a" -a -f "$b" -a "$a" != "$b"
     delete_pod reader-restored reader-clone
     kc -n "$NS" delete pvc restored clone --wait=true --timeout=120s >/dev/null
-    eventually 60 "restore and clone deleted from the pool" \
-        test ! -e "$POOL_SSD/volumes/$a.img" -a ! -e "$POOL_SSD/volumes/$b.img"
+    eventually 60 "restore and clone deleted from the pool" test ! -e "$a" -a ! -e "$b"
+
+    # A crash-consistent class: the claim in use is copied without a freeze,
+    # and its restore (the journal replayed at its first mount) holds what
+    # the pod had written and synced.
+    kc apply -f "$E2E_ROOT/deploy/examples/volumesnapshotclass-crash-consistent.yaml" >/dev/null
+    apply <<EOF
+apiVersion: snapshot.storage.k8s.io/v1
+kind: VolumeSnapshot
+metadata: {name: snap-crash}
+spec:
+  volumeSnapshotClassName: example-csi-crash-consistent
+  source: {persistentVolumeClaimName: data}
+EOF
+    eventually 120 "crash-consistent snapshot ready to use" field_is volumesnapshot/snap-crash '{.status.readyToUse}' true || return
+    pvc restored-crash 10Gi example-csi Filesystem "  dataSource: {apiGroup: snapshot.storage.k8s.io, kind: VolumeSnapshot, name: snap-crash}"
+    pod reader-crash restored-crash "$READ_DATA"
+    if eventually 120 "pod reader-crash running" pod_running reader-crash; then
+        eventually 30 "reader-crash read the data" in_pod reader-crash test -s /tmp/now.sum
+        check_sum "the crash-consistent snapshot's restore sees the same checksum" "$SUM" "$(in_pod reader-crash cat /tmp/now.sum)"
+    fi
+    delete_pod reader-crash
+    kc -n "$NS" delete pvc restored-crash --wait=true --timeout=120s >/dev/null
+    kc -n "$NS" delete volumesnapshot snap-crash --wait=true --timeout=120s >/dev/null
 }
 
 # can_grow_ext4_online: whether this kernel lets resize2fs grow a mounted ext4
@@ -261,26 +283,43 @@ scenario_group_snapshot() {
         echo "  NOT RUN  csi-snapshotter with --node-deployment does not make group snapshots"
         return
     fi
-    PVC_LABELS='group: pair' pvc g1 1Gi e2e-immediate
-    PVC_LABELS='group: pair' pvc g2 1Gi e2e-immediate
-    eventually 60 "both claims bound" all_of "pvc_bound g1" "pvc_bound g2" || return
-    apply <<EOF
+    # A group's members are on one node: with more than one, the claims are
+    # made on the node they name (the annotation the scheduler would set), on
+    # each node in turn.
+    local n i=0
+    for n in $(nodes_up); do
+        local ann=""
+        [ "$(nodes_up | grep -c .)" -gt 1 ] && ann="volume.kubernetes.io/selected-node: $n"
+        PVC_LABELS="group: pair$i" PVC_ANNOTATIONS=$ann pvc "g$i-1" 1Gi e2e-immediate
+        PVC_LABELS="group: pair$i" PVC_ANNOTATIONS=$ann pvc "g$i-2" 1Gi e2e-immediate
+        eventually 60 "both claims bound" all_of "pvc_bound g$i-1" "pvc_bound g$i-2" || return
+        check_eq "both on node $n" "$n $n" "$(node_of_pvc "g$i-1") $(node_of_pvc "g$i-2")"
+        apply <<EOF
 apiVersion: groupsnapshot.storage.k8s.io/v1
 kind: VolumeGroupSnapshot
-metadata: {name: pair}
+metadata: {name: pair$i}
 spec:
   volumeGroupSnapshotClassName: example-csi
-  source: {selector: {matchLabels: {group: pair}}}
+  source: {selector: {matchLabels: {group: pair$i}}}
 EOF
-    eventually 120 "group snapshot ready" field_is volumegroupsnapshot/pair '{.status.readyToUse}' true || return
-    local members
-    members=$(kc -n "$NS" get volumesnapshot -o json | python3 -c '
+        eventually 120 "group snapshot of two volumes on $n ready" \
+            field_is "volumegroupsnapshot/pair$i" '{.status.readyToUse}' true || return
+        check_eq "one member snapshot per claim" 2 "$(group_members "pair$i")"
+        local before; before=$(kc -n "$NS" get volumesnapshot -o name | grep -c .)
+        kc -n "$NS" delete volumegroupsnapshot "pair$i" --wait=true --timeout=120s >/dev/null
+        eventually 60 "member snapshots gone with the group" \
+            count_is $((before - 2)) kc -n "$NS" get volumesnapshot -o name
+        i=$((i + 1))
+    done
+}
+
+# group_members GROUP: how many VolumeSnapshots the VolumeGroupSnapshot GROUP owns.
+group_members() {
+    kc -n "$NS" get volumesnapshot -o json | python3 -c '
 import json, sys
 items = json.load(sys.stdin)["items"]
-print(sum(1 for i in items if any(o.get("kind") == "VolumeGroupSnapshot" for o in i["metadata"].get("ownerReferences", []))))')
-    check_eq "one member snapshot per claim" 2 "$members"
-    kc -n "$NS" delete volumegroupsnapshot pair --wait=true --timeout=120s >/dev/null
-    eventually 60 "member snapshots gone with the group" count_is 1 kc -n "$NS" get volumesnapshot -o name
+print(sum(1 for i in items if any(o.get("kind") == "VolumeGroupSnapshot" and o.get("name") == sys.argv[1]
+                                  for o in i["metadata"].get("ownerReferences", []))))' "$1"
 }
 
 scenario_fsgroup() {
@@ -351,18 +390,15 @@ loops_of() {
     losetup -n -O NAME,BACK-MAJ:MIN,BACK-INO 2>/dev/null | awk -v id="$id" '$2 " " $3 == id {print $1}'
 }
 
-# Two nodes, each with its own pools and node plugin (the distributed flavor):
-# the second kubelet starts now, the driver registers there with its own
-# topology, the provisioner publishes capacity per node, claims are made in
-# the pool of the node their pod is on, and a pod that names no node goes to
-# where its volume is.
+# Two nodes, each with its own pools and node plugin (the distributed and
+# cluster flavors): the driver registers on the second node with its own
+# topology, capacity is published per node, a claim is made in the pool of
+# the node its pod is pinned to, and a pod that names no node goes to where
+# its volume is.
 scenario_two_nodes() {
     scenario "two nodes: per-node provisioning, capacity and scheduling"
     local second=${NODES[1]}
-    if ! kc get node "$second" >/dev/null 2>&1; then
-        start_node 1 "$second"
-        POOL_DIRS+=("$W/node-$second/example-csi/pool" "$W/node-$second/example-csi/ssd")
-    fi
+    second_node_up
     eventually 180 "the node plugin runs on both nodes" node_plugin_on_nodes 2 || return
     eventually 120 "the kubelet of $second registered the driver" csinode_has_driver "$second" || return
     check_eq "$second carries its own topology label" "$second" \
@@ -372,22 +408,22 @@ scenario_two_nodes() {
         eventually 120 "CSIStorageCapacity of the ssd class for $n" capacity_for example-csi "$n"
     done
     # e2e-xfs provisions in the ssd pool
-    local pool0=$POOL_SSD pool1=$W/node-$second/example-csi/ssd i
-    local -a pools=("$pool0" "$pool1")
+    local i
+    local -a pools=("$(pool_dir "${NODES[0]}" ssd)" "$(pool_dir "${NODES[1]}" ssd)") images=()
     for i in 0 1; do
         n=${NODES[$i]}
         pvc "on-$i" 1Gi e2e-xfs
-        pod "on-$i" "on-$i" "$WRITE_DATA" "  nodeSelector: {kubernetes.io/hostname: $n}"
+        pod "on-$i" "on-$i" "$WRITE_DATA" "$(on_node "$n")"
     done
     for i in 0 1; do
         n=${NODES[$i]}
         eventually 120 "pod pinned to $n running" pod_running "on-$i" || return
         eventually 60 "pod on $n wrote its data" in_pod "on-$i" test -s /data/file.sum
-        local pv vol; pv=$(jp "pvc/on-$i" '{.spec.volumeName}'); vol=$(volume_of "on-$i")
-        check_eq "the PV of the claim used on $n is pinned to $n" "$n" \
-            "$(kc get pv "$pv" -o jsonpath='{.spec.nodeAffinity.required.nodeSelectorTerms[0].matchExpressions[?(@.key=="topology.example.csi/node")].values[0]}')"
+        local vol; vol=$(bare_id "$(volume_of "on-$i")")
+        check_eq "the PV of the claim used on $n is pinned to $n" "$n" "$(node_of_pvc "on-$i")"
         check "its image is in the pool of $n" test -f "${pools[$i]}/volumes/$vol.img"
         check "and not in the other node's pool" not test -e "${pools[$((1 - i))]}/volumes/$vol.img"
+        images+=("${pools[$i]}/volumes/$vol.img")
     done
     local -a sums=("$(in_pod on-0 cat /data/file.sum)" "$(in_pod on-1 cat /data/file.sum)")
     check "both pods' checksums read (${sums[0]:0:8}.., ${sums[1]:0:8}..)" is_sum "${sums[0]}" "${sums[1]}"
@@ -401,11 +437,208 @@ scenario_two_nodes() {
         check_eq "it was scheduled to where its volume is" "$n" "$(jp "pod/again-$i" '{.spec.nodeName}')"
         check_sum "it reads the data written there" "${sums[$i]}" "$(in_pod "again-$i" cat /tmp/now.sum)"
     done
-    local images; images="${pools[0]}/volumes/$(volume_of on-0).img ${pools[1]}/volumes/$(volume_of on-1).img"
     delete_pod again-0 again-1
     kc -n "$NS" delete pvc on-0 on-1 --wait=true --timeout=120s >/dev/null
-    # shellcheck disable=SC2086
-    eventually 60 "both volumes deleted from their node's pool" not ls $images
+    eventually 60 "both volumes deleted from their node's pool" not ls "${images[@]}"
+}
+
+# What the pods of the cross-node scenarios write: 64 MiB of random data and a
+# file with holes (1 MiB of data at 100 MiB and at 700 MiB), their checksums
+# and the holey file's allocated KiB.
+MOVE_WRITE='dd if=/dev/urandom of=/data/random bs=1M count=64 2>/dev/null && dd if=/dev/urandom of=/data/holey bs=1M count=1 seek=100 2>/dev/null && dd if=/dev/urandom of=/data/holey bs=1M count=1 seek=700 conv=notrunc 2>/dev/null && sync && sha256sum /data/random /data/holey > /data/sums.tmp && du -k /data/holey | cut -f1 > /data/holey.du && mv /data/sums.tmp /data/sums && sync && exec sleep 100000'
+MOVE_READ='sha256sum /data/random /data/holey > /tmp/sums.tmp && du -k /data/holey | cut -f1 > /tmp/holey.du && mv /tmp/sums.tmp /tmp/sums; exec sleep 100000'
+
+# Volumes that follow their workload (the cluster flavor): a claim written on
+# the first node; a VolumeSnapshot of it restored into a claim, and a clone of
+# it made, each used by a pod pinned to the second node. The second node pulls
+# the data from the first over the mesh; its pods read byte for byte what was
+# written, holes stay holes, the PVs name the second node, and the transfer is
+# told on the claim (Events) and by `csi-driver client transfers`.
+scenario_across_nodes() {
+    scenario "restore and clone on the other node: the data follows"
+    local a=${NODES[0]} b=${NODES[1]}
+    source_claim src "$a" "$MOVE_WRITE" /data/sums "64 MiB of random data and a file with holes" || return
+    local want holes
+    want=$(in_pod src cat /data/sums); holes=$(in_pod src cat /data/holey.du)
+    take_snapshot src-snap src || return
+    pvc src-restored 2Gi e2e-xfs Filesystem "  dataSource: {apiGroup: snapshot.storage.k8s.io, kind: VolumeSnapshot, name: src-snap}"
+    pvc src-clone 2Gi e2e-xfs Filesystem "  dataSource: {kind: PersistentVolumeClaim, name: src}"
+    pod on-b-restored src-restored "$MOVE_READ" "$(on_node "$b")"
+    pod on-b-clone src-clone "$MOVE_READ" "$(on_node "$b")"
+    local c source_image; source_image=$(image_of src ssd)
+    for c in restored clone; do
+        local claim=src-$c p=on-b-$c
+        eventually 180 "the pod on $b with the $c claim running" pod_running "$p" || continue
+        eventually 60 "it read the data" in_pod "$p" test -s /tmp/sums || continue
+        check_eq "the $c claim's PV is on $b (the volume's real topology)" "$b" "$(node_of_pvc "$claim")"
+        check_eq "the pod on $b reads byte for byte what was written on $a" "$want" "$(in_pod "$p" cat /tmp/sums)"
+        check_eq "the holey file keeps its holes ($holes KiB allocated of 701 MiB)" "$holes" "$(in_pod "$p" cat /tmp/holey.du)"
+        local image; image=$(image_of "$claim" ssd)
+        check "its image is in the ssd pool of $b" test -f "$image"
+        local got src_blocks
+        got=$(( $(stat -c %b "$image" 2>/dev/null || echo 0) * 512 ))
+        src_blocks=$(( $(stat -c %b "$source_image" 2>/dev/null || echo 0) * 512 ))
+        check "only what was allocated arrived: $((got >> 20)) MiB of 2 GiB (the source holds $((src_blocks >> 20)) MiB)" \
+            test "$got" -gt $((64 << 20)) -a "$got" -le $((src_blocks + (64 << 20)))
+        eventually 60 "Event TransferDone on the $c claim" claim_event_is "$claim" TransferDone
+        local sent incremental
+        read -r _ _ _ _ sent incremental <<<"$(transfers_of "$claim" | head -1)"
+        check "csi-driver client transfers on the controller lists it done, whole ($((${sent:-0} >> 20)) MiB of data sent, incremental: $incremental)" \
+            transfer_done_whole "$claim"
+    done
+    delete_pod on-b-restored on-b-clone src
+    kc -n "$NS" delete pvc src-restored src-clone --wait=true --timeout=120s >/dev/null
+    kc -n "$NS" delete volumesnapshot src-snap --wait=true --timeout=120s >/dev/null
+    kc -n "$NS" delete pvc src --wait=true --timeout=120s >/dev/null
+}
+
+# source_claim CLAIM NODE COMMAND DONE_FILE WHAT: a 2Gi xfs claim used by a
+# pod of the same name pinned to NODE, running COMMAND, which has written
+# WHAT once DONE_FILE is there.
+source_claim() {
+    pvc "$1" 2Gi e2e-xfs
+    pod "$1" "$1" "$3" "$(on_node "$2")"
+    eventually 120 "the source's pod on $2 running" pod_running "$1" || return
+    eventually 300 "it wrote $5" in_pod "$1" test -s "$4" || return
+    check_eq "the source claim's PV is on $2" "$2" "$(node_of_pvc "$1")"
+}
+
+# claim_event_is CLAIM REASON: an Event of REASON on the claim.
+claim_event_is() {
+    kc -n "$NS" get events --field-selector "involvedObject.kind=PersistentVolumeClaim,involvedObject.name=$1,reason=$2" \
+        -o name 2>/dev/null | grep -q .
+}
+
+# transfers_of CLAIM: "STATE BYTES_DONE BYTES_TOTAL RESUMED DATA_BYTES
+# INCREMENTAL" of each arrival for CLAIM the router lists (`csi-driver client
+# transfers` in the controller pod: every node's).
+transfers_of() {
+    kc -n "$DRIVER_NS" exec deploy/example-csi-controller -c csi-driver -- \
+        csi-driver client --output json transfers 2>/dev/null | python3 -c '
+import json, sys
+try:
+    transfers = json.load(sys.stdin).get("transfers", [])
+except ValueError:
+    sys.exit(1)
+for t in transfers:
+    if t.get("role") == "arriving" and t.get("claim") == sys.argv[1]:
+        print(t["state"], t["bytes_done"], t["bytes_total"], t["resumed"], t.get("data_bytes", 0),
+              str(t["incremental"]).lower())' "$NS/$1"
+}
+
+# transfer_done_whole CLAIM: the claim's arrival is done, every byte of it.
+transfer_done_whole() {
+    local state got total
+    read -r state got total _ <<<"$(transfers_of "$1" | head -1)"
+    [ "$state" = "done" ] && [ -n "$total" ] && [ "$got" = "$total" ]
+}
+
+# The network between the two nodes cut while a volume moves: 512 MiB of
+# random data written on the first node, its snapshot restored for a pod
+# pinned to the second; once data is arriving, the pods' subnets of the two
+# nodes are cut from each other (iptables DROP both ways) for 30 s: the
+# transfer makes no progress, then goes on from where it was durable (not
+# from zero) once the network is back, and the pod reads the data whole.
+# 30 s: longer than the agents' HTTP/2 keepalive (a ping every 15 s, 10 s to
+# answer) takes to see the connection dead. The restore's class caps its
+# transfer at PACED_BANDWIDTH, so that it lasts (16 s) well beyond the time
+# the node's metrics may be reused (5 s) whatever the machine's disks: the
+# cut comes while data is arriving, never after the end.
+CUT_SECONDS=30
+PACED_BANDWIDTH=32Mi
+scenario_network_cut() {
+    scenario "the network between the nodes cut during a transfer"
+    local a=${NODES[0]} b=${NODES[1]}
+    source_claim far "$a" 'dd if=/dev/urandom of=/data/big bs=1M count=512 2>/dev/null && sync && sha256sum /data/big | cut -c1-64 > /data/big.tmp && mv /data/big.tmp /data/big.sum && exec sleep 100000' \
+        /data/big.sum "512 MiB of random data" || return
+    local want; want=$(in_pod far cat /data/big.sum)
+    take_snapshot far-snap far || return
+    delete_pod far
+    local metrics; metrics=$(node_metrics_url "$b")
+    [ -n "$metrics" ] || { fail "no metrics address of the node plugin on $b"; return; }
+    kc apply -f - >/dev/null <<EOF
+apiVersion: storage.k8s.io/v1
+kind: StorageClass
+metadata: {name: e2e-xfs-paced}
+provisioner: example.csi.k8s.io
+parameters: {type: ssd, csi.storage.k8s.io/fstype: xfs, transferBandwidth: $PACED_BANDWIDTH}
+reclaimPolicy: Delete
+volumeBindingMode: WaitForFirstConsumer
+EOF
+    pvc far-b 2Gi e2e-xfs-paced Filesystem "  dataSource: {apiGroup: snapshot.storage.k8s.io, kind: VolumeSnapshot, name: far-snap}"
+    pod far-b far-b 'sha256sum /data/big | cut -c1-64 > /tmp/big.tmp && mv /tmp/big.tmp /tmp/big.sum; exec sleep 100000' "$(on_node "$b")"
+    # the cut comes at the first durable checkpoint seen, looked at often
+    local at_cut="" end=$((SECONDS + 120))
+    while [ $SECONDS -lt $end ] && ! arriving_bytes_over "$metrics" 0; do sleep 0.2; done
+    at_cut=$(arriving_bytes "$metrics")
+    check "data is arriving on $b ($((${at_cut:-0} >> 20)) MiB durable)" test -n "$at_cut"
+    if [ -z "$at_cut" ]; then
+        log "what the router lists for the claim (state done total resumed sent incremental): $(transfers_of far-b)"
+        log "the claim: $(jp pvc/far-b '{.status.phase}'), its pod: $(jp pod/far-b '{.status.phase}'), metrics of $b: $(curl -sf --max-time 3 "$metrics" | grep -c '^example_csi_transfer') transfer lines"
+        kc -n "$NS" get events --field-selector involvedObject.name=far-b 2>&1 | tail -5 | sed 's/^/    /'
+        return
+    fi
+    cut_between_nodes on
+    log "network between $a and $b cut for ${CUT_SECONDS}s (at $((at_cut >> 20)) MiB durable)"
+    sleep 5
+    local frozen; frozen=$(arriving_bytes "$metrics")
+    sleep $((CUT_SECONDS - 5))
+    local after_cut; after_cut=$(arriving_bytes "$metrics")
+    cut_between_nodes off
+    check "the cut held: no progress in its last $((CUT_SECONDS - 5)) s ($((frozen >> 20)) MiB, then $((after_cut >> 20)) MiB)" \
+        test -n "$frozen" -a "$frozen" = "$after_cut"
+    check "the transfer was not over when the network went ($((at_cut >> 20)) MiB durable)" test -n "$after_cut"
+    # From here the durable progress only grows: the transfer goes on from its
+    # last checkpoint, not from zero.
+    local low=$after_cut end=$((SECONDS + 300)) now
+    while [ $SECONDS -lt $end ]; do
+        now=$(arriving_bytes "$metrics")
+        [ -z "$now" ] && break
+        [ "$now" -lt "$low" ] && low=$now
+        sleep 0.5
+    done
+    check "after the cut the transfer went on from where it was durable (never below $((after_cut >> 20)) MiB; lowest $((low >> 20)) MiB)" \
+        test "${low:-0}" -ge "${after_cut:-1}"
+    eventually 300 "the pod on $b running once the data is whole" pod_running far-b || return
+    eventually 120 "it read the data" in_pod far-b test -s /tmp/big.sum
+    check_sum "the pod on $b reads the 512 MiB written on $a" "$want" "$(in_pod far-b cat /tmp/big.sum)"
+    local state got total resumed sent
+    read -r state got total resumed sent _ <<<"$(transfers_of far-b | head -1)"
+    check_eq "csi-driver client transfers: done, every byte ($((${sent:-0} >> 20)) MiB of data sent)" \
+        "done $total" "$state $got"
+    check "and it says the transfer resumed after the cut (resumed $resumed)" test "${resumed:-0}" -ge 1
+    eventually 60 "Event TransferResumed on the claim" claim_event_is far-b TransferResumed
+    eventually 60 "Event TransferDone on the claim" claim_event_is far-b TransferDone
+    delete_pod far-b
+    kc -n "$NS" delete pvc far-b --wait=true --timeout=120s >/dev/null
+    kc -n "$NS" delete volumesnapshot far-snap --wait=true --timeout=120s >/dev/null
+    kc -n "$NS" delete pvc far --wait=true --timeout=120s >/dev/null
+    kc delete storageclass e2e-xfs-paced >/dev/null
+}
+
+# node_metrics_url NODE: the metrics address of the node plugin on NODE (its
+# pod's address: the host reaches every node's pod subnet).
+node_metrics_url() {
+    local ip
+    ip=$(kc -n "$DRIVER_NS" get pod -l app.kubernetes.io/component=node --field-selector "spec.nodeName=$1" \
+        -o jsonpath='{.items[0].status.podIP}')
+    [ -n "$ip" ] && echo "http://$ip:9810/metrics"
+}
+
+# arriving_bytes URL: the bytes durable of the volume arriving on that node
+# (empty when none is arriving).
+arriving_bytes() {
+    curl -sf --max-time 3 "$1" | awk '/^example_csi_transfer_bytes_done\{/ {print $NF; exit}'
+}
+arriving_bytes_over() { local n; n=$(arriving_bytes "$1"); [ -n "$n" ] && [ "$n" -gt "$2" ]; }
+
+# cut_between_nodes on|off: drops, or lets through again, every packet
+# between the pod subnets of the first and second node (the node agents'
+# addresses).
+cut_between_nodes() {
+    local op=-I; [ "$1" = off ] && op=-D
+    iptables "$op" FORWARD -s "$POD_CIDR_BASE.0.0/24" -d "$POD_CIDR_BASE.1.0/24" -j DROP
+    iptables "$op" FORWARD -s "$POD_CIDR_BASE.1.0/24" -d "$POD_CIDR_BASE.0.0/24" -j DROP
 }
 
 # node_plugin_on_nodes N: the node plugin's pods ready on N nodes.
@@ -448,17 +681,20 @@ near() { [ -n "$1" ] && [ $(( ($1 - $2) * 50 )) -le "$2" ] && [ $(( ($2 - $1) * 
 # runs it; the scheduler keeps a pod whose claim cannot fit off the node and
 # the driver is never asked for the volume.
 scenario_capacity() {
-    scenario "capacity: CSIStorageCapacity for the node, and a claim too large for it"
-    eventually 120 "CSIStorageCapacity of the ssd class for $NODE" capacity_for example-csi "$NODE" || return
-    local cap max owner free want_owner
-    read -r cap max owner <<<"$(capacity_of example-csi "$NODE")"
-    free=$(df -B1 --output=avail "$POOL_SSD" | tail -1 | tr -d ' ')
-    check "published capacity ($cap) is the ssd pool's free space ($free)" near "$cap" "$free"
-    check_eq "maximum volume size is the capacity" "$cap" "$max"
-    want_owner=Deployment/example-csi-controller
-    [ "$FLAVOR" = distributed ] && want_owner="Pod/$(kc -n "$DRIVER_NS" get pod -l app.kubernetes.io/component=node \
-        --field-selector "spec.nodeName=$NODE" -o jsonpath='{.items[0].metadata.name}')"
-    check_eq "the capacity object's owner" "$want_owner" "$owner"
+    scenario "capacity: CSIStorageCapacity for each node, and a claim too large for it"
+    local n
+    for n in $(nodes_up); do
+        eventually 120 "CSIStorageCapacity of the ssd class for $n" capacity_for example-csi "$n" || return
+        local cap max owner free want_owner
+        read -r cap max owner <<<"$(capacity_of example-csi "$n")"
+        free=$(df -B1 --output=avail "$(pool_dir "$n" ssd)" | tail -1 | tr -d ' ')
+        check "published capacity for $n ($cap) is its ssd pool's free space ($free)" near "$cap" "$free"
+        check_eq "maximum volume size is the capacity" "$cap" "$max"
+        want_owner=Deployment/example-csi-controller
+        [ "$FLAVOR" = distributed ] && want_owner="Pod/$(kc -n "$DRIVER_NS" get pod -l app.kubernetes.io/component=node \
+            --field-selector "spec.nodeName=$n" -o jsonpath='{.items[0].metadata.name}')"
+        check_eq "the capacity object's owner" "$want_owner" "$owner"
+    done
     local before; before=$(pool_files)
     pvc huge 1Ti example-csi
     pod huge-user huge "exec sleep 100000"
@@ -480,7 +716,7 @@ pod_unschedulable_for() {
 scenario_churn() {
     scenario "20 claims at once while the controller pod is deleted"
     local before i
-    before=$(find "$POOL_DEFAULT/volumes" -mindepth 1 -maxdepth 1 | sort)
+    before=$(default_pool_volumes)
     churn_claims 1 10
     kc -n "$DRIVER_NS" delete pod -l app.kubernetes.io/component="$CONTROLLER_COMPONENT" --wait=false >/dev/null
     churn_claims 11 20
@@ -489,11 +725,17 @@ scenario_churn() {
     pvs=$(kc get pv -o jsonpath='{range .items[*]}{.spec.claimRef.name}{"\n"}{end}' | grep -c '^churn-')
     check_eq "one PV per claim" 20 "$pvs"
     local made
-    made=$(comm -13 <(echo "$before") <(find "$POOL_DEFAULT/volumes" -mindepth 1 -maxdepth 1 | sort) | grep -c .)
-    check_eq "one new image per claim in the pool, none leaked" 20 "$made"
+    made=$(comm -13 <(echo "$before") <(default_pool_volumes) | grep -c .)
+    check_eq "one new image per claim in the pools, none leaked" 20 "$made"
     kc -n "$NS" delete pvc -l churn=yes --wait=true --timeout=180s >/dev/null
-    eventually 120 "the 20 volumes deleted from the pool, nothing else" \
-        same_list "$before" find "$POOL_DEFAULT/volumes" -mindepth 1 -maxdepth 1
+    eventually 120 "the 20 volumes deleted from the pools, nothing else" \
+        same_list "$before" default_pool_volumes
+}
+
+# default_pool_volumes: the volumes in the default pool of every node, sorted.
+default_pool_volumes() {
+    local n
+    for n in $(nodes_up); do find "$(pool_dir "$n" pool)/volumes" -mindepth 1 -maxdepth 1 2>/dev/null; done | sort
 }
 
 # churn_claims FIRST LAST: claims churn-FIRST..churn-LAST in one request.
@@ -523,10 +765,199 @@ scenario_cleanup() {
     eventually 180 "no PersistentVolume left" count_is 0 kc get pv -o name
     eventually 60 "no VolumeSnapshotContent left" count_is 0 kc get volumesnapshotcontent -o name
     eventually 60 "the pools hold no volume or snapshot" count_is 0 pool_files
+    eventually 60 "no hold, replica or arrival record of a transfer left on any node" count_is 0 transfer_files \
+        || transfer_files | sed 's/^/        /'
     # the kubelet unstages after the pod is gone, on its own schedule
     eventually 60 "no loop device backed by a pool file" count_is 0 pool_loops \
         || losetup -n -O NAME,BACK-MAJ:MIN,BACK-FILE | sed 's/^/        /'
     eventually 60 "no mount of a volume under the kubelet's directory" count_is 0 volume_mounts
     eventually 60 "no staging directory left" count_is 0 find /var/lib/kubelet/plugins/kubernetes.io/csi \
         "$W"/node-*/kubelet/plugins/kubernetes.io/csi -mindepth 2 -maxdepth 4 -type d -name globalmount
+}
+
+# Volume and storage health in the API (the kubelet's CSIVolumeHealth gate):
+# the kubelet asks the node plugin every volumeStatsAggPeriod and writes what
+# it answers into the pod's status and the CSINode's. A volume in use whose
+# filesystem turns read-only under it (as ext4's errors=remount-ro does), then
+# a pool remounted read-only; each repaired, and its condition goes.
+scenario_health() {
+    scenario "volume and storage health in Pod.status.volumeHealth and CSINode.status.storageHealth"
+    pvc health 1Gi example-csi
+    # on the first node, whose mounts the host sees
+    pod health health "exec sleep 100000" "$(on_node "$NODE")"
+    eventually 120 "pod on the claim running" pod_running health || return
+    local image dev staged
+    image=$(pool_file_of "$(volume_of health)")
+    dev=$(loops_of "$image" | head -1)
+    staged=$(findmnt -n -o TARGET -S "$dev" 2>/dev/null | grep '/globalmount$' | head -1)
+    [ -n "$staged" ] || { fail "no staging mount of $dev found"; delete_pod health; return; }
+    check_eq "a healthy volume has no condition" "" "$(volume_health_of health data)"
+    mount -o remount,ro "$staged" || { fail "cannot remount $staged read-only"; delete_pod health; return; }
+    eventually 90 "Pod.status.volumeHealth: Degraded/FilesystemReadOnly" \
+        volume_health_is health data "Degraded/FilesystemReadOnly"
+    check "the pod cannot write" not in_pod health touch /data/x
+    mount -o remount,rw "$staged"
+    eventually 90 "repaired: the condition is gone" volume_health_is health data ""
+    check "the pod writes again" in_pod health touch /data/x
+    delete_pod health
+
+    # The default pool: no volume of it is in use now, so it can be remounted.
+    check_eq "the pools are healthy" "" "$(storage_health)"
+    mount -o remount,ro "$POOL_DEFAULT" || { fail "cannot remount $POOL_DEFAULT read-only"; return; }
+    eventually 90 "CSINode.status.storageHealth: StorageUnreachable/PoolReadOnly" \
+        storage_health_has "StorageUnreachable/PoolReadOnly"
+    mount -o remount,rw "$POOL_DEFAULT"
+    eventually 90 "repaired: the pool's condition is gone" not storage_health_has "PoolReadOnly"
+    kc -n "$NS" delete pvc health --wait=true --timeout=120s >/dev/null
+}
+
+# volume_health_of POD VOLUME: "STATUS/REASON" of each condition, one a line.
+volume_health_of() {
+    jp "pod/$1" "{range .status.volumeHealth[?(@.name==\"$2\")].healthConditions[*]}{.status}/{.reason}{\"\\n\"}{end}"
+}
+volume_health_is() { [ "$(volume_health_of "$1" "$2")" = "$3" ]; }
+
+# storage_health: the driver's "STATUS/REASON" conditions on the node's CSINode.
+storage_health() {
+    kc get csinode "$NODE" -o jsonpath='{range .status.storageHealth[?(@.name=="example.csi.k8s.io")].healthConditions[*]}{.status}/{.reason}{"\n"}{end}' 2>/dev/null
+}
+storage_health_has() { storage_health | grep -qx "$1"; }
+
+# The node plugin's driver hangs (stopped with SIGSTOP): its liveness
+# endpoint (livenessprobe calling Probe, or the driver's own with the
+# builtin-sidecars component) stops answering, the kubelet's liveness probe
+# fails and the kubelet restarts the driver's container, which serves again.
+scenario_liveness() {
+    scenario "a hung node plugin is restarted by its liveness probe"
+    local pod
+    pod=$(kc -n "$DRIVER_NS" get pod -l app.kubernetes.io/component=node --field-selector "spec.nodeName=$NODE" \
+        -o jsonpath='{.items[0].metadata.name}')
+    [ -n "$pod" ] || { fail "no node plugin pod"; return; }
+    local restarts id pid
+    restarts=$(jp "pod/$pod" '{.status.containerStatuses[?(@.name=="csi-driver")].restartCount}' "$DRIVER_NS")
+    id=$(jp "pod/$pod" '{.status.containerStatuses[?(@.name=="csi-driver")].containerID}' "$DRIVER_NS")
+    pid=$(ctr_ --address "$W/containerd-$NODE/containerd.sock" -n k8s.io tasks ls 2>/dev/null \
+        | awk -v id="${id#containerd://}" '$1 == id {print $2}')
+    [ -n "$pid" ] || { fail "no process of the driver's container $id"; return; }
+    kill -STOP "$pid"
+    eventually 180 "the kubelet restarted the hung driver's container" \
+        restarted_after "$pod" "$restarts"
+    check "it was the liveness probe that failed (event Unhealthy)" liveness_failed "$pod"
+    eventually 120 "the node plugin is ready again" \
+        kc -n "$DRIVER_NS" wait "pod/$pod" --for=condition=Ready --timeout=5s
+    eventually 60 "the kubelet still lists the driver" csinode_has_driver
+    pvc alive 64Mi e2e-immediate
+    pod alive alive "exec sleep 100000"
+    eventually 120 "a volume is staged and published through the restarted driver" pod_running alive
+    delete_pod alive
+    kc -n "$NS" delete pvc alive --wait=true --timeout=120s >/dev/null
+}
+
+# restarted_after POD N: the driver container of POD restarted more than N times.
+restarted_after() {
+    local now
+    now=$(jp "pod/$1" '{.status.containerStatuses[?(@.name=="csi-driver")].restartCount}' "$DRIVER_NS")
+    [ -n "$now" ] && [ "$now" -gt "$2" ]
+}
+
+liveness_failed() {
+    kc -n "$DRIVER_NS" get events --field-selector "involvedObject.name=$1,reason=Unhealthy" \
+        -o jsonpath='{.items[*].message}' | grep -q "Liveness probe failed"
+}
+
+# Changed block tracking through Kubernetes (the snapshot-metadata
+# component): a block volume written in two rounds with a VolumeSnapshot
+# after each; a backup client pod, with a ServiceAccount bound to the
+# component's client ClusterRole, lists with external-snapshot-metadata's
+# lister (its token made for the SnapshotMetadataService's audience, over
+# TLS to the sidecar) the allocated blocks of each snapshot and the blocks
+# changed between them, which are exactly the ranges written. A token of a
+# ServiceAccount without that RBAC is refused by the sidecar.
+scenario_snapshot_metadata() {
+    scenario "changed block tracking: allocated and changed blocks of two VolumeSnapshots"
+    local seg=65536
+    pvc cbt 16Mi example-csi-block Block
+    block_pod cbt-writer cbt "exec sleep 100000"
+    eventually 120 "block pod running" pod_running cbt-writer || return
+    # (64 KiB block, count) written: 0 +1, 1 MiB +1, 5 MiB +2; then 1 MiB
+    # again and 8 MiB +1
+    write_blocks cbt-writer 0:1 16:1 80:2 || { fail "first writes"; return; }
+    take_snapshot cbt-a cbt || return
+    write_blocks cbt-writer 16:1 128:1 || { fail "second writes"; return; }
+    take_snapshot cbt-b cbt || return
+
+    kc -n "$NS" create serviceaccount backup >/dev/null
+    kc -n "$NS" create serviceaccount outsider >/dev/null
+    kc create clusterrolebinding e2e-backup --clusterrole=example-csi-snapshot-metadata-client \
+        --serviceaccount="$NS:backup" >/dev/null
+    route_service "$DRIVER_NS" example-csi-snapshot-metadata || { fail "no route to the snapshot metadata service"; return; }
+    local ip; ip=$(kc -n "$DRIVER_NS" get service example-csi-snapshot-metadata -o jsonpath='{.spec.clusterIP}')
+    apply <<EOF2
+apiVersion: v1
+kind: Pod
+metadata: {name: backup, labels: {e2e: "true"}}
+spec:
+  serviceAccountName: backup
+  terminationGracePeriodSeconds: 1
+  # no cluster DNS here: the service's name, as the SnapshotMetadataService says it
+  hostAliases: [{ip: "$ip", hostnames: [example-csi-snapshot-metadata.example-csi]}]
+  containers:
+    - name: client
+      image: $LISTER_IMAGE
+      imagePullPolicy: Never
+      command: ["sh", "-c", "exec sleep 100000"]
+EOF2
+    eventually 120 "backup client running" pod_running backup || return
+    check_eq "allocated blocks of the first snapshot" \
+        "0+$seg $((16 * seg))+$seg $((80 * seg))+$((2 * seg))" "$(listed_ranges -s cbt-a)"
+    check_eq "allocated blocks of the second snapshot" \
+        "0+$seg $((16 * seg))+$seg $((80 * seg))+$((2 * seg)) $((128 * seg))+$seg" "$(listed_ranges -s cbt-b)"
+    check_eq "blocks changed from the first snapshot to the second" \
+        "$((16 * seg))+$seg $((128 * seg))+$seg" "$(listed_ranges -s cbt-b -p cbt-a)"
+    local refused
+    # (the lister takes the ServiceAccount's namespace only when told)
+    refused=$(in_pod backup snapshot-metadata-lister -n "$NS" -s cbt-a \
+        --service-account outsider --service-account-namespace "$NS" 2>&1)
+    printf '%s\n' "$refused" >"$W/logs/lister-outsider.log"
+    check "the sidecar refuses a token of a ServiceAccount without the RBAC (PermissionDenied)" \
+        grep -q PermissionDenied <<<"$refused"
+    check_eq "and lists nothing for it" "" "$(awk '$3 ~ /_LENGTH$/' <<<"$refused")"
+    delete_pod backup cbt-writer
+    kc delete clusterrolebinding e2e-backup >/dev/null
+    kc -n "$NS" delete volumesnapshot cbt-a cbt-b --wait=true --timeout=120s >/dev/null
+    kc -n "$NS" delete pvc cbt --wait=true --timeout=120s >/dev/null
+}
+
+# write_blocks POD SEEK:COUNT...: random 64 KiB blocks written to the pod's
+# device at those places (in 64 KiB), flushed.
+write_blocks() {
+    local pod=$1 w; shift
+    for w in "$@"; do
+        in_pod "$pod" dd if=/dev/urandom of=/dev/xvda bs=64k seek="${w%%:*}" count="${w##*:}" \
+            conv=notrunc,fsync 2>/dev/null || return 1
+    done
+}
+
+# take_snapshot NAME CLAIM: a VolumeSnapshot of CLAIM, ready to use.
+take_snapshot() {
+    apply <<EOF2
+apiVersion: snapshot.storage.k8s.io/v1
+kind: VolumeSnapshot
+metadata: {name: $1}
+spec:
+  volumeSnapshotClassName: example-csi
+  source: {persistentVolumeClaimName: $2}
+EOF2
+    eventually 120 "snapshot $1 ready to use" field_is "volumesnapshot/$1" '{.status.readyToUse}' true
+}
+
+# listed_ranges ARGS...: what the backup pod's lister lists (its table), as
+# "OFFSET+SIZE" ranges with adjacent ones joined, in order.
+listed_ranges() {
+    in_pod backup snapshot-metadata-lister -n "$NS" "$@" 2>"$W/logs/lister.err" \
+        | awk '$3 ~ /^(FIXED_LENGTH|VARIABLE_LENGTH)$/ {print $4, $5}' | sort -n \
+        | awk 'NR > 1 && $1 == end {end += $2; next}
+               NR > 1 {printf "%s%d+%d", sep, start, end - start; sep = " "}
+               {start = $1; end = $1 + $2}
+               END {if (NR) printf "%s%d+%d", sep, start, end - start; print ""}'
 }

@@ -1,4 +1,6 @@
 # shellcheck shell=bash
+# The globals set here are read by the other e2e/lib/*.sh files.
+# shellcheck disable=SC2034
 # Kubernetes' own storage e2e suite, "External Storage": the e2e test binary of
 # the cluster's release, given e2e/testdriver.yaml, runs every test pattern of
 # every storage test suite against the driver as the central overlay deploys
@@ -36,7 +38,9 @@ suite_skip_patterns() {
 # sources on the same busybox layer (the tests run shell commands in it too);
 # glibc-dns-testing (the multi-volume tests want GNU dd and sha256sum) and
 # nginx (the exec test wants a shell and chmod) as the Debian root filesystem
-# of the driver's image. Made after
+# of the driver's image; hello-populator and volume-data-source-validator
+# (the "any volume data source" test deploys them) built from their released
+# sources, under the names the release's test manifests give them. Made after
 # build_images, before the nodes start (they import every image).
 suite_images() {
     local bin=$E2E_CACHE/suite-$KUBERNETES_VERSION dir=$W/images
@@ -58,6 +62,19 @@ suite_images() {
                              --layer "$(driver_rootfs)" --cmd '["sh"]' ;;
         esac
     done
+    # what the "any volume data source" test deploys
+    local manifests image exe
+    manifests=$(go env GOMODCACHE)/k8s.io/kubernetes@$KUBERNETES_VERSION/test/e2e/testing-manifests/storage-csi/any-volume-datasource
+    for name in hello-populator volume-data-source-validator; do
+        image=$(grep -rhoE "registry\.k8s\.io/sig-storage/$name:[^\" ]+" "$manifests" 2>/dev/null | head -1)
+        [ -n "$image" ] || die "the suite's manifests ($manifests) name no $name image"
+        exe=$E2E_CACHE/populator-$POPULATOR_VERSION/hello-populator
+        [ "$name" = volume-data-source-validator ] && exe=$E2E_CACHE/validator-$VALIDATOR_VERSION/volume-data-source-validator
+        rm -rf "${dir:?}/$name"; mkdir -p "$dir/$name"; cp "$exe" "$dir/$name/"
+        python3 "$E2E_ROOT/e2e/lib/mkimage.py" "$dir/suite-$name.tar" "$image" \
+            --layer "$dir/$name" --entrypoint "[\"/$name\"]"
+        names="$names $image"
+    done
     log "suite images: $(echo $names)"
 }
 
@@ -72,6 +89,8 @@ run_suite() {
     check_eq "CSINode's volume limit is the node plugin's" "$SUITE_VOLUME_LIMIT" \
         "$(kc get csinode "$NODE" -o jsonpath='{.spec.drivers[?(@.name=="example.csi.k8s.io")].allocatable.count}')"
     scenario "Kubernetes' External Storage suite ($KUBERNETES_VERSION, $SUITE_PROCS processes)"
+    kc apply -f "$E2E_ROOT/e2e/manifests/preloaded-images.yaml" >/dev/null \
+        || fail "the policy that gives pods pulling Always the imported image"
     mkdir -p "$out"
     local skip start=$SECONDS
     skip=$(suite_skip_patterns | paste -sd'|')
