@@ -67,6 +67,8 @@ if [ -n "$STRESS" ] && ! command -v stress-ng >/dev/null; then
     exit 2
 fi
 if [ ${#BENCH_ARGS[@]} = 0 ]; then
+    # The commas are csi-bench's list syntax, inside one argument.
+    # shellcheck disable=SC2054
     BENCH_ARGS=(--scale-steps 0,2000,10000,100000 --memory-volumes 10000,100000
         --startup-volumes 10000,100000 --startup-repeats 3 --snapshot-sizes 100Mi,1Gi,16Gi
         --b-max-volumes 10000)
@@ -180,7 +182,7 @@ echo "== running csi-bench"
 "$BENCH" "${REFERENCE[@]}" \
     --a-name csi-driver \
     --a-endpoint "unix://$WORK/a.sock" \
-    --a-start "$DRIVER --endpoint unix://$WORK/a.sock --nodeid bench-node --pool default=$WORK/a/pool --state-dir $WORK/a/state --log-level warn${DRIVER_FLAGS[*]:+ ${DRIVER_FLAGS[*]}}" \
+    --a-start "$DRIVER --endpoint unix://$WORK/a.sock --nodeid bench-node --pool default=$WORK/a/pool --state-dir $WORK/a/state --allowed-path-root $WORK/scratch --log-level warn${DRIVER_FLAGS[*]:+ ${DRIVER_FLAGS[*]}}" \
     --a-pool "$WORK/a/pool" \
     --scratch "$WORK/scratch" \
     --out "$OUT" \

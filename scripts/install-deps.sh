@@ -4,7 +4,8 @@ set -euo pipefail
 export PATH="$PATH:/usr/local/go/bin:$HOME/.cargo/bin:/usr/sbin:/sbin"
 need=()
 for pair in mkfs.xfs:xfsprogs mkfs.btrfs:btrfs-progs mkfs.ext4:e2fsprogs losetup:mount \
-            findmnt:util-linux blkid:util-linux bc:bc python3:python3 pip3:python3-pip; do
+            findmnt:util-linux blkid:util-linux bc:bc python3:python3 pip3:python3-pip \
+            shellcheck:shellcheck; do
   command -v "${pair%%:*}" >/dev/null 2>&1 || need+=("${pair#*:}")
 done
 if [ ${#need[@]} -gt 0 ]; then
@@ -39,9 +40,22 @@ if ! go version -m "$gobin/grpcurl" 2>/dev/null | grep -Eq "^\s+mod\s+github.com
   (cd "${TMPDIR:-/tmp}" && go install "github.com/fullstorydev/grpcurl/cmd/grpcurl@$GRPCURL_VERSION")
 fi
 command -v cargo >/dev/null || { echo "Rust (cargo) is required"; exit 1; }
+# The check that every crate uses each dependency it names (test-all.sh).
+CARGO_MACHETE_VERSION=0.9.2
+if [ "$(cargo machete --version 2>/dev/null)" != "$CARGO_MACHETE_VERSION" ]; then
+  echo "installing cargo-machete $CARGO_MACHETE_VERSION"
+  cargo install --quiet --locked cargo-machete --version "$CARGO_MACHETE_VERSION"
+fi
 if command -v rustup >/dev/null; then
   for c in rustfmt clippy; do
     rustup component list --installed 2>/dev/null | grep -q "^$c" || rustup component add "$c"
   done
+fi
+# cargo deny (scripts/deny.sh): built from crates.io once, about ten minutes
+# on two cores; kept in ~/.cargo/bin afterwards.
+CARGO_DENY_VERSION=0.20.2
+if ! cargo deny --version 2>/dev/null | grep -qx "cargo-deny $CARGO_DENY_VERSION"; then
+  echo "installing cargo-deny $CARGO_DENY_VERSION"
+  nice cargo install --locked --quiet cargo-deny --version "$CARGO_DENY_VERSION"
 fi
 echo "dependencies present"

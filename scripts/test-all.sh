@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Runs every test of example-csi: formatting and lints, the Rust unit and
-# integration tests (real loop devices, mkfs and mounts: run as root), the CSI
+# Runs every test of example-csi: formatting, lints and unused dependencies, the
+# Rust unit and integration tests (real loop devices, mkfs and mounts: run as root), the CSI
 # contract check, csi-sanity in every configuration, the deploy/ validation, and
-# the end-to-end scenarios on a real single-node Kubernetes (central flavor).
+# the end-to-end scenarios on a real Kubernetes: the central flavor on one node,
+# then the cluster flavor (the default deployment) on two kubelets.
 # Installs what is missing first, so it works on a fresh machine.
 #
 # The tests that need root are marked #[ignore = "needs root: ..."], so that a
@@ -13,13 +14,23 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export PATH="$PATH:/usr/local/go/bin:$HOME/go/bin:/root/go/bin:/usr/sbin:/sbin:$HOME/.cargo/bin"
 log=$(mktemp /tmp/example-csi-test.XXXXXX)
+results=$(mktemp -d /tmp/example-csi-results.XXXXXX)
 prebuild_log=$(mktemp /tmp/example-csi-e2e-build.XXXXXX)
 prebuild=""
 cleanup() {
     [ -n "$prebuild" ] && kill -- "-$prebuild" 2>/dev/null
-    rm -f "$log" "$prebuild_log"
+    rm -rf "$log" "$results" "$prebuild_log"
 }
 trap cleanup EXIT
+
+# count FILE KEY: the number KEY of the JSON a step wrote (empty without one).
+count() {
+    python3 -c 'import json, sys
+try:
+    print(int(json.load(open(sys.argv[1]))[sys.argv[2]]))
+except (OSError, ValueError, KeyError):
+    pass' "$1" "$2"
+}
 
 step() { echo; echo "==== $* (at $(( SECONDS / 60 )) min)"; }
 
@@ -42,6 +53,16 @@ step "format and lints"
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --quiet -- -D warnings
 
+step "dependencies: advisories, licenses, bans, sources (cargo deny)"
+scripts/deny.sh
+
+step "unused dependencies"
+cargo machete
+
+step "shell scripts (shellcheck)"
+# shellcheck disable=SC2046
+shellcheck -S warning $(git ls-files '*.sh')
+
 step "build"
 cargo build --workspace --all-targets --quiet
 
@@ -62,11 +83,11 @@ fi
 
 step "csi-sanity"
 set +e
-CSI_DRIVER_BIN="$PWD/target/debug/csi-driver" csi-sanity/run.sh 2>&1 | tee "$log"
-src=${PIPESTATUS[0]}
+RESULT_JSON="$results/csi-sanity.json" CSI_DRIVER_BIN="$PWD/target/debug/csi-driver" csi-sanity/run.sh
+src=$?
 set -e
-sanity_passed=$(grep -E "^csi-sanity: [0-9]+ passed" "$log" | sed -E 's/^csi-sanity: ([0-9]+) passed.*/\1/')
-sanity_failed=$(grep -E "^csi-sanity: [0-9]+ passed" "$log" | sed -E 's/.* ([0-9]+) failed.*/\1/')
+sanity_passed=$(count "$results/csi-sanity.json" passed)
+sanity_failed=$(count "$results/csi-sanity.json" failed)
 [ "$src" -ne 0 ] && [ "${sanity_failed:-0}" = 0 ] && sanity_failed=1
 
 step "deploy/ manifests"
@@ -76,17 +97,20 @@ drc=${PIPESTATUS[0]}
 set -e
 deploy_failed=0; [ "$drc" -ne 0 ] && deploy_failed=1
 
-step "end-to-end on a real Kubernetes (e2e/run.sh --flavor central)"
+step "end-to-end on a real Kubernetes (e2e/run.sh --flavor central --flavor cluster)"
 set +e
 if [ -n "$prebuild" ]; then
     wait "$prebuild" || { echo "the background build failed; e2e/run.sh builds what is missing:"; tail -20 "$prebuild_log"; }
     prebuild=""
 fi
-e2e/run.sh --flavor central 2>&1 | tee "$log"
-erc=${PIPESTATUS[0]}
+# central covers what only it deploys (changed block tracking); cluster, the
+# default deployment, every other scenario on two nodes and the volumes that
+# move between them.
+RESULT_JSON="$results/e2e.json" e2e/run.sh --flavor central --flavor cluster
+erc=$?
 set -e
-e2e_passed=$(grep -E "^e2e .*: [0-9]+ passed" "$log" | sed -E 's/.*: ([0-9]+) passed.*/\1/')
-e2e_failed=$(grep -E "^e2e .*: [0-9]+ passed" "$log" | sed -E 's/.* ([0-9]+) failed.*/\1/')
+e2e_passed=$(count "$results/e2e.json" passed)
+e2e_failed=$(count "$results/e2e.json" failed)
 [ "$erc" -ne 0 ] && [ "${e2e_failed:-0}" = 0 ] && e2e_failed=1
 
 passed=$(( ${cargo_passed:-0} + ${sanity_passed:-0} + ${e2e_passed:-0} ))

@@ -3,6 +3,9 @@
 //!
 //! Scenarios: create-delete, scale, snapshot, node, startup, memory.
 
+#![forbid(unsafe_code)]
+
+mod hammer;
 mod report;
 mod scenarios;
 mod svg;
@@ -126,15 +129,32 @@ pub struct Args {
     /// Parameters of the volumes made by snapshot (KEY=VALUE, repeatable).
     #[arg(long = "snapshot-param", default_value = "kind=image", value_parser = parse_pair)]
     snapshot_params: Vec<(String, String)>,
+    /// Parameters of the snapshots snapshot takes, as a VolumeSnapshotClass
+    /// gives them (KEY=VALUE, repeatable; e.g. consistency=crash-consistent).
+    #[arg(long = "snapshot-class-param", value_parser = parse_pair)]
+    snapshot_class_params: Vec<(String, String)>,
     /// Parameters of all other volumes (KEY=VALUE, repeatable).
     #[arg(long = "param", value_parser = parse_pair)]
     params: Vec<(String, String)>,
+    /// A topology segment (KEY=VALUE) every CreateVolume requires, as a CO
+    /// passes the node it chose: through a cluster's controller, the node the
+    /// volumes go to.
+    #[arg(long, value_parser = parse_pair)]
+    topology: Option<(String, String)>,
     /// Where staging and target directories are made.
     #[arg(long, default_value = "/tmp/csi-bench-scratch")]
     scratch: PathBuf,
     /// Folder for results.json, results.txt and the SVG charts.
     #[arg(long, default_value = "csi-bench-report")]
     out: PathBuf,
+
+    /// While the scenarios run, keep clients scraping GET /metrics at this
+    /// HOST:PORT (each scrape on a new connection).
+    #[arg(long)]
+    metrics_hammer: Option<String>,
+    /// How many clients --metrics-hammer keeps busy.
+    #[arg(long, default_value_t = 300)]
+    metrics_hammer_connections: usize,
 }
 
 fn parse_pair(s: &str) -> Result<(String, String), String> {
@@ -145,6 +165,9 @@ fn parse_pair(s: &str) -> Result<(String, String), String> {
 
 fn main() -> ExitCode {
     let args = Args::parse();
+    if let Some(t) = args.topology.clone() {
+        let _ = target::TOPOLOGY.set(t);
+    }
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -207,6 +230,10 @@ async fn run(args: Args) -> Result<(), String> {
         let (t, _) = Target::open(s).await?;
         targets.push(t);
     }
+    let hammer = args
+        .metrics_hammer
+        .as_deref()
+        .map(|a| hammer::Hammer::start(a, args.metrics_hammer_connections));
     let mut results: Vec<Vec<Figures>> = vec![Vec::new(); targets.len()];
     for round in 0..args.rounds {
         for (i, t) in targets.iter_mut().enumerate() {
@@ -222,6 +249,16 @@ async fn run(args: Args) -> Result<(), String> {
         }
     }
     drop(targets);
+    if let Some(h) = hammer {
+        let (answered, refused) = h.stop().await;
+        let line = format!(
+            "metrics hammer: {} clients, {answered} scrapes answered, {refused} refused or failed\n",
+            args.metrics_hammer_connections
+        );
+        eprint!("{line}");
+        std::fs::write(args.out.join("hammer.txt"), line)
+            .map_err(|e| format!("{}: {e}", args.out.display()))?;
+    }
     let names = targets_names(&results, &args);
     report::write(&args, &names, &results)?;
     print!(
@@ -317,7 +354,8 @@ async fn run_round(
         };
         let sizes = &args.snapshot_sizes;
         let repeats = args.snapshot_repeats as usize;
-        scenarios::snapshot(t, &tag, sizes, repeats, &with, &mut out).await?;
+        let class = &args.snapshot_class_params;
+        scenarios::snapshot(t, &tag, sizes, repeats, (&with, class), &mut out).await?;
     }
     ladder(t, args, &has, &tag, most, &mut out).await?;
     Ok(out)

@@ -521,11 +521,12 @@ pub async fn snapshot(
     tag: &str,
     sizes: &[i64],
     repeats: usize,
-    with: &Volumes<'_>,
+    (with, class): (&Volumes<'_>, &[(String, String)]),
     out: &mut Figures,
 ) -> Result<(), Error> {
     for &size in sizes {
-        snapshot_of(t, &format!("bench-snap-{tag}"), size, repeats, with, out).await?;
+        let name = format!("bench-snap-{tag}");
+        snapshot_of(t, &name, size, repeats, (with, class), out).await?;
     }
     Ok(())
 }
@@ -536,7 +537,7 @@ async fn snapshot_of(
     name: &str,
     size: i64,
     repeats: usize,
-    with: &Volumes<'_>,
+    (with, class): (&Volumes<'_>, &[(String, String)]),
     out: &mut Figures,
 ) -> Result<(), Error> {
     let label = size_label(size);
@@ -557,9 +558,50 @@ async fn snapshot_of(
         pool,
         out,
         (&prefix, "create_snapshot", "snapshot_space"),
-        create_snapshot(&mut t.ctl, &v.volume_id, &format!("{name}-s")),
+        create_snapshot(&mut t.ctl, &v.volume_id, &format!("{name}-s"), class),
     )
     .await?;
+    let made_from = MadeFrom {
+        name: &name,
+        size: vol_size,
+        snapshot_id: &snap.snapshot_id,
+        volume_id: &v.volume_id,
+    };
+    restores_and_clones(t, with, &made_from, repeats, &prefix, out).await?;
+    t.ctl
+        .delete_snapshot(csi::DeleteSnapshotRequest {
+            snapshot_id: snap.snapshot_id.clone(),
+            ..Default::default()
+        })
+        .await
+        .map_err(|s| status("DeleteSnapshot", s))?;
+    unpublish_unstage(t, &v.volume_id, &staging, &target).await?;
+    let _ = std::fs::remove_dir(&staging);
+    let _ = std::fs::remove_dir(&target);
+    delete(&mut t.ctl, &v.volume_id).await
+}
+
+/// What restores and clones of the snapshot scenario are made from.
+struct MadeFrom<'a> {
+    name: &'a str,
+    size: i64,
+    snapshot_id: &'a str,
+    volume_id: &'a str,
+}
+
+/// Times `repeats` restores of the snapshot and clones of the volume, with the
+/// space the first of each takes.
+async fn restores_and_clones(
+    t: &mut Target,
+    with: &Volumes<'_>,
+    src: &MadeFrom<'_>,
+    repeats: usize,
+    prefix: &str,
+    out: &mut Figures,
+) -> Result<(), Error> {
+    let pool = t.spec.pool.clone();
+    let pool = pool.as_deref();
+    let (name, vol_size) = (src.name, src.size);
     let from = |suffix: &str, source: csi::volume_content_source::Type| {
         let mut req = with.create_req(&format!("{name}-{suffix}"), vol_size);
         req.volume_content_source = Some(csi::VolumeContentSource {
@@ -569,11 +611,11 @@ async fn snapshot_of(
     };
     let restore =
         csi::volume_content_source::Type::Snapshot(csi::volume_content_source::SnapshotSource {
-            snapshot_id: snap.snapshot_id.clone(),
+            snapshot_id: src.snapshot_id.to_string(),
         });
     let clone =
         csi::volume_content_source::Type::Volume(csi::volume_content_source::VolumeSource {
-            volume_id: v.volume_id.clone(),
+            volume_id: src.volume_id.to_string(),
         });
     let kinds = [("restore", "r", restore), ("clone", "c", clone)];
     let mut times = vec![Vec::new(); kinds.len()];
@@ -606,27 +648,19 @@ async fn snapshot_of(
     for ((what, _, _), times) in kinds.iter().zip(&times) {
         out.put(format!("{prefix}/{what}_ms"), crate::report::median(times));
     }
-    t.ctl
-        .delete_snapshot(csi::DeleteSnapshotRequest {
-            snapshot_id: snap.snapshot_id.clone(),
-            ..Default::default()
-        })
-        .await
-        .map_err(|s| status("DeleteSnapshot", s))?;
-    unpublish_unstage(t, &v.volume_id, &staging, &target).await?;
-    let _ = std::fs::remove_dir(&staging);
-    let _ = std::fs::remove_dir(&target);
-    delete(&mut t.ctl, &v.volume_id).await
+    Ok(())
 }
 
 async fn create_snapshot(
     ctl: &mut ControllerClient<Channel>,
     source: &str,
     name: &str,
+    class: &[(String, String)],
 ) -> Result<csi::Snapshot, Error> {
     ctl.create_snapshot(csi::CreateSnapshotRequest {
         source_volume_id: source.to_string(),
         name: name.to_string(),
+        parameters: class.iter().cloned().collect(),
         ..Default::default()
     })
     .await

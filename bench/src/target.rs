@@ -190,17 +190,31 @@ pub fn mount_cap(fs: &str) -> csi::VolumeCapability {
     }
 }
 
+/// The topology segment every CreateVolume requires (`--topology`), as a CO
+/// passes the node it scheduled a pod to.
+pub static TOPOLOGY: std::sync::OnceLock<(String, String)> = std::sync::OnceLock::new();
+
 pub fn create_req(
     name: &str,
     size: i64,
     fs: &str,
     params: &[(String, String)],
 ) -> csi::CreateVolumeRequest {
+    let accessibility_requirements = TOPOLOGY.get().map(|(k, v)| {
+        let at = csi::Topology {
+            segments: [(k.clone(), v.clone())].into_iter().collect(),
+        };
+        csi::TopologyRequirement {
+            requisite: vec![at.clone()],
+            preferred: vec![at],
+        }
+    });
     csi::CreateVolumeRequest {
         name: name.to_string(),
         capacity_range: csi_glue::capacity_at_least(size),
         volume_capabilities: vec![mount_cap(fs)],
         parameters: params.iter().cloned().collect::<BTreeMap<_, _>>(),
+        accessibility_requirements,
         ..Default::default()
     }
 }

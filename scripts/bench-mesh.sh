@@ -1,0 +1,162 @@
+#!/usr/bin/env bash
+# The multi-node control plane measured on one machine: two node agents (each
+# a driver with its own xfs pool and state, --agent-listen on loopback, mutual
+# TLS) and the cluster's controller (--mode router) in front of them.
+#
+#   hop:      csi-bench create-delete through the router (every call crosses
+#             the mTLS hop to node-a) against node-a's own socket, A B A B A B;
+#   transfer: a volume's snapshot restored on the other node (its data pulled
+#             over the mesh, piece by piece, digests checked, durable at each
+#             checkpoint), SIZE of data written at random (all of it
+#             allocated) and then half of it, and the first volume again
+#             after 1% of it changed (an incremental move); beside each, the
+#             same image copied on the same disk (cp --sparse=always
+#             --reflink=never, then sync), what a copy on this machine takes.
+#
+# Usage (root): scripts/bench-mesh.sh OUT [SIZE_MIB] [COUNT]
+# CSI_DRIVER_BIN and CSI_BENCH_BIN name the binaries (default: target/release,
+# built if missing). Everything it makes is torn down on exit.
+set -euo pipefail
+out=${1:?usage: $0 OUT [SIZE_MIB] [COUNT]}
+size_mib=${2:-1024}
+count=${3:-300}
+# shellcheck source=scripts/bench-lib.sh
+source "$(dirname "$0")/bench-lib.sh" mesh-bench
+mkdir -p "$out"
+free_port() { python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
+
+"$driver" mesh-authority --dir "$work/mesh" >/dev/null
+declare -A port
+for n in a b; do
+  mkdir -p "$work/$n/pool" "$work/$n/state"
+  truncate -s $(( size_mib * 4 + 4096 ))M "$work/$n/pool.img"
+  mkfs.xfs -q -m reflink=1 "$work/$n/pool.img"
+  mount -o loop "$work/$n/pool.img" "$work/$n/pool"
+  port[$n]=$(free_port)
+  "$driver" --endpoint "unix://$work/$n/csi.sock" --nodeid "node-$n" --pool "default=$work/$n/pool" \
+    --state-dir "$work/$n/state" --allowed-path-root "$work/scratch" --agent-listen "127.0.0.1:${port[$n]}" --mesh-dir "$work/mesh/node" \
+    --log-level warn 2>"$work/$n.log" &
+  pids+=($!)
+done
+"$driver" --endpoint "unix://$work/router.sock" --mode router --mesh-dir "$work/mesh/controller" \
+  --agent "node-a=127.0.0.1:${port[a]}" --agent "node-b=127.0.0.1:${port[b]}" \
+  --log-level warn 2>"$work/router.log" &
+pids+=($!)
+client() { local sock=$1; shift; "$driver" --endpoint "unix://$sock" client --output json "$@"; }
+for s in a/csi.sock b/csi.sock router.sock; do
+  for _ in $(seq 100); do client "$work/$s" info >/dev/null 2>&1 && break; sleep 0.1; done
+done
+
+echo "== hop: create-delete through the router against node-a's own socket"
+mkdir -p "$work/scratch"
+"$bench" --compare --scenarios create-delete --count "$count" --rounds 3 --no-settle \
+  --topology topology.example.csi/node=node-a \
+  --a-name node-a --a-endpoint "unix://$work/a/csi.sock" \
+  --b-name router --b-endpoint "unix://$work/router.sock" \
+  --scratch "$work/scratch" --out "$out/hop"
+grep -i "create" "$out/hop/results.txt" || true
+
+echo "== transfer: a snapshot of ${size_mib} MiB of data restored on the other node"
+results="$out/transfer.txt"
+: >"$results"
+id_of() { python3 -c 'import json,sys; d=json.load(sys.stdin); print(d[sys.argv[1]][sys.argv[2]])' "$@"; }
+
+# fill FILE MIB PERCENT: PERCENT of each 100 MiB of FILE (MIB long) written
+# with random data; the rest is left as it was (holes in a new file).
+fill() {
+  python3 -c '
+import os, sys
+path, mib, pct = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+with open(path, "r+b" if os.path.exists(path) else "wb") as f:
+    if os.fstat(f.fileno()).st_size < mib << 20:
+        f.truncate(mib << 20)
+    for i in range(mib):
+        if i % 100 < pct:
+            f.seek(i << 20)
+            f.write(os.urandom(1 << 20))
+    f.flush()
+    os.fsync(f.fileno())' "$@"
+}
+
+# write_on_a VOL TAG PERCENT: the volume staged and published on node-a
+# while PERCENT of its file "data" is written.
+write_on_a() {
+  local vol=$1 tag=$2 pct=$3
+  local st="$work/scratch/st-$tag" tg="$work/scratch/tg-$tag"
+  client "$work/a/csi.sock" node-stage "$vol" --staging "$st" --fs xfs >/dev/null
+  client "$work/a/csi.sock" node-publish "$vol" --staging "$st" --target "$tg" --fs xfs >/dev/null
+  fill "$tg/data" "$size_mib" "$pct"
+  client "$work/a/csi.sock" node-unpublish "$vol" --target "$tg" >/dev/null
+  client "$work/a/csi.sock" node-unstage "$vol" --staging "$st" >/dev/null
+}
+
+# state_of VOLUME FIELD: a field of that volume's transfer on node-b, once it
+# is done; nothing before.
+state_of() {
+  client "$work/b/csi.sock" transfers | python3 -c '
+import json, sys
+for t in json.load(sys.stdin)["transfers"]:
+    if t["volume_id"] == sys.argv[1] and t["state"] == "done":
+        print(t.get(sys.argv[2], 0))' "$1" "$2"
+}
+
+# move SNAP NAME LABEL: restores SNAP on node-b, waits until its data is whole
+# there, and prints a line of figures, with a copy of the snapshot's image on
+# one disk beside it.
+move() {
+  local snap=$1 name=$2 label=$3 start made done_at moved sent cstart cdone
+  sync
+  start=$(date +%s.%N)
+  moved=$(client "$work/router.sock" create-volume "$name" --size "$(( size_mib + 256 ))Mi" \
+    --node node-b --fs xfs --source-snapshot "$snap" | id_of volume volume_id)
+  made=$(date +%s.%N)
+  until [ -n "$(state_of "${moved%%@*}" data_bytes)" ]; do sleep 0.05; done
+  done_at=$(date +%s.%N)
+  sent=$(state_of "${moved%%@*}" data_bytes)
+  cstart=$(date +%s.%N)
+  cp --sparse=always --reflink=never "$work/a/pool/snapshots/${snap%%@*}.img" "$work/a/pool/copy.img"
+  sync
+  cdone=$(date +%s.%N)
+  rm -f "$work/a/pool/copy.img"
+  python3 -c '
+import sys
+label = sys.argv[1]
+start, made, done, sent, cs, cd = map(float, sys.argv[2:8])
+mib, t = sent / 2**20, done - start
+print(f"{label}: CreateVolume answered in {(made - start) * 1000:.0f} ms; data whole on node-b "
+      f"in {t:.2f} s ({mib:.0f} MiB sent, {mib / t:.0f} MiB/s); the snapshot image copied "
+      f"on one disk (cp, then sync) in {cd - cs:.2f} s")' \
+    "$label" "$start" "$made" "$done_at" "$sent" "$cstart" "$cdone" | tee -a "$results"
+}
+
+for pct in 100 50; do
+  vol=$(client "$work/router.sock" create-volume "src-$pct" --size "$(( size_mib + 256 ))Mi" \
+    --node node-a --fs xfs | id_of volume volume_id)
+  write_on_a "$vol" "w$pct" "$pct"
+  snap=$(client "$work/router.sock" create-snapshot "snap-$pct" --volume "$vol" | id_of snapshot snapshot_id)
+  move "$snap" "moved-$pct" "${size_mib} MiB, ${pct}% allocated"
+  if [ "$pct" = 100 ]; then
+    # 1% of the data changed since the first move: the second sends that.
+    write_on_a "$vol" "d$pct" 1
+    snap=$(client "$work/router.sock" create-snapshot "snap-$pct-2" --volume "$vol" | id_of snapshot snapshot_id)
+    move "$snap" "moved-$pct-2" "the same volume again after 1% of it changed (incremental)"
+  fi
+done
+
+# The network's side of the limit: loopback TCP, one stream, in the same run.
+python3 -c '
+import socket, threading, time
+n, chunk = 2 << 30, bytes(1 << 20)
+srv = socket.socket(); srv.bind(("127.0.0.1", 0)); srv.listen(1)
+def sink():
+    c, _ = srv.accept(); got = 0
+    while got < n:
+        b = c.recv(1 << 20)
+        if not b: break
+        got += len(b)
+    c.close()
+t = threading.Thread(target=sink); t.start()
+s = socket.create_connection(srv.getsockname()); start = time.time()
+for _ in range(n >> 20): s.sendall(chunk)
+s.close(); t.join()
+print(f"loopback TCP, one stream: {n / 2**20 / (time.time() - start):.0f} MiB/s")' | tee -a "$results"
