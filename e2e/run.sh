@@ -466,6 +466,7 @@ run_flavor() {
                 run_scenario two_nodes
                 run_scenario across_nodes
                 run_scenario network_cut
+                run_scenario agent_killed
                 run_scenario move
                 ;;
         esac

@@ -533,27 +533,50 @@ transfer_done_whole() {
     [ "$state" = "done" ] && [ -n "$total" ] && [ "$got" = "$total" ]
 }
 
-# The network between the two nodes cut while a volume moves: 512 MiB of
-# random data written on the first node, its snapshot restored for a pod
-# pinned to the second; once data is arriving, the pods' subnets of the two
-# nodes are cut from each other (iptables DROP both ways) for 30 s: the
-# transfer makes no progress, then goes on from where it was durable (not
-# from zero) once the network is back, and the pod reads the data whole.
-# 30 s: longer than the agents' HTTP/2 keepalive (a ping every 15 s, 10 s to
-# answer) takes to see the connection dead. The restore's class caps its
-# transfer at PACED_BANDWIDTH, so that it lasts (16 s) well beyond the time
-# the node's metrics may be reused (5 s) whatever the machine's disks: the
-# cut comes while data is arriving, never after the end.
+# A volume moving while something breaks: 512 MiB of random data written on
+# the first node, its snapshot restored for a pod pinned to the second; once
+# data is arriving (the first durable checkpoint the second node's metrics
+# show), one of:
+#   cut          the pods' subnets of the two nodes cut from each other
+#                (iptables DROP both ways) for CUT_SECONDS: the transfer makes
+#                no progress, then goes on once the network is back. 30 s:
+#                longer than the agents' HTTP/2 keepalive (a ping every 15 s,
+#                10 s to answer) takes to see the connection dead.
+#   kill-target  the second node's driver killed (SIGKILL), as a crash would:
+#                the kubelet starts its container again and it goes on.
+#   kill-source  the first node's driver killed the same way: the second
+#                waits for it and goes on once it is back.
+# Either way the transfer goes on from where it was durable (never below it,
+# not from zero), the pod reads the data whole, `csi-driver client
+# transfers` says done and resumed, and the claim has the Events
+# TransferResumed and TransferDone. The restore's class caps its transfer at
+# PACED_BANDWIDTH, so that it lasts (16 s) well beyond the time the node's
+# metrics may be reused (5 s) whatever the machine's disks: the break comes
+# while data is arriving, never after the end.
 CUT_SECONDS=30
 PACED_BANDWIDTH=32Mi
+
 scenario_network_cut() {
     scenario "the network between the nodes cut during a transfer"
-    local a=${NODES[0]} b=${NODES[1]}
-    source_claim far "$a" 'dd if=/dev/urandom of=/data/big bs=1M count=512 2>/dev/null && sync && sha256sum /data/big | cut -c1-64 > /data/big.tmp && mv /data/big.tmp /data/big.sum && exec sleep 100000' \
+    transfer_broken cut far
+}
+
+scenario_agent_killed() {
+    scenario "the receiving node's driver killed during a transfer"
+    transfer_broken kill-target fark
+    scenario "the sending node's driver killed during a transfer"
+    transfer_broken kill-source fars
+}
+
+# transfer_broken cut|kill-target|kill-source NAME: the steps above, with
+# the source claim NAME, its snapshot NAME-snap and the restore NAME-b.
+transfer_broken() {
+    local how=$1 name=$2 a=${NODES[0]} b=${NODES[1]}
+    source_claim "$name" "$a" 'dd if=/dev/urandom of=/data/big bs=1M count=512 2>/dev/null && sync && sha256sum /data/big | cut -c1-64 > /data/big.tmp && mv /data/big.tmp /data/big.sum && exec sleep 100000' \
         /data/big.sum "512 MiB of random data" || return
-    local want; want=$(in_pod far cat /data/big.sum)
-    take_snapshot far-snap far || return
-    delete_pod far
+    local want; want=$(in_pod "$name" cat /data/big.sum)
+    take_snapshot "$name-snap" "$name" || return
+    delete_pod "$name"
     local metrics; metrics=$(node_metrics_url "$b")
     [ -n "$metrics" ] || { fail "no metrics address of the node plugin on $b"; return; }
     kc apply -f - >/dev/null <<EOF
@@ -565,55 +588,85 @@ parameters: {type: ssd, csi.storage.k8s.io/fstype: xfs, transferBandwidth: $PACE
 reclaimPolicy: Delete
 volumeBindingMode: WaitForFirstConsumer
 EOF
-    pvc far-b 2Gi e2e-xfs-paced Filesystem "  dataSource: {apiGroup: snapshot.storage.k8s.io, kind: VolumeSnapshot, name: far-snap}"
-    pod far-b far-b 'sha256sum /data/big | cut -c1-64 > /tmp/big.tmp && mv /tmp/big.tmp /tmp/big.sum; exec sleep 100000' "$(on_node "$b")"
-    # the cut comes at the first durable checkpoint seen, looked at often
-    local at_cut="" end=$((SECONDS + 120))
+    pvc "$name-b" 2Gi e2e-xfs-paced Filesystem "  dataSource: {apiGroup: snapshot.storage.k8s.io, kind: VolumeSnapshot, name: $name-snap}"
+    pod "$name-b" "$name-b" 'sha256sum /data/big | cut -c1-64 > /tmp/big.tmp && mv /tmp/big.tmp /tmp/big.sum; exec sleep 100000' "$(on_node "$b")"
+    # the break comes at the first durable checkpoint seen, looked at often
+    local at_break="" end=$((SECONDS + 120))
     while [ $SECONDS -lt $end ] && ! arriving_bytes_over "$metrics" 0; do sleep 0.2; done
-    at_cut=$(arriving_bytes "$metrics")
-    check "data is arriving on $b ($((${at_cut:-0} >> 20)) MiB durable)" test -n "$at_cut"
-    if [ -z "$at_cut" ]; then
-        log "what the router lists for the claim (state done total resumed sent incremental): $(transfers_of far-b)"
-        log "the claim: $(jp pvc/far-b '{.status.phase}'), its pod: $(jp pod/far-b '{.status.phase}'), metrics of $b: $(curl -sf --max-time 3 "$metrics" | grep -c '^example_csi_transfer') transfer lines"
-        kc -n "$NS" get events --field-selector involvedObject.name=far-b 2>&1 | tail -5 | sed 's/^/    /'
+    at_break=$(arriving_bytes "$metrics")
+    check "data is arriving on $b ($((${at_break:-0} >> 20)) MiB durable)" test -n "$at_break"
+    if [ -z "$at_break" ]; then
+        log "what the router lists for the claim (state done total resumed sent incremental): $(transfers_of "$name-b")"
+        log "the claim: $(jp "pvc/$name-b" '{.status.phase}'), its pod: $(jp "pod/$name-b" '{.status.phase}'), metrics of $b: $(curl -sf --max-time 3 "$metrics" | grep -c '^example_csi_transfer') transfer lines"
+        kc -n "$NS" get events --field-selector "involvedObject.name=$name-b" 2>&1 | tail -5 | sed 's/^/    /'
         return
     fi
-    cut_between_nodes on
-    log "network between $a and $b cut for ${CUT_SECONDS}s (at $((at_cut >> 20)) MiB durable)"
-    sleep 5
-    local frozen; frozen=$(arriving_bytes "$metrics")
-    sleep $((CUT_SECONDS - 5))
-    local after_cut; after_cut=$(arriving_bytes "$metrics")
-    cut_between_nodes off
-    check "the cut held: no progress in its last $((CUT_SECONDS - 5)) s ($((frozen >> 20)) MiB, then $((after_cut >> 20)) MiB)" \
-        test -n "$frozen" -a "$frozen" = "$after_cut"
-    check "the transfer was not over when the network went ($((at_cut >> 20)) MiB durable)" test -n "$after_cut"
+    local low_from=$at_break
+    case $how in
+        cut)
+            cut_between_nodes on
+            log "network between $a and $b cut for ${CUT_SECONDS}s (at $((at_break >> 20)) MiB durable)"
+            sleep 5
+            local frozen; frozen=$(arriving_bytes "$metrics")
+            sleep $((CUT_SECONDS - 5))
+            local after_cut; after_cut=$(arriving_bytes "$metrics")
+            cut_between_nodes off
+            check "the cut held: no progress in its last $((CUT_SECONDS - 5)) s ($((frozen >> 20)) MiB, then $((after_cut >> 20)) MiB)" \
+                test -n "$frozen" -a "$frozen" = "$after_cut"
+            check "the transfer was not over when the network went ($((at_break >> 20)) MiB durable)" test -n "$after_cut"
+            low_from=${after_cut:-$at_break}
+            ;;
+        kill-target|kill-source)
+            local victim=$b; [ "$how" = kill-source ] && victim=$a
+            kill_driver "$victim" || return
+            log "the driver on $victim killed (at $((at_break >> 20)) MiB durable on $b)"
+            ;;
+    esac
     # From here the durable progress only grows: the transfer goes on from its
-    # last checkpoint, not from zero.
-    local low=$after_cut end=$((SECONDS + 300)) now
-    while [ $SECONDS -lt $end ]; do
+    # last checkpoint, not from zero. (A restarting driver answers no metrics
+    # for a moment: those samples are skipped.)
+    local low="" end=$((SECONDS + 300)) now
+    while [ $SECONDS -lt $end ] && ! transfer_done_whole "$name-b"; do
         now=$(arriving_bytes "$metrics")
-        [ -z "$now" ] && break
-        [ "$now" -lt "$low" ] && low=$now
+        if [ -n "$now" ] && { [ -z "$low" ] || [ "$now" -lt "$low" ]; }; then low=$now; fi
         sleep 0.5
     done
-    check "after the cut the transfer went on from where it was durable (never below $((after_cut >> 20)) MiB; lowest $((low >> 20)) MiB)" \
-        test "${low:-0}" -ge "${after_cut:-1}"
-    eventually 300 "the pod on $b running once the data is whole" pod_running far-b || return
-    eventually 120 "it read the data" in_pod far-b test -s /tmp/big.sum
-    check_sum "the pod on $b reads the 512 MiB written on $a" "$want" "$(in_pod far-b cat /tmp/big.sum)"
+    check "the transfer went on from where it was durable (never below $((low_from >> 20)) MiB; lowest seen $((${low:-$low_from} >> 20)) MiB)" \
+        test "${low:-$low_from}" -ge "$low_from"
+    eventually 300 "the pod on $b running once the data is whole" pod_running "$name-b" || return
+    eventually 120 "it read the data" in_pod "$name-b" test -s /tmp/big.sum
+    check_sum "the pod on $b reads the 512 MiB written on $a" "$want" "$(in_pod "$name-b" cat /tmp/big.sum)"
     local state got total resumed sent
-    read -r state got total resumed sent _ <<<"$(transfers_of far-b | head -1)"
+    read -r state got total resumed sent _ <<<"$(transfers_of "$name-b" | head -1)"
     check_eq "csi-driver client transfers: done, every byte ($((${sent:-0} >> 20)) MiB of data sent)" \
         "done $total" "$state $got"
-    check "and it says the transfer resumed after the cut (resumed $resumed)" test "${resumed:-0}" -ge 1
-    eventually 60 "Event TransferResumed on the claim" claim_event_is far-b TransferResumed
-    eventually 60 "Event TransferDone on the claim" claim_event_is far-b TransferDone
-    delete_pod far-b
-    kc -n "$NS" delete pvc far-b --wait=true --timeout=120s >/dev/null
-    kc -n "$NS" delete volumesnapshot far-snap --wait=true --timeout=120s >/dev/null
-    kc -n "$NS" delete pvc far --wait=true --timeout=120s >/dev/null
+    check "and it says the transfer resumed (resumed $resumed)" test "${resumed:-0}" -ge 1
+    eventually 60 "Event TransferResumed on the claim" claim_event_is "$name-b" TransferResumed
+    eventually 60 "Event TransferDone on the claim" claim_event_is "$name-b" TransferDone
+    delete_pod "$name-b"
+    kc -n "$NS" delete pvc "$name-b" --wait=true --timeout=120s >/dev/null
+    kc -n "$NS" delete volumesnapshot "$name-snap" --wait=true --timeout=120s >/dev/null
+    kc -n "$NS" delete pvc "$name" --wait=true --timeout=120s >/dev/null
     kc delete storageclass e2e-xfs-paced >/dev/null
+}
+
+# kill_driver NODE: the driver of the node plugin on NODE killed with SIGKILL
+# (its container's process, found through that node's containerd), then
+# started again by the kubelet and ready.
+kill_driver() {
+    local pod restarts id pid
+    pod=$(kc -n "$DRIVER_NS" get pod -l app.kubernetes.io/component=node --field-selector "spec.nodeName=$1" \
+        -o jsonpath='{.items[0].metadata.name}')
+    [ -n "$pod" ] || { fail "no node plugin pod on $1"; return 1; }
+    restarts=$(jp "pod/$pod" '{.status.containerStatuses[?(@.name=="csi-driver")].restartCount}' "$DRIVER_NS")
+    id=$(jp "pod/$pod" '{.status.containerStatuses[?(@.name=="csi-driver")].containerID}' "$DRIVER_NS")
+    pid=$(ctr_ --address "$W/containerd-$1/containerd.sock" -n k8s.io tasks ls 2>/dev/null \
+        | awk -v id="${id#containerd://}" '$1 == id {print $2}')
+    [ -n "$pid" ] || { fail "no process of the driver's container $id on $1"; return 1; }
+    kill -KILL "$pid"
+    eventually 120 "the kubelet started the killed driver on $1 again" restarted_after "$pod" "$restarts" || return 1
+    eventually 120 "the node plugin on $1 is ready again" \
+        kc -n "$DRIVER_NS" wait "pod/$pod" --for=condition=Ready --timeout=5s
 }
 
 # node_metrics_url NODE: the metrics address of the node plugin on NODE (its
