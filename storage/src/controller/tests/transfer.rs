@@ -30,6 +30,8 @@ struct Faults {
     corrupt: bool,
     /// Sends the pieces but no trailer.
     no_trailer: bool,
+    /// Waits this long before each piece.
+    delay: Option<Duration>,
 }
 
 /// What the sources of a test saw.
@@ -71,6 +73,10 @@ impl Source for TestSource {
         let seen = self.seen.clone();
         let mut sent = 0usize;
         Ok(Box::new(stream.filter_map(move |item| {
+            let delay = faults.lock().unwrap().delay;
+            if let Some(d) = delay {
+                std::thread::sleep(d);
+            }
             let mut f = faults.lock().unwrap();
             match item {
                 Ok(Received::Piece(mut p)) => {
@@ -301,6 +307,35 @@ fn a_restarted_target_finds_its_arrival_and_ends_it() {
     assert!(p.settle(Duration::from_secs(30)).is_empty());
     assert!(!arriving(&img));
     same_bytes(&src, &img);
+}
+
+#[test]
+fn what_a_transfer_shows_done_is_where_a_restart_goes_on() {
+    let mut p = pair();
+    let (vol, src) = volume_with_data(&p, "pvc-src");
+    // Slow pieces: the target stops between two checkpoints, pieces written
+    // but not yet made durable, as a kill would find it.
+    p.faults.lock().unwrap().delay = Some(Duration::from_millis(300));
+    let rec = p.send(&vol, "t5@node-2", "pvc-copy");
+    std::thread::sleep(Duration::from_millis(700));
+    let shown = p
+        .cb()
+        .transfers()
+        .into_iter()
+        .find(|t| t.role == "arriving")
+        .map(|t| t.bytes_done)
+        .unwrap();
+    let reads_before = p.seen.reads_from.lock().unwrap().len();
+    p.b.reopen_with(|cfg| cfg.node_id = "node-2".into());
+    p.faults.lock().unwrap().delay = None;
+    p.connect();
+    assert!(p.settle(Duration::from_secs(30)).is_empty());
+    let after = p.seen.reads_from.lock().unwrap()[reads_before..].to_vec();
+    assert!(
+        !after.is_empty() && after.iter().all(|&r| r >= shown),
+        "shown {shown} done before the restart, read from {after:?} after it"
+    );
+    same_bytes(&src, &p.b.image(&rec.id.to_string()));
 }
 
 #[test]

@@ -95,6 +95,8 @@ pub struct TransferStatus {
     pub peer_node: String,
     /// queued, running, waiting, done, failed.
     pub state: String,
+    /// Of an arrival: the bytes made durable here (where a restart goes on
+    /// from), not those merely written.
     pub bytes_done: u64,
     pub bytes_total: u64,
     pub rate: u64,
@@ -533,16 +535,16 @@ impl Controller {
             let progress = p.cells().1.min(rec.size).max(rec.progress);
             unsynced += progress - rec.progress;
             meter.note(p.data_len());
-            job.set(|s| {
-                s.bytes_done = progress;
-                s.rate = meter.rate();
-            });
+            job.set(|s| s.rate = meter.rate());
             rec.progress = progress;
             rec.entries = ledger.len();
             if unsynced >= CHECKPOINT_BYTES || last_sync.elapsed() >= CHECKPOINT_EVERY {
                 self.checkpoint(&writer, &ledger, rec, progress, ledger.len())?;
                 unsynced = 0;
                 last_sync = Instant::now();
+                // What the status calls done is durable: a crash now goes on
+                // from here, never from below.
+                job.set(|s| s.bytes_done = progress);
             }
             meter.wait(&job.stop);
             self.arrivals
