@@ -915,6 +915,15 @@ fault_tests! {
     root_fault_restage_after_mkfs_keeps_data: "stage.after-mkfs",
         [Create("v1"), Stage("v1"), Publish("v1"), Write("v1"), Unpublish("v1"), Unstage("v1")],
         Stage("v1");
+    // An ext4 grown while unstaged grows at its next stage, offline: a kill
+    // before or after resize2fs leaves the growing mark, and the stage after
+    // the restart repairs, checks and grows it, its data whole.
+    root_fault_stage_before_grow: "stage.before-grow",
+        [Create("v1"), Stage("v1"), Publish("v1"), Write("v1"), Unpublish("v1"), Unstage("v1"), Expand("v1")],
+        Stage("v1");
+    root_fault_stage_after_grow: "stage.after-grow",
+        [Create("v1"), Stage("v1"), Publish("v1"), Write("v1"), Unpublish("v1"), Unstage("v1"), Expand("v1")],
+        Stage("v1");
     root_fault_publish_after_intent: "publish.after-intent", [Create("v1"), Stage("v1")], Publish("v1");
     root_fault_publish_after_mount: "publish.after-mount", [Create("v1"), Stage("v1")], Publish("v1");
     root_fault_unpublish_after_unmount: "unpublish.after-unmount", LIVE, Unpublish("v1");

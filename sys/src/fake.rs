@@ -645,6 +645,17 @@ impl Filesystems for FakeFilesystems {
         Ok(inner.filesystems.get(&key).map(|f| f.size).unwrap_or(0))
     }
 
+    fn repair(&self, device: &Path, fstype: &str) -> Result<()> {
+        let inner = self.0.lock();
+        crate::linux::fs::supported(fstype)?;
+        if fstype != "ext4" {
+            return Err(SysError::Unsupported {
+                what: format!("repair of {fstype} on {}", device.display()),
+            });
+        }
+        Self::existing(&inner, device, fstype).map(|_| ())
+    }
+
     fn grow(&self, device: &Path, mountpoint: Option<&Path>, fstype: &str) -> Result<()> {
         let mut inner = self.0.lock();
         inner.counters.grow += 1;

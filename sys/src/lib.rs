@@ -204,6 +204,10 @@ pub trait Filesystems: Send + Sync {
     /// Check (and where safe, repair) an unmounted filesystem: `e2fsck -p`,
     /// `xfs_repair -n`, `btrfs check --readonly`.
     fn check(&self, device: &Path, fstype: &str) -> Result<()>;
+    /// Repair an unmounted ext4 whatever the damage (`e2fsck -f -y`): for the one
+    /// an offline grow cut short leaves (its new groups half described), which
+    /// `check` refuses to repair on its own. Other types: Unsupported.
+    fn repair(&self, device: &Path, fstype: &str) -> Result<()>;
     /// Size in bytes of the filesystem on `device` (from its superblock).
     fn fs_size(&self, device: &Path, fstype: &str) -> Result<u64>;
     /// Grow the filesystem to fill its device. `mountpoint` is where it is mounted

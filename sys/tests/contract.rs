@@ -297,6 +297,11 @@ fn grow_ext4_offline(env: &Env) {
     env.fs().grow(&d.device, None, "ext4").unwrap();
     assert_eq!(env.fs().fs_size(&d.device, "ext4").unwrap(), 48 * MIB);
     env.fs().check(&d.device, "ext4").unwrap();
+    // A repair of a sound filesystem changes nothing; only ext4 is repaired.
+    env.fs().repair(&d.device, "ext4").unwrap();
+    env.fs().check(&d.device, "ext4").unwrap();
+    let err = env.fs().repair(&d.device, "xfs").unwrap_err();
+    assert!(err.is_unsupported(), "{err:?}");
 }
 
 fn freeze_and_thaw(env: &Env) {

@@ -325,13 +325,27 @@ impl Node {
             tracing::warn!(volume.id = %id, device = %dev.device.display(), "the volume's filesystem is still mounted in another mount namespace: mounted as it is, without a check");
         }
         if !fresh && !live {
+            let image = dev.backing_file.as_path();
+            if fs_type == "ext4" && growing::was_cut(image)? {
+                // A grow cut short (the driver killed, a power loss) leaves new
+                // groups half described, which the check below refuses to
+                // repair on its own; nothing of the data moved.
+                tracing::warn!(volume.id = %id, "an offline grow of the volume's ext4 was cut short; repairing it");
+                self.heavy(|| self.sys.fs.repair(&dev.device, &fs_type))?
+                    .context(|| format!("repairing the cut-short grow of volume {id}"))?;
+                growing::clear(image)?;
+            }
             self.heavy(|| self.sys.fs.check(&dev.device, &fs_type))?
                 .context(|| format!("checking the {fs_type} filesystem of volume {id}"))?;
             if fs_type == "ext4" && self.grows_at_stage(&dev.device, &fs_type) {
                 // ext4 is grown before it is mounted: online growth needs a
                 // privilege some nodes withhold, offline growth does not.
+                growing::mark(image)?;
+                failpoint::hit("stage.before-grow");
                 self.heavy(|| self.sys.fs.grow(&dev.device, None, &fs_type))?
                     .context(|| format!("growing the ext4 filesystem of volume {id}"))?;
+                failpoint::hit("stage.after-grow");
+                growing::clear(image)?;
             }
         }
         make_dir(staging)?;
@@ -537,4 +551,37 @@ fn context_fs(context: &BTreeMap<String, String>) -> Option<&str> {
         .get("fsType")
         .map(String::as_str)
         .filter(|f| !f.is_empty())
+}
+
+/// The mark an image carries while its ext4 grows offline (`resize2fs` is not
+/// atomic): set, durably, before the grow, and cleared, durably, before the
+/// filesystem is next mounted. A stage that finds it repairs the filesystem
+/// before it checks it.
+mod growing {
+    use std::path::Path;
+
+    use csi_sys::{file, xattr};
+
+    use crate::error::{Context, Result};
+    use crate::settings::attr_name;
+
+    const MARK: &str = "growing";
+
+    pub(super) fn was_cut(image: &Path) -> Result<bool> {
+        Ok(xattr::get(image, &attr_name(MARK))
+            .context(|| format!("reading the marks of {}", image.display()))?
+            .is_some())
+    }
+
+    pub(super) fn mark(image: &Path) -> Result<()> {
+        let at = || format!("marking {} as growing", image.display());
+        xattr::set(image, &attr_name(MARK), b"ext4").context(at)?;
+        file::sync_path(image).context(at)
+    }
+
+    pub(super) fn clear(image: &Path) -> Result<()> {
+        let at = || format!("clearing the growing mark of {}", image.display());
+        xattr::remove(image, &attr_name(MARK)).context(at)?;
+        file::sync_path(image).context(at)
+    }
 }

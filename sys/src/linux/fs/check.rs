@@ -23,12 +23,28 @@ impl LinuxFilesystems {
     /// `e2fsck -f -p`: exit 0 (clean), 1 (errors fixed) and 2 (fixed, reboot
     /// advised, irrelevant for an unmounted volume) are success.
     pub(super) fn e2fsck(&self, device: &Path) -> Result<()> {
-        let args: [&OsStr; 3] = ["-f".as_ref(), "-p".as_ref(), device.as_os_str()];
+        self.e2fsck_with(device, "-p")
+    }
+
+    /// `e2fsck -f -y`, success as for `e2fsck`; 4 and above (errors left, or
+    /// e2fsck itself failed) are not.
+    pub(super) fn repair_fs(&self, device: &Path, fstype: &str) -> Result<()> {
+        supported(fstype)?;
+        if fstype != "ext4" {
+            return Err(SysError::Unsupported {
+                what: format!("repair of {fstype} on {}", device.display()),
+            });
+        }
+        self.e2fsck_with(device, "-y")
+    }
+
+    fn e2fsck_with(&self, device: &Path, mode: &str) -> Result<()> {
+        let args: [&OsStr; 3] = ["-f".as_ref(), mode.as_ref(), device.as_os_str()];
         let out = cmd::run_unchecked("e2fsck", &args, self.timeout())?;
         match out.status.code() {
             Some(0) => Ok(()),
             Some(1) | Some(2) => {
-                tracing::warn!(device = %device.display(), "e2fsck fixed errors");
+                tracing::warn!(device = %device.display(), mode, "e2fsck fixed errors");
                 Ok(())
             }
             _ => Err(cmd::command_error("e2fsck", &args, &out)),

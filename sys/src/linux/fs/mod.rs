@@ -72,6 +72,10 @@ impl Filesystems for LinuxFilesystems {
     /// From the superblock on the device; for a mounted xfs or btrfs from the
     /// mounted filesystem itself (their superblock writes bypass the device's page
     /// cache, so reading the device while mounted can show an old size).
+    fn repair(&self, device: &Path, fstype: &str) -> Result<()> {
+        self.repair_fs(device, fstype)
+    }
+
     fn fs_size(&self, device: &Path, fstype: &str) -> Result<u64> {
         size::fs_size(device, fstype)
     }
