@@ -22,6 +22,7 @@
 #                                              registrar livenessprobe snapshot-metadata
 #                                              snapshot-metadata-lister
 #                                              suite populator validator
+#                                              hostpath (the reference driver, for --bench)
 #   e2e/build.sh --check [--suite]             succeeds when all of them are built
 set -euo pipefail
 . "$(dirname "$0")/versions.sh"
@@ -316,6 +317,8 @@ for c in "${all[@]}"; do
                            "livenessprobe-$LIVENESSPROBE_VERSION.tar.gz" cmd/livenessprobe ;;
         populator) build_released populator github.com/kubernetes-csi/lib-volume-populator/v3 "$POPULATOR_VERSION" \
                        "lib-volume-populator-$POPULATOR_VERSION.tar.gz" example/hello-populator ;;
+        hostpath) build_released hostpath github.com/kubernetes-csi/csi-driver-host-path "$HOSTPATH_VERSION" \
+                      "csi-driver-host-path-$HOSTPATH_VERSION.tar.gz" cmd/hostpathplugin ;;
         validator) build_released validator github.com/kubernetes-csi/volume-data-source-validator "$VALIDATOR_VERSION" \
                        "volume-data-source-validator-$VALIDATOR_VERSION.tar.gz" cmd/volume-data-source-validator ;;
         provisioner) build_sidecar provisioner github.com/kubernetes-csi/external-provisioner/v6 "$PROVISIONER_VERSION" cmd/csi-provisioner ;;

@@ -8,6 +8,7 @@
 #   e2e/run.sh [--flavor central|central-attach|distributed|cluster]... [--helm]
 #              [--suite | --suite-only] [--single-node] [--builtin-sidecars]
 #              [--keep] [--scenario NAME]...
+#   e2e/run.sh --bench OUT [--flavor F] [--stress] [-- bench_cluster.py options]
 #
 # It builds or reuses (e2e/build.sh, cache in ~/.cache/example-csi-e2e) the
 # Kubernetes binaries, etcd, containerd and the sidecars deploy/ pins; builds
@@ -48,6 +49,16 @@
 # RESULT_JSON=FILE writes the counts of checks passed and failed there as
 # JSON at the end.
 #
+# --bench OUT runs no scenario: it deploys the flavor (cluster unless named)
+# on one node beside the reference driver (csi-driver-host-path, built from its
+# released source, with the same sidecars) and measures both through the
+# Kubernetes API (e2e/lib/bench.sh, e2e/lib/bench_cluster.py): claim created
+# to pod Running and its phases, bursts of claims with pods, a snapshot of
+# written data and its restore, the containers' CPU and memory. The report is
+# OUT/results.md, OUT/results.json and OUT/machine.txt. --stress runs
+# `stress-ng --io 2 --cpu 1` beside it all. The options after -- go to
+# bench_cluster.py (--rounds, --singles, --bursts, --snapshot-mib, --rows).
+#
 # --suite also runs Kubernetes' own storage e2e suite, "External Storage"
 # (e2e/lib/suite.sh, e2e/testdriver.yaml, skips in e2e/skips.md), against the
 # central flavor after the scenarios; --suite-only runs the suite alone.
@@ -63,6 +74,7 @@ E2E_DIR=$(cd "$(dirname "$0")" && pwd)
 . "$E2E_DIR/lib/scenarios_move.sh"
 . "$E2E_DIR/lib/scenarios_policy.sh"
 . "$E2E_DIR/lib/suite.sh"
+. "$E2E_DIR/lib/bench.sh"
 export PATH="$PATH:/usr/local/go/bin:$HOME/go/bin:/usr/sbin:/sbin:$HOME/.cargo/bin"
 
 FLAVORS=()
@@ -75,6 +87,10 @@ INSTALLER=kustomize
 KEEP=0
 TEARDOWN_ONLY=0
 BUILTIN_SIDECARS=0
+BENCH_OUT=""
+BENCH_STRESS=""
+BENCH_ARGS=()
+BENCH_COMMAND="$0 $*"
 while [ $# -gt 0 ]; do
     case $1 in
         --flavor) FLAVORS+=("$2"); shift 2 ;;
@@ -88,6 +104,9 @@ while [ $# -gt 0 ]; do
             ONLY+=("$2"); shift 2 ;;
         --teardown-only) TEARDOWN_ONLY=1; shift ;;
         --builtin-sidecars) BUILTIN_SIDECARS=1; shift ;;
+        --bench) BENCH_OUT=$(realpath -m "$2"); shift 2 ;;
+        --stress) BENCH_STRESS="--io 2 --cpu 1"; shift ;;
+        --) shift; BENCH_ARGS=("$@"); break ;;
         -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d; s/^# \{0,1\}//'; exit 0 ;;
         *) echo "e2e/run.sh: unknown argument $1" >&2; exit 2 ;;
     esac
@@ -96,6 +115,14 @@ done
 # the snapshot-metadata component (central flavors only)
 declare -A BUILTIN_IN=()
 declare -A SNAPSHOT_METADATA_IN=([central]=1)
+if [ -n "$BENCH_OUT" ]; then
+    [ ${#FLAVORS[@]} -eq 0 ] && FLAVORS=(cluster)
+    SINGLE_NODE=1 SUITE=0
+    # bursts of hundreds of pods on the one node
+    KUBELET_MAX_PODS=600
+elif [ -n "$BENCH_STRESS" ] || [ ${#BENCH_ARGS[@]} -gt 0 ]; then
+    echo "e2e/run.sh: --stress and -- options go with --bench" >&2; exit 2
+fi
 if [ ${#FLAVORS[@]} -eq 0 ]; then
     FLAVORS=(central central-attach distributed cluster)
     BUILTIN_IN[central-attach]=1
@@ -137,6 +164,7 @@ install_host_packages() {
         [ -e "${pair%%:*}" ] || command -v "${pair%%:*}" >/dev/null 2>&1 || need+=("${pair#*:}")
     done
     [ -f /usr/lib/x86_64-linux-gnu/libc.a ] || need+=(libc6-dev)
+    [ -n "$BENCH_STRESS" ] && ! command -v stress-ng >/dev/null && need+=(stress-ng)
     if [ ${#need[@]} -gt 0 ]; then
         log "installing ${need[*]}"
         export DEBIAN_FRONTEND=noninteractive
@@ -492,6 +520,7 @@ log "building (or reusing) Kubernetes $KUBERNETES_VERSION, etcd $ETCD_VERSION, c
 build_args=()
 [ "$SUITE" = 1 ] && build_args+=(--suite)
 "$E2E_DIR/build.sh" "${build_args[@]}"
+[ -n "$BENCH_OUT" ] && "$E2E_DIR/build.sh" hostpath
 BIN_K8S=$E2E_CACHE/kubernetes-$KUBERNETES_VERSION
 BIN_ETCD=$E2E_CACHE/etcd-$ETCD_VERSION
 BIN_CONTAINERD=$E2E_CACHE/containerd-$CONTAINERD_VERSION
@@ -522,16 +551,18 @@ trap 'exit 130' INT TERM
 log "building the images"
 build_images
 [ "$SUITE" = 1 ] && suite_images
+[ -n "$BENCH_OUT" ] && bench_images
 # the images' folders are in their tarballs now: room on a shared disk
 find "$W/images" -mindepth 1 -maxdepth 1 -type d -exec rm -rf --one-file-system {} +
 make_pools
+[ -n "$BENCH_OUT" ] && bench_pool
 start_control_plane
 start_node 0 "$NODE"
 snapshot_infrastructure
 log "cluster up in $((SECONDS - STARTED))s"
 
 for flavor in "${FLAVORS[@]}"; do
-    run_flavor "$flavor"
+    if [ -n "$BENCH_OUT" ]; then bench_flavor "$flavor"; else run_flavor "$flavor"; fi
 done
 
 [ "$SUITE" = 1 ] && run_suite

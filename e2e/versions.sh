@@ -14,6 +14,8 @@ CONTAINERD_VERSION=v2.4.2
 # test, under the image names it asks for.
 POPULATOR_VERSION=v3.2.0
 VALIDATOR_VERSION=v1.7.0
+# The reference driver the cluster benchmark measures beside this one.
+HOSTPATH_VERSION=v1.18.0
 HELM_VERSION=$(sed -n 's/^HELM_VERSION="\(.*\)".*/\1/p' "$E2E_ROOT/deploy/validate.sh")
 
 # image tag pinned in deploy/ for a sidecar, e.g. pinned_tag csi-provisioner
@@ -51,6 +53,7 @@ declare -A UPSTREAM_SHA256=(
     [external-snapshot-metadata-v1.1.0.tar.gz]=6564a7750052b4564f250d60cd43caa3ebf80a20934b7c959b272ba636baca8a
     [lib-volume-populator-v3.2.0.tar.gz]=75eb7514a52ebd4630715ebcf40fbcbe8beafc2e89333a187b57febc5ddb5557
     [volume-data-source-validator-v1.7.0.tar.gz]=2727163f56f9dd78f05051a267882c97bf815d8829185f4291556bfc47015ebb
+    [csi-driver-host-path-v1.18.0.tar.gz]=70abe33fb0f97dfba6f15bc62ff5b973e29e00b3ccf6124f3ad82874258c2692
 )
 
 E2E_CACHE=${EXAMPLE_CSI_E2E_CACHE:-$HOME/.cache/example-csi-e2e}

@@ -246,6 +246,7 @@ volumeStatsAggPeriod: 10s
 # in its running pod sooner
 syncFrequency: 10s
 featureGates: {CSIVolumeHealth: true}
+maxPods: ${KUBELET_MAX_PODS:-110}
 EOF
     log "starting kubelet $name (root $root)"
     start_bg "kubelet-$name" "${in_ns[@]}" "$BIN_K8S/kubelet" \

@@ -1,0 +1,598 @@
+#!/usr/bin/env python3
+"""The cluster benchmark's measuring client (e2e/run.sh --bench runs it).
+
+It talks to the API server itself (HTTPS with the admin's client certificate,
+no kubectl process per call), makes claims and pods as a user would, and
+watches pods, claims, PersistentVolumes and VolumeSnapshots: each moment is the
+client's clock when the watch delivered the change, the same for every driver.
+
+Rows, for each driver given, in alternating order round after round:
+  single    one claim and its pod at a time: claim created -> pod Running, with
+            the phases between (claim Bound, pod scheduled, pod Running), then
+            pod deleted -> pod gone -> claim deleted -> PersistentVolume gone
+  burst N   N claims with a pod each, made at once: each pod's claim-to-Running,
+            the time until all run, claims per minute, the CPU seconds and peak
+            resident memory of the driver's and its sidecars' containers; then
+            everything deleted and the time until every PersistentVolume is gone
+  snapshot  a pod writes SIZE of random data and ends; a VolumeSnapshot of the
+            claim -> readyToUse; a claim restored from it with a pod -> Running
+  hold N    N pods with a volume each running for a while: the CPU seconds per
+            minute the kubelet's periodic calls cost the driver and sidecars
+
+  bench_cluster.py --config FILE --out DIR [--rounds N] [--singles N]
+                   [--bursts 50,200] [--snapshot-mib 1024] [--hold-pods 100]
+                   [--hold-seconds 180] [--rows single,burst,snapshot,hold]
+
+FILE (JSON): {"server", "ca", "cert", "key", "namespace", "node", "image",
+ "drivers": [{"name", "class", "snapshot_class", "pods_namespace",
+              "pods_selector", "driver_containers": [...], "metrics_port",
+              "metrics_selector"}]}
+"""
+
+import argparse
+import http.client
+import json
+import os
+import re
+import ssl
+import statistics
+import sys
+import threading
+import time
+import urllib.parse
+from concurrent.futures import ThreadPoolExecutor
+
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+def log(msg):
+    print(time.strftime("%H:%M:%S"), "bench:", msg, file=sys.stderr, flush=True)
+
+
+class Api:
+    """A small client of the API server: JSON in, JSON out, and watches."""
+
+    def __init__(self, server, ca, cert, key):
+        url = urllib.parse.urlparse(server)
+        self.host, self.port = url.hostname, url.port or 443
+        self.ctx = ssl.create_default_context(cafile=ca)
+        self.ctx.load_cert_chain(cert, key)
+        self.local = threading.local()
+
+    def _conn(self):
+        c = getattr(self.local, "conn", None)
+        if c is None:
+            c = http.client.HTTPSConnection(self.host, self.port, context=self.ctx, timeout=120)
+            self.local.conn = c
+        return c
+
+    def call(self, method, path, body=None, ok=(200, 201, 202), content_type="application/json"):
+        data = None if body is None else json.dumps(body).encode()
+        for attempt in range(3):
+            conn = self._conn()
+            try:
+                conn.request(method, path, body=data, headers={"Content-Type": content_type})
+                resp = conn.getresponse()
+                raw = resp.read()
+            except (http.client.HTTPException, OSError):
+                self.local.conn = None
+                if attempt == 2:
+                    raise
+                continue
+            if resp.status == 429 or resp.status >= 500:
+                time.sleep(0.2 * (attempt + 1))
+                continue
+            if resp.status not in ok:
+                raise RuntimeError(f"{method} {path}: {resp.status} {raw[:300]!r}")
+            return json.loads(raw) if raw else None
+        raise RuntimeError(f"{method} {path}: the API server kept refusing")
+
+    def watch(self, path, on_event, stop):
+        """Calls on_event(type, object, moment) for every change under path
+        from now on, until stop is set; reconnects from the last version."""
+        listing = self.call("GET", path)
+        version = listing["metadata"]["resourceVersion"]
+        for item in listing.get("items", []):
+            on_event("ADDED", item, time.monotonic())
+        while not stop.is_set():
+            conn = http.client.HTTPSConnection(self.host, self.port, context=self.ctx, timeout=None)
+            sep = "&" if "?" in path else "?"
+            conn.request("GET", f"{path}{sep}watch=1&resourceVersion={version}&timeoutSeconds=3600")
+            resp = conn.getresponse()
+            if resp.status != 200:
+                resp.read()
+                listing = self.call("GET", path)
+                version = listing["metadata"]["resourceVersion"]
+                continue
+            while not stop.is_set():
+                line = resp.readline()
+                if not line:
+                    break
+                moment = time.monotonic()
+                ev = json.loads(line)
+                if ev["type"] == "ERROR":
+                    listing = self.call("GET", path)
+                    version = listing["metadata"]["resourceVersion"]
+                    break
+                version = ev["object"]["metadata"].get("resourceVersion", version)
+                on_event(ev["type"], ev["object"], moment)
+            conn.close()
+
+
+class Tracker:
+    """First moment each (kind, name, what) was seen; waits for them."""
+
+    def __init__(self):
+        self.seen = {}
+        self.pv_of = {}
+        self.cond = threading.Condition()
+
+    def mark(self, key, moment):
+        with self.cond:
+            if key not in self.seen:
+                self.seen[key] = moment
+                self.cond.notify_all()
+
+    def forget(self, names):
+        with self.cond:
+            for key in [k for k in self.seen if k[1] in names]:
+                del self.seen[key]
+
+    def pod(self, kind, obj, moment):
+        name = obj["metadata"]["name"]
+        if kind == "DELETED":
+            self.mark(("pod", name, "gone"), moment)
+            return
+        if obj["spec"].get("nodeName"):
+            self.mark(("pod", name, "scheduled"), moment)
+        phase = obj.get("status", {}).get("phase")
+        if phase in ("Running", "Succeeded", "Failed"):
+            self.mark(("pod", name, phase), moment)
+
+    def pvc(self, kind, obj, moment):
+        name = obj["metadata"]["name"]
+        if kind == "DELETED":
+            self.mark(("pvc", name, "gone"), moment)
+            return
+        if obj.get("status", {}).get("phase") == "Bound":
+            with self.cond:
+                self.pv_of[name] = obj["spec"].get("volumeName")
+            self.mark(("pvc", name, "Bound"), moment)
+
+    def pv(self, kind, obj, moment):
+        if kind == "DELETED":
+            self.mark(("pv", obj["metadata"]["name"], "gone"), moment)
+
+    def snapshot(self, kind, obj, moment):
+        name = obj["metadata"]["name"]
+        if kind == "DELETED":
+            self.mark(("vs", name, "gone"), moment)
+        elif obj.get("status", {}).get("readyToUse"):
+            self.mark(("vs", name, "ready"), moment)
+
+    def content(self, kind, obj, moment):
+        if kind == "DELETED":
+            ref = obj["spec"].get("volumeSnapshotRef", {}).get("name", "")
+            self.mark(("vsc", ref, "gone"), moment)
+
+    def wait(self, keys, timeout):
+        end = time.monotonic() + timeout
+        with self.cond:
+            while True:
+                missing = [k for k in keys if k not in self.seen]
+                if not missing:
+                    return [self.seen[k] for k in keys]
+                left = end - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"not seen within {timeout}s: {missing[:3]} ({len(missing)} in all)")
+                self.cond.wait(min(left, 1.0))
+
+
+def percentile(samples, p):
+    s = sorted(samples)
+    if not s:
+        return None
+    rank = max(1, -(-len(s) * p // 100))
+    return s[int(rank) - 1]
+
+
+def summary(samples):
+    if not samples:
+        return {}
+    return {"n": len(samples), "p50": percentile(samples, 50), "p95": percentile(samples, 95),
+            "p99": percentile(samples, 99), "mean": statistics.fmean(samples), "max": max(samples)}
+
+
+class Containers:
+    """CPU seconds and resident memory of a driver's containers, read from
+    /proc through the cgroup each container runs in (cgroup v1, cgroupfs)."""
+
+    def __init__(self, api, namespace, selector, driver_containers):
+        self.api, self.namespace, self.selector = api, namespace, selector
+        self.driver_containers = set(driver_containers)
+
+    def ids(self):
+        q = urllib.parse.quote(self.selector)
+        pods = self.api.call("GET", f"/api/v1/namespaces/{self.namespace}/pods?labelSelector={q}")
+        out = {}
+        for p in pods["items"]:
+            for c in p.get("status", {}).get("containerStatuses", []):
+                cid = c.get("containerID", "").split("://")[-1]
+                if cid:
+                    out[cid] = "driver" if c["name"] in self.driver_containers else "sidecars"
+        return out
+
+    def processes(self, ids):
+        found = []
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit():
+                continue
+            try:
+                with open(f"/proc/{pid}/cgroup") as f:
+                    cg = f.read()
+            except OSError:
+                continue
+            for cid, group in ids.items():
+                if cid in cg:
+                    found.append((int(pid), group))
+                    break
+        return found
+
+    @staticmethod
+    def cpu_and_rss(pid):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{pid}/statm") as f:
+                rss = int(f.read().split()[1]) * PAGE
+        except (OSError, IndexError, ValueError):
+            return None
+        return (int(fields[11]) + int(fields[12])) / CLK_TCK, rss
+
+    def sample(self, procs):
+        cpu = {"driver": 0.0, "sidecars": 0.0}
+        rss = {"driver": 0, "sidecars": 0}
+        for pid, group in procs:
+            r = self.cpu_and_rss(pid)
+            if r:
+                cpu[group] += r[0]
+                rss[group] += r[1]
+        return cpu, rss
+
+
+class Sampler(threading.Thread):
+    """Samples a driver's containers every 0.25 s while a row runs."""
+
+    def __init__(self, containers):
+        super().__init__(daemon=True)
+        self.containers = containers
+        self.procs = containers.processes(containers.ids())
+        self.first = containers.sample(self.procs)[0]
+        self.peak = {"driver": 0, "sidecars": 0}
+        self.stop = threading.Event()
+
+    def run(self):
+        while not self.stop.wait(0.25):
+            _, rss = self.containers.sample(self.procs)
+            for g in rss:
+                self.peak[g] = max(self.peak[g], rss[g])
+
+    def finish(self):
+        self.stop.set()
+        self.join()
+        cpu, rss = self.containers.sample(self.procs)
+        for g in rss:
+            self.peak[g] = max(self.peak[g], rss[g])
+        return {"cpu_seconds": {g: round(cpu[g] - self.first[g], 3) for g in cpu},
+                "peak_rss_mib": {g: round(self.peak[g] / 2**20, 1) for g in self.peak}}
+
+
+# The calls a claim's way to a running pod makes of the driver.
+CLAIM_RPCS = ("CreateVolume", "NodeStageVolume", "NodePublishVolume")
+
+
+def rpc_seconds(api, driver, what="sum"):
+    """Sum of the driver's RPC time (or, with what="count", the number of
+    calls) by method, from its node plugins' /metrics (the drivers that
+    export it); None for the others."""
+    port = driver.get("metrics_port")
+    if not port:
+        return None
+    q = urllib.parse.quote(driver["metrics_selector"])
+    pods = api.call("GET", f"/api/v1/namespaces/{driver['pods_namespace']}/pods?labelSelector={q}")
+    total = {}
+    for p in pods["items"]:
+        ip = p.get("status", {}).get("podIP")
+        if not ip:
+            continue
+        try:
+            conn = http.client.HTTPConnection(ip, port, timeout=10)
+            conn.request("GET", "/metrics")
+            text = conn.getresponse().read().decode()
+        except (OSError, http.client.HTTPException):
+            continue  # a pod of the driver without a metrics listener
+        for m in re.finditer(r'^example_csi_rpc_duration_seconds_' + what + r'\{[^}]*method="(\w+)"[^}]*\} (\S+)$',
+                             text, re.M):
+            total[m.group(1)] = total.get(m.group(1), 0.0) + float(m.group(2))
+    return total
+
+
+class Bench:
+    def __init__(self, cfg, args):
+        self.cfg, self.args = cfg, args
+        self.api = Api(cfg["server"], cfg["ca"], cfg["cert"], cfg["key"])
+        self.ns = cfg["namespace"]
+        self.track = Tracker()
+        self.stop = threading.Event()
+        self.results = {d["name"]: {} for d in cfg["drivers"]}
+        self.serial = 0
+        watches = [
+            (f"/api/v1/namespaces/{self.ns}/pods", self.track.pod),
+            (f"/api/v1/namespaces/{self.ns}/persistentvolumeclaims", self.track.pvc),
+            ("/api/v1/persistentvolumes", self.track.pv),
+            (f"/apis/snapshot.storage.k8s.io/v1/namespaces/{self.ns}/volumesnapshots", self.track.snapshot),
+            ("/apis/snapshot.storage.k8s.io/v1/volumesnapshotcontents", self.track.content),
+        ]
+        for path, fn in watches:
+            threading.Thread(target=self.api.watch, args=(path, fn, self.stop), daemon=True).start()
+
+    def name(self, prefix):
+        self.serial += 1
+        return f"{prefix}-{self.serial}"
+
+    def add(self, driver, row, key, value):
+        self.results[driver["name"]].setdefault(row, {}).setdefault(key, []).append(value)
+
+    # objects --------------------------------------------------------------
+
+    def claim(self, name, cls, size="1Gi", source=None):
+        spec = {"accessModes": ["ReadWriteOnce"], "storageClassName": cls,
+                "resources": {"requests": {"storage": size}}}
+        if source:
+            spec["dataSource"] = {"apiGroup": "snapshot.storage.k8s.io", "kind": "VolumeSnapshot", "name": source}
+        self.api.call("POST", f"/api/v1/namespaces/{self.ns}/persistentvolumeclaims",
+                      {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+                       "metadata": {"name": name, "labels": {"bench": "true"}}, "spec": spec})
+
+    def pod(self, name, claim, command=None, restart="Always"):
+        # A shell that ends at once on SIGTERM; the host's network (no pod
+        # address: bursts larger than the pod subnet fit, and the CNI's cost is
+        # left out of every driver's figure alike).
+        cmd = command or "trap 'exit 0' TERM; while :; do sleep 1; done"
+        self.api.call("POST", f"/api/v1/namespaces/{self.ns}/pods", {
+            "apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "labels": {"bench": "true"}},
+            "spec": {
+                "hostNetwork": True, "restartPolicy": restart, "terminationGracePeriodSeconds": 1,
+                "nodeSelector": {"kubernetes.io/hostname": self.cfg["node"]},
+                "containers": [{"name": "app", "image": self.cfg["image"], "imagePullPolicy": "Never",
+                                "command": ["sh", "-c", cmd],
+                                "volumeMounts": [{"name": "data", "mountPath": "/data"}]}],
+                "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": claim}}]}})
+
+    def delete(self, kind, name):
+        path = {"pod": f"/api/v1/namespaces/{self.ns}/pods/{name}",
+                "pvc": f"/api/v1/namespaces/{self.ns}/persistentvolumeclaims/{name}",
+                "vs": f"/apis/snapshot.storage.k8s.io/v1/namespaces/{self.ns}/volumesnapshots/{name}"}[kind]
+        self.api.call("DELETE", path, ok=(200, 202, 404))
+
+    def pv_of(self, claim):
+        with self.track.cond:
+            return self.track.pv_of.get(claim)
+
+    # rows -----------------------------------------------------------------
+
+    def single(self, d):
+        c = self.name("s")
+        before = rpc_seconds(self.api, d)
+        t0 = time.monotonic()
+        self.claim(c, d["class"])
+        self.pod(c, c)
+        bound, sched, running = self.track.wait(
+            [("pvc", c, "Bound"), ("pod", c, "scheduled"), ("pod", c, "Running")], 300)
+        after = rpc_seconds(self.api, d)
+        self.add(d, "single", "claim_to_running", running - t0)
+        if before is not None and after is not None:
+            # the driver's own share: its CreateVolume, NodeStageVolume and
+            # NodePublishVolume time, of the claim's whole way to Running
+            spent = sum(after.get(m, 0) - before.get(m, 0) for m in CLAIM_RPCS)
+            self.add(d, "single", "driver_seconds", spent)
+            self.add(d, "single", "driver_share_pct", 100 * spent / (running - t0))
+        self.add(d, "single", "claim_to_bound", bound - t0)
+        self.add(d, "single", "bound_to_scheduled", max(0.0, sched - bound))
+        self.add(d, "single", "scheduled_to_running", running - max(sched, bound))
+        pv = self.pv_of(c)
+        t1 = time.monotonic()
+        self.delete("pod", c)
+        (gone,) = self.track.wait([("pod", c, "gone")], 300)
+        self.delete("pvc", c)
+        (pv_gone,) = self.track.wait([("pv", pv, "gone")], 300)
+        self.add(d, "single", "pod_delete_to_gone", gone - t1)
+        self.add(d, "single", "delete_to_nothing_left", pv_gone - t1)
+
+    def make_many(self, d, names):
+        """Claims with a pod each, made at once (8 client threads); the
+        moment each was made."""
+        made = {}
+
+        def make(c):
+            made[c] = time.monotonic()
+            self.claim(c, d["class"])
+            self.pod(c, c)
+
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(make, names))
+        return made
+
+    def delete_many(self, names):
+        """Deletes the pods, then their claims; the time until every
+        PersistentVolume is gone."""
+        pvs = [self.pv_of(c) for c in names]
+        t1 = time.monotonic()
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(lambda c: self.delete("pod", c), names))
+        self.track.wait([("pod", c, "gone") for c in names], 60 + 3 * len(names))
+        with ThreadPoolExecutor(8) as pool:
+            list(pool.map(lambda c: self.delete("pvc", c), names))
+        gone = self.track.wait([("pv", pv, "gone") for pv in pvs], 60 + 3 * len(names))
+        return max(gone) - t1
+
+    def sampler(self, d):
+        return Sampler(Containers(self.api, d["pods_namespace"], d["pods_selector"], d["driver_containers"]))
+
+    def burst(self, d, n):
+        row = f"burst{n}"
+        sampler = self.sampler(d)
+        before = rpc_seconds(self.api, d)
+        names = [self.name(f"b{n}") for _ in range(n)]
+        sampler.start()
+        t0 = time.monotonic()
+        made = self.make_many(d, names)
+        running = self.track.wait([("pod", c, "Running") for c in names], 60 + 3 * n)
+        t_all = max(running) - t0
+        cost = sampler.finish()
+        after = rpc_seconds(self.api, d)
+        for c, r in zip(names, running):
+            self.add(d, row, "claim_to_running", r - made[c])
+        self.add(d, row, "all_running", t_all)
+        self.add(d, row, "claims_per_minute", n / t_all * 60)
+        for g in ("driver", "sidecars"):
+            self.add(d, row, f"cpu_seconds_{g}", cost["cpu_seconds"][g])
+            self.add(d, row, f"peak_rss_mib_{g}", cost["peak_rss_mib"][g])
+        if before is not None and after is not None:
+            spent = sum(after.get(m, 0) - before.get(m, 0) for m in CLAIM_RPCS)
+            self.add(d, row, "driver_seconds_per_claim", spent / n)
+        self.add(d, row, "delete_to_nothing_left", self.delete_many(names))
+
+    def hold(self, d, n, seconds):
+        """N pods, each with its volume, running for SECONDS: what the
+        kubelet's periodic calls (volume stats, capabilities) cost the driver
+        and its sidecars, per minute."""
+        row = f"hold{n}"
+        names = [self.name(f"h{n}") for _ in range(n)]
+        self.make_many(d, names)
+        self.track.wait([("pod", c, "Running") for c in names], 60 + 3 * n)
+        sampler = self.sampler(d)
+        before = rpc_seconds(self.api, d, "count")
+        sampler.start()
+        time.sleep(seconds)
+        cost = sampler.finish()
+        after = rpc_seconds(self.api, d, "count")
+        per_minute = 60 / seconds
+        for g in ("driver", "sidecars"):
+            self.add(d, row, f"cpu_seconds_per_minute_{g}", cost["cpu_seconds"][g] * per_minute)
+            self.add(d, row, f"peak_rss_mib_{g}", cost["peak_rss_mib"][g])
+        if before is not None and after is not None:
+            calls = after.get("NodeGetVolumeStats", 0) - before.get("NodeGetVolumeStats", 0)
+            self.add(d, row, "volume_stats_calls_per_minute", calls * per_minute)
+        self.delete_many(names)
+
+    def snapshot(self, d, mib):
+        src, vs, dst = self.name("src"), self.name("vs"), self.name("rst")
+        size = f"{mib // 1024 + 2}Gi"
+        self.claim(src, d["class"], size)
+        self.pod(src, src, f"dd if=/dev/urandom of=/data/f bs=1M count={mib} conv=fsync 2>/dev/null", "Never")
+        self.track.wait([("pod", src, "Succeeded")], 600)
+        self.delete("pod", src)
+        self.track.wait([("pod", src, "gone")], 120)
+        t0 = time.monotonic()
+        self.api.call("POST", f"/apis/snapshot.storage.k8s.io/v1/namespaces/{self.ns}/volumesnapshots", {
+            "apiVersion": "snapshot.storage.k8s.io/v1", "kind": "VolumeSnapshot",
+            "metadata": {"name": vs, "labels": {"bench": "true"}},
+            "spec": {"volumeSnapshotClassName": d["snapshot_class"],
+                     "source": {"persistentVolumeClaimName": src}}})
+        (ready,) = self.track.wait([("vs", vs, "ready")], 900)
+        self.add(d, "snapshot", "snapshot_ready", ready - t0)
+        t1 = time.monotonic()
+        self.claim(dst, d["class"], size, source=vs)
+        self.pod(dst, dst, f"test $(wc -c < /data/f) = {mib * 2**20} || exit 1; "
+                 "trap 'exit 0' TERM; while :; do sleep 1; done")
+        (running,) = self.track.wait([("pod", dst, "Running")], 900)
+        self.add(d, "snapshot", "restore_to_running", running - t1)
+        # the restored file has every byte: the pod's check would have ended
+        # its container, and the kubelet would have started it again
+        time.sleep(3)
+        status = self.api.call("GET", f"/api/v1/namespaces/{self.ns}/pods/{dst}")["status"]
+        app = status.get("containerStatuses", [{}])[0]
+        if app.get("restartCount", 1) != 0 or "running" not in app.get("state", {}):
+            raise RuntimeError(f"{d['name']}: the restored claim {dst} lacks data ({app})")
+        pvs = [self.pv_of(src), self.pv_of(dst)]
+        self.delete("pod", dst)
+        self.track.wait([("pod", dst, "gone")], 300)
+        for c in (src, dst):
+            self.delete("pvc", c)
+        self.delete("vs", vs)
+        self.track.wait([("pv", pv, "gone") for pv in pvs] + [("vsc", vs, "gone")], 600)
+
+    def run(self):
+        a = self.args
+        rows = a.rows.split(",")
+        bursts = [int(b) for b in a.bursts.split(",") if b]
+        drivers = self.cfg["drivers"]
+        for r in range(a.rounds):
+            order = drivers if r % 2 == 0 else list(reversed(drivers))
+            for d in order:
+                log(f"round {r + 1}/{a.rounds}: {d['name']}")
+                if "single" in rows:
+                    for _ in range(a.singles):
+                        self.single(d)
+                if "burst" in rows:
+                    for n in bursts:
+                        self.burst(d, n)
+                if "hold" in rows:
+                    self.hold(d, a.hold_pods, a.hold_seconds)
+                if "snapshot" in rows:
+                    self.snapshot(d, a.snapshot_mib)
+        self.stop.set()
+
+    def report(self, out):
+        os.makedirs(out, exist_ok=True)
+        summ = {drv: {row: {k: summary(v) for k, v in keys.items()} for row, keys in rows.items()}
+                for drv, rows in self.results.items()}
+        with open(os.path.join(out, "results.json"), "w") as f:
+            json.dump({"summary": summ, "samples": self.results, "args": vars(self.args)}, f, indent=1)
+        lines = ["| row | figure | " + " | ".join(summ) + " |",
+                 "|---|---|" + "---|" * len(summ)]
+        first = next(iter(summ.values()))
+        for row in first:
+            for key in first[row]:
+                cells = []
+                for drv in summ:
+                    s = summ[drv].get(row, {}).get(key)
+                    if not s:
+                        cells.append("-")
+                    elif s["n"] > 2:
+                        cells.append(f"{s['p50']:.3g} / {s['p95']:.3g} / {s['p99']:.3g}")
+                    else:
+                        cells.append(f"{s['p50']:.3g}")
+                lines.append(f"| {row} | {key} | " + " | ".join(cells) + " |")
+        text = "\n".join(lines) + "\n"
+        with open(os.path.join(out, "results.md"), "w") as f:
+            f.write(text)
+        print(text)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--singles", type=int, default=10)
+    p.add_argument("--bursts", default="50,200")
+    p.add_argument("--snapshot-mib", type=int, default=1024)
+    p.add_argument("--hold-pods", type=int, default=100)
+    p.add_argument("--hold-seconds", type=int, default=180)
+    p.add_argument("--rows", default="single,burst,snapshot,hold")
+    args = p.parse_args()
+    with open(args.config) as f:
+        cfg = json.load(f)
+    bench = Bench(cfg, args)
+    try:
+        bench.run()
+    finally:
+        bench.report(args.out)
+
+
+if __name__ == "__main__":
+    main()
