@@ -134,11 +134,6 @@ class Tracker:
                 self.seen[key] = moment
                 self.cond.notify_all()
 
-    def forget(self, names):
-        with self.cond:
-            for key in [k for k in self.seen if k[1] in names]:
-                del self.seen[key]
-
     def pod(self, kind, obj, moment):
         name = obj["metadata"]["name"]
         if kind == "DELETED":

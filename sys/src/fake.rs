@@ -646,14 +646,8 @@ impl Filesystems for FakeFilesystems {
     }
 
     fn repair(&self, device: &Path, fstype: &str) -> Result<()> {
-        let inner = self.0.lock();
-        crate::linux::fs::supported(fstype)?;
-        if fstype != "ext4" {
-            return Err(SysError::Unsupported {
-                what: format!("repair of {fstype} on {}", device.display()),
-            });
-        }
-        Self::existing(&inner, device, fstype).map(|_| ())
+        crate::linux::fs::repairable(device, fstype)?;
+        Self::existing(&self.0.lock(), device, fstype).map(|_| ())
     }
 
     fn grow(&self, device: &Path, mountpoint: Option<&Path>, fstype: &str) -> Result<()> {

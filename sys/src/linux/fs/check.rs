@@ -29,12 +29,7 @@ impl LinuxFilesystems {
     /// `e2fsck -f -y`, success as for `e2fsck`; 4 and above (errors left, or
     /// e2fsck itself failed) are not.
     pub(super) fn repair_fs(&self, device: &Path, fstype: &str) -> Result<()> {
-        supported(fstype)?;
-        if fstype != "ext4" {
-            return Err(SysError::Unsupported {
-                what: format!("repair of {fstype} on {}", device.display()),
-            });
-        }
+        super::repairable(device, fstype)?;
         self.e2fsck_with(device, "-y")
     }
 

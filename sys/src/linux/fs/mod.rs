@@ -23,6 +23,18 @@ pub struct LinuxFilesystems {
     pub timeout: Option<Duration>,
 }
 
+/// The filesystem types `repair` repairs: ext4 alone (the others are checked
+/// and replayed, never repaired whatever the damage).
+pub(crate) fn repairable(device: &Path, fstype: &str) -> Result<()> {
+    supported(fstype)?;
+    if fstype != "ext4" {
+        return Err(SysError::Unsupported {
+            what: format!("repair of {fstype} on {}", device.display()),
+        });
+    }
+    Ok(())
+}
+
 /// The filesystem types the driver makes and grows.
 pub(crate) fn supported(fstype: &str) -> Result<()> {
     match fstype {
@@ -69,13 +81,13 @@ impl Filesystems for LinuxFilesystems {
         self.check_fs(device, fstype)
     }
 
-    /// From the superblock on the device; for a mounted xfs or btrfs from the
-    /// mounted filesystem itself (their superblock writes bypass the device's page
-    /// cache, so reading the device while mounted can show an old size).
     fn repair(&self, device: &Path, fstype: &str) -> Result<()> {
         self.repair_fs(device, fstype)
     }
 
+    /// From the superblock on the device; for a mounted xfs or btrfs from the
+    /// mounted filesystem itself (their superblock writes bypass the device's page
+    /// cache, so reading the device while mounted can show an old size).
     fn fs_size(&self, device: &Path, fstype: &str) -> Result<u64> {
         size::fs_size(device, fstype)
     }
