@@ -432,6 +432,13 @@ fn power_loss_at_every_step(syncfs_from: Option<usize>) {
         syncfs_from.is_some(),
         "syncs of the pool's filesystem by compactions: {pool_syncs}"
     );
+    // Journal batches within the room are written and synced in one call
+    // (RWF_DSYNC, the model's rule 7); those that grow it, in two.
+    let one_call = ops
+        .iter()
+        .filter(|op| matches!(op, FsOp::SyncRange { .. }))
+        .count();
+    assert!(one_call > 0, "no journal write took the one-call path");
     assert!(
         after[4].snapshots.values().all(|s| s.2.as_bytes() == DATA),
         "the snapshot holds the data: {:?}",

@@ -23,6 +23,10 @@
 //!    attributes.
 //! 6. Appends since a file's last sync may reach the disk in part: each one cut
 //!    short (one byte of it, or half of it) after the earlier ones whole.
+//! 7. A write with `RWF_DSYNC` (or to a file opened `O_DSYNC`) is durable when it
+//!    returns, with whatever is needed to read it back (the length it reaches);
+//!    the file's other writes since its last sync are not. Until it returns it is
+//!    an ordinary write (rules 1 and 6).
 
 use std::path::PathBuf;
 
@@ -65,6 +69,13 @@ pub enum FsOp {
     SyncData {
         path: PathBuf,
     },
+    /// The end of a write made with `RWF_DSYNC`: that range of the file (written
+    /// just before) and the length it reaches are durable.
+    SyncRange {
+        path: PathBuf,
+        offset: u64,
+        len: u64,
+    },
     Rename {
         from: PathBuf,
         to: PathBuf,
@@ -103,6 +114,7 @@ impl FsOp {
             | FsOp::RemoveXattr { path, .. }
             | FsOp::Fsync { path }
             | FsOp::SyncData { path }
+            | FsOp::SyncRange { path, .. }
             | FsOp::Unlink { path }
             | FsOp::Mkdir { path }
             | FsOp::RemoveTree { path }
@@ -423,6 +435,7 @@ mod recording {
                     self.sync(ino);
                 }
                 FsOp::SyncData { path } => self.sync_data(path),
+                FsOp::SyncRange { path, offset, len } => self.sync_range(path, *offset, *len),
                 FsOp::Rename { from, to } => self.rename(from, to),
                 FsOp::Unlink { path } | FsOp::RemoveTree { path } => self.unlink(path),
                 FsOp::Mkdir { path } => self.add(path, Inode::Dir(Dir::default())),
@@ -475,6 +488,32 @@ mod recording {
                     ..cur.clone()
                 };
                 *writes = Some(Vec::new());
+            }
+        }
+
+        /// RWF_DSYNC's end: the range and the length it reaches become durable;
+        /// the file's other writes since its last sync stay as they were.
+        fn sync_range(&mut self, path: &Path, offset: u64, len: u64) {
+            let ino = self
+                .lookup(path)
+                .expect("a synced write to a path the model knows");
+            if let Inode::File {
+                cur,
+                synced,
+                writes,
+            } = &mut self.inodes[ino]
+            {
+                let end = (offset + len) as usize;
+                let range = cur.bytes[offset as usize..end].to_vec();
+                write_into(synced, offset, &range);
+                if let Some(w) = writes {
+                    if let Some(i) = w
+                        .iter()
+                        .rposition(|(o, d)| *o == offset && d.len() as u64 == len)
+                    {
+                        w.remove(i);
+                    }
+                }
             }
         }
 

@@ -186,8 +186,7 @@ impl<R: Record> Inner<R> {
         let made = self.made_by(&batch);
         let buf = encode_batch(&batch, &made, number);
         let res = file
-            .write_at(offset, &buf)
-            .and_then(|()| file.sync_data())
+            .write_durable_at(offset, &buf)
             .map_err(|e| e.to_string());
         let mut st = self.lock();
         let mut live = 0;
