@@ -6,7 +6,7 @@
 #   sudo scripts/bench-compare.sh OUT [--stress] [--ours-only]
 #                                     [--hostpath-version vX.Y.Z] [--hostpath-bin FILE]
 #                                     [--pool-size 64G] [--work DIR] [--driver-flag FLAG]...
-#                                     [-- csi-bench flags...]
+#                                     [--b-driver FILE] [-- csi-bench flags...]
 #
 # Needs root (loop devices, mounts), cargo, go, xfsprogs; stress-ng for --stress.
 # Each driver gets its own loop-mounted xfs image (same size, same mkfs options);
@@ -18,6 +18,10 @@
 # compare with the reference are then reported as not measured.
 # --driver-flag FLAG (repeatable) adds FLAG to csi-driver's command line, e.g.
 # --driver-flag --expedite-freeze; machine.txt names them.
+# --b-driver FILE measures another build of csi-driver (an earlier commit's
+# release build) as B instead of the reference, started the same way on its
+# own pool: a before/after comparison of a change. The report's goal lines then
+# compare A with that build, not with the reference.
 #
 # Without csi-bench flags the run measures every goal of the report: volumes
 # present up to 100,000 (the reference is given at most 10,000: each of its
@@ -41,6 +45,7 @@ WORK=/tmp/csi-bench-work
 OUT=""
 BENCH_ARGS=()
 DRIVER_FLAGS=()
+B_DRIVER=""
 
 while [ $# -gt 0 ]; do
     case "$1" in
@@ -51,8 +56,9 @@ while [ $# -gt 0 ]; do
         --pool-size) POOL_SIZE=$2; shift 2 ;;
         --work) WORK=$2; shift 2 ;;
         --driver-flag) DRIVER_FLAGS+=("$2"); shift 2 ;;
+        --b-driver) B_DRIVER=$(realpath "$2"); shift 2 ;;
         --) shift; BENCH_ARGS=("$@"); break ;;
-        -h|--help) sed -n '2,31p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,35p' "$0"; exit 0 ;;
         -*) echo "unknown flag $1" >&2; exit 2 ;;
         *) OUT=$1; shift ;;
     esac
@@ -103,7 +109,10 @@ BENCH="$ROOT/target/release/csi-bench"
 
 HOSTPATH="$WORK/hostpathplugin-$HOSTPATH_VERSION"
 HOSTPATH_HOW=""
-if [ -n "$OURS_ONLY" ]; then
+if [ -n "$B_DRIVER" ]; then
+    [ -x "$B_DRIVER" ] || { echo "$0: --b-driver $B_DRIVER is not an executable" >&2; exit 2; }
+    echo "== csi-driver against another build of it: $B_DRIVER"
+elif [ -n "$OURS_ONLY" ]; then
     echo "== csi-driver alone (--ours-only)"
 elif [ ! -x "$HOSTPATH" ]; then
     echo "== building hostpathplugin $HOSTPATH_VERSION"
@@ -145,7 +154,7 @@ for side in a b; do
     mkfs.xfs -q -m reflink=1 "$WORK/$side.img"
     mount -o loop "$WORK/$side.img" "$WORK/$side"
 done
-mkdir -p "$WORK/a/pool" "$WORK/a/state" "$WORK/b/state" "$WORK/scratch"
+mkdir -p "$WORK/a/pool" "$WORK/a/state" "$WORK/b/pool" "$WORK/b/state" "$WORK/scratch"
 rm -f "$WORK/a.sock" "$WORK/b.sock"
 
 {
@@ -154,25 +163,32 @@ rm -f "$WORK/a.sock" "$WORK/b.sock"
     echo "memory: $(awk '/MemTotal/{printf "%.1f GiB", $2/1048576}' /proc/meminfo)"
     echo "kernel: $(uname -r)"
     echo "csi-driver: $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown) (release build)${DRIVER_FLAGS[*]:+, flags: ${DRIVER_FLAGS[*]}}"
-    if [ -n "$OURS_ONLY" ]; then
+    if [ -n "$B_DRIVER" ]; then
+        echo "B: csi-driver $B_DRIVER (sha256 $(sha256sum "$B_DRIVER" | cut -c1-16)), release build given with --b-driver"
+    elif [ -n "$OURS_ONLY" ]; then
         echo "hostpathplugin: not measured (--ours-only)"
     else
         echo "hostpathplugin: $HOSTPATH_VERSION, $HOSTPATH_HOW"
     fi
     echo "pools: xfs (mkfs.xfs -m reflink=1) on ${POOL_SIZE} sparse images, loop-mounted"
     if [ -n "$STRESS" ]; then echo "load: stress-ng --io 2 --cpu 1 beside the drivers"; else echo "load: none added"; fi
-    echo "command: $0 $OUT ${STRESS:+--stress }${OURS_ONLY:+--ours-only }${HOSTPATH_BIN:+--hostpath-bin $HOSTPATH_BIN }${DRIVER_FLAGS[*]:+${DRIVER_FLAGS[*]/#/--driver-flag } }${BENCH_ARGS[*]:+-- ${BENCH_ARGS[*]}}"
+    echo "command: $0 $OUT ${STRESS:+--stress }${OURS_ONLY:+--ours-only }${B_DRIVER:+--b-driver $B_DRIVER }${HOSTPATH_BIN:+--hostpath-bin $HOSTPATH_BIN }${DRIVER_FLAGS[*]:+${DRIVER_FLAGS[*]/#/--driver-flag } }${BENCH_ARGS[*]:+-- ${BENCH_ARGS[*]}}"
 } > "$OUT/machine.txt"
 cat "$OUT/machine.txt"
 
+# csi-driver's command line, for A and (--b-driver) B: SIDE's socket and dirs.
+ours() {
+    echo "$1 --endpoint unix://$WORK/$2.sock --nodeid bench-node --pool default=$WORK/$2/pool --state-dir $WORK/$2/state --allowed-path-root $WORK/scratch --log-level warn${DRIVER_FLAGS[*]:+ ${DRIVER_FLAGS[*]}}"
+}
 REFERENCE=()
-if [ -z "$OURS_ONLY" ]; then
-    REFERENCE=(--compare
-        --b-name hostpath
-        --b-endpoint "unix://$WORK/b.sock"
+if [ -n "$B_DRIVER" ]; then
+    REFERENCE=(--b-name before --b-start "$(ours "$B_DRIVER" b)" --b-pool "$WORK/b/pool")
+elif [ -z "$OURS_ONLY" ]; then
+    REFERENCE=(--b-name hostpath
         --b-start "$HOSTPATH -endpoint unix://$WORK/b.sock -nodeid bench-node -statedir $WORK/b/state -capacity dir=1000Ti -capacity image=1000Ti -v 0"
         --b-pool "$WORK/b/state")
 fi
+[ ${#REFERENCE[@]} = 0 ] || REFERENCE+=(--compare --b-endpoint "unix://$WORK/b.sock")
 if [ -n "$STRESS" ]; then
     stress-ng --io 2 --cpu 1 --quiet &
     STRESS_PID=$!
@@ -182,7 +198,7 @@ echo "== running csi-bench"
 "$BENCH" "${REFERENCE[@]}" \
     --a-name csi-driver \
     --a-endpoint "unix://$WORK/a.sock" \
-    --a-start "$DRIVER --endpoint unix://$WORK/a.sock --nodeid bench-node --pool default=$WORK/a/pool --state-dir $WORK/a/state --allowed-path-root $WORK/scratch --log-level warn${DRIVER_FLAGS[*]:+ ${DRIVER_FLAGS[*]}}" \
+    --a-start "$(ours "$DRIVER" a)" \
     --a-pool "$WORK/a/pool" \
     --scratch "$WORK/scratch" \
     --out "$OUT" \

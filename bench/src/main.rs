@@ -1,7 +1,8 @@
 //! csi-bench: a load generator that speaks CSI to any endpoint. It measures one
 //! driver, or two side by side (`--compare`: rounds A B A B ..., medians, B/A).
 //!
-//! Scenarios: create-delete, scale, snapshot, node, startup, memory.
+//! Scenarios: create-delete, scale, snapshot, node, startup, memory; and, apart,
+//! `--sync-writes DIR`: the cost of one durable journal write on a filesystem.
 
 #![forbid(unsafe_code)]
 
@@ -9,6 +10,7 @@ mod hammer;
 mod report;
 mod scenarios;
 mod svg;
+mod syncwrite;
 mod target;
 
 use std::collections::BTreeSet;
@@ -155,6 +157,15 @@ pub struct Args {
     /// How many clients --metrics-hammer keeps busy.
     #[arg(long, default_value_t = 300)]
     metrics_hammer_connections: usize,
+
+    /// Instead of the scenarios: time small durable writes, each way of making
+    /// them durable, in a file under this directory (the journal's write path;
+    /// no driver is needed), and print a table.
+    #[arg(long, value_name = "DIR")]
+    sync_writes: Option<PathBuf>,
+    /// Writes each way for --sync-writes.
+    #[arg(long, default_value_t = 400)]
+    sync_write_count: usize,
 }
 
 fn parse_pair(s: &str) -> Result<(String, String), String> {
@@ -165,6 +176,15 @@ fn parse_pair(s: &str) -> Result<(String, String), String> {
 
 fn main() -> ExitCode {
     let args = Args::parse();
+    if let Some(dir) = &args.sync_writes {
+        return match syncwrite::run(dir, args.sync_write_count.max(1)) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("csi-bench: {e}");
+                ExitCode::FAILURE
+            }
+        };
+    }
     if let Some(t) = args.topology.clone() {
         let _ = target::TOPOLOGY.set(t);
     }
