@@ -575,9 +575,12 @@ def check_custom_router(w, d, spec, drv, r):
             and drv["resources"] == ROUTER_VALUES["resources"],
             f"{w}: the router values' replicas and resources", f"{d['spec']['replicas']} {drv['resources']}")
     flags, _ = cm.flag_values(drv)
-    r.check(not {"--pool", "--state-dir", "--nodeid", "--metrics-address", "--max-volumes-per-node",
+    r.check(not {"--pool", "--state-dir", "--nodeid", "--max-volumes-per-node",
                  "--expedite-freeze"} & set(flags),
-            f"{w}: the router gets no pool, state, node or metrics flags", str(sorted(flags)))
+            f"{w}: the router gets no pool, state or node flags", str(sorted(flags)))
+    r.check(cm.flag(drv, "--metrics-address") == "0.0.0.0:9911"
+            and {"name": "metrics", "containerPort": 9911, "protocol": "TCP"} in drv["ports"],
+            f"{w}: the router serves and declares metrics on the values' port 9911")
     host = [v["name"] for v in spec["volumes"] if "hostPath" in v]
     r.check(not host, f"{w}: the router mounts no host path", str(host))
 

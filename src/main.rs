@@ -196,9 +196,13 @@ fn run_router(cli: Cli) -> ExitCode {
         Ok(e) => e,
         Err(e) => return usage_error(e),
     };
-    if !cli.metrics_address.trim().is_empty() {
-        return usage_error("--metrics-address is not served by --mode router");
-    }
+    let metrics_address = match cli.metrics_address.trim() {
+        "" => None,
+        a => match metrics::parse_address(a) {
+            Ok(a) => Some(a),
+            Err(e) => return usage_error(e),
+        },
+    };
     if let Err(e) = init_logging(&cli) {
         return usage_error(e);
     }
@@ -212,7 +216,7 @@ fn run_router(cli: Cli) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(mesh::serve_router(cli, endpoint)) {
+    match runtime.block_on(mesh::serve_router(cli, endpoint, metrics_address)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(Stop::Refused(e)) => usage_error(e),
         Err(Stop::Failed(e)) => {
@@ -433,7 +437,11 @@ async fn serve(cli: Cli, start: Start) -> Result<(), Stop> {
     // start without leaving a socket behind.
     let metrics = match metrics_address {
         None => None,
-        Some(addr) => Some(start_metrics(addr, &cli, &driver, sys, &endpoint).await?),
+        Some(addr) => {
+            let refresh = metrics::Metrics::of_driver(driver.clone(), sys);
+            let name = driver.cfg.driver_name.clone();
+            Some(start_metrics(addr, &cli, &name, refresh, &endpoint).await?)
+        }
     };
 
     let agent = mesh::start_agent(&cli, &driver).await?;
@@ -554,16 +562,16 @@ async fn open_driver(cfg: Config, sys: System) -> Result<Arc<Driver>, Stop> {
 }
 
 /// Binds the metrics listener and serves /metrics and /healthz on it.
-async fn start_metrics(
+pub(crate) async fn start_metrics(
     addr: std::net::SocketAddr,
     cli: &Cli,
-    driver: &Arc<Driver>,
-    sys: System,
+    driver_name: &str,
+    refresh: metrics::Refresh,
     endpoint: &Endpoint,
 ) -> Result<Arc<metrics::Metrics>, Stop> {
     let listener = metrics::bind(addr).await?;
     let m = Arc::new(metrics::Metrics::new(
-        &driver.cfg.driver_name,
+        driver_name,
         mode_name(cli.mode),
         Duration::from_secs(cli.metrics_health_max_age),
     ));
@@ -573,15 +581,7 @@ async fn start_metrics(
         max_age: Duration::from_secs(cli.metrics_max_age),
         max_connections: cli.metrics_max_connections as usize,
     };
-    metrics::serve(
-        listener,
-        m.clone(),
-        driver.clone(),
-        sys,
-        endpoint.clone(),
-        limits,
-    )
-    .await?;
+    metrics::serve(listener, m.clone(), refresh, endpoint.clone(), limits).await?;
     Ok(m)
 }
 

@@ -86,7 +86,11 @@ fn source(cli: &Cli, kube: Option<&KubeClient>) -> Result<Source, String> {
 }
 
 /// What the router serves, on the CSI endpoint, until a signal stops it.
-pub async fn serve_router(cli: Cli, endpoint: crate::endpoint::Endpoint) -> Result<(), Stop> {
+pub async fn serve_router(
+    cli: Cli,
+    endpoint: crate::endpoint::Endpoint,
+    metrics_address: Option<std::net::SocketAddr>,
+) -> Result<(), Stop> {
     tracing::info!(version = env!("CARGO_PKG_VERSION"), driver = %cli.drivername,
         "starting the cluster's controller");
     let kube = match cli.agents_from_kubernetes {
@@ -102,6 +106,14 @@ pub async fn serve_router(cli: Cli, endpoint: crate::endpoint::Endpoint) -> Resu
     let creds = Arc::new(mesh.mint(&Role::Controller).map_err(|e| e.to_string())?);
     let agents = Arc::new(Agents::new(creds, source(&cli, kube.as_ref())?));
     tokio::spawn(agents.clone().keep_fresh());
+    // Bound before the CSI socket, as in the other modes.
+    let metrics = match metrics_address {
+        None => None,
+        Some(addr) => {
+            let refresh = crate::metrics::Metrics::of_router(agents.clone());
+            Some(crate::start_metrics(addr, &cli, &cli.drivername, refresh, &endpoint).await?)
+        }
+    };
     let router = Router::new(
         agents,
         RouterConfig {
@@ -112,7 +124,10 @@ pub async fn serve_router(cli: Cli, endpoint: crate::endpoint::Endpoint) -> Resu
         },
     );
     let services = tonic::transport::Server::builder()
-        .layer(crate::rpc::RpcLayer::new(None, crate::MIN_RPCS_IN_FLIGHT))
+        .layer(crate::rpc::RpcLayer::new(
+            metrics,
+            crate::MIN_RPCS_IN_FLIGHT,
+        ))
         .add_service(bounded!(IdentityServer::new(RouterIdentity::new(
             router.clone()
         ))))

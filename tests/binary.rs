@@ -601,20 +601,6 @@ fn http_get(port: u16, path: &str) -> (u16, String) {
     (status, body.to_string())
 }
 
-/// The value of the first sample named `name` whose labels include `labels`.
-fn sample(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
-    text.lines()
-        .filter(|l| !l.starts_with('#'))
-        .filter(|l| l.starts_with(&format!("{name}{{")) || l.starts_with(&format!("{name} ")))
-        .find(|l| {
-            labels
-                .iter()
-                .all(|(k, v)| l.contains(&format!("{k}=\"{v}\"")))
-        })
-        .and_then(|l| l.rsplit(' ').next())
-        .and_then(|v| v.parse().ok())
-}
-
 #[tokio::test]
 #[ignore = "needs root: loop devices and mounts"]
 async fn root_identity_and_metrics() {

@@ -661,3 +661,68 @@ async fn root_controller_get_node_info_through_the_router_is_each_nodes_own() {
     assert_ne!(e.code(), tonic::Code::Ok);
     assert!(e.message().contains("node-c"), "{e:?}");
 }
+
+#[tokio::test]
+#[ignore = "needs root: loop devices and mounts"]
+async fn root_the_router_counts_and_times_its_calls_on_its_metrics_port() {
+    let port = free_port();
+    let address = format!("--metrics-address=127.0.0.1:{port}");
+    let cl = cluster_of(&[], &[], &[&address, "--metrics-max-age=0"]);
+    let mut r = cl.router.clients().await;
+    let before = scrape(port);
+    assert!(
+        before.contains("mode=\"router\""),
+        "the build info names the mode: {before}"
+    );
+    assert_eq!(sample(&before, "example_csi_mesh_agents", &[]), Some(2.0));
+    assert_eq!(sample(&before, "example_csi_ready", &[]), Some(1.0));
+    let created = [("method", "CreateVolume"), ("grpc_code", "OK")];
+    assert_eq!(
+        sample(&before, "example_csi_rpc_requests_total", &created),
+        None
+    );
+
+    for node in [NODE_A, NODE_B] {
+        must_create(
+            &mut r.controller,
+            create_on(&format!("pvc-metrics-{node}"), node),
+        )
+        .await;
+    }
+    let e = r
+        .controller
+        .delete_volume(delete_req(""))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument);
+
+    let after = scrape(port);
+    assert_eq!(
+        sample(&after, "example_csi_rpc_requests_total", &created),
+        Some(2.0)
+    );
+    let refused = [("method", "DeleteVolume"), ("grpc_code", "InvalidArgument")];
+    assert_eq!(
+        sample(&after, "example_csi_rpc_requests_total", &refused),
+        Some(1.0)
+    );
+    let timed = [("method", "CreateVolume")];
+    assert_eq!(
+        sample(&after, "example_csi_rpc_duration_seconds_count", &timed),
+        Some(2.0)
+    );
+    // A node's own figures (pools) are the node agents' to show, not the router's.
+    assert!(
+        !after.contains("example_csi_pool_capacity_bytes{"),
+        "{after}"
+    );
+    let health = {
+        use std::io::{Read, Write};
+        let mut conn = std::net::TcpStream::connect(("127.0.0.1", port)).unwrap();
+        conn.write_all(b"GET /healthz HTTP/1.0\r\n\r\n").unwrap();
+        let mut answer = String::new();
+        conn.read_to_string(&mut answer).unwrap();
+        answer
+    };
+    assert!(health.starts_with("HTTP/1.0 200"), "{health}");
+}

@@ -427,6 +427,10 @@ scenario_two_nodes() {
     done
     local -a sums=("$(in_pod on-0 cat /data/file.sum)" "$(in_pod on-1 cat /data/file.sum)")
     check "both pods' checksums read (${sums[0]:0:8}.., ${sums[1]:0:8}..)" is_sum "${sums[0]}" "${sums[1]}"
+    if [ "$FLAVOR" = cluster ]; then
+        check "the router's metrics count both claims' CreateVolume" \
+            created_at_least "$(router_metrics_url)" 2
+    fi
     delete_pod on-0 on-1
     for i in 0 1; do
         pod "again-$i" "on-$i" "$READ_DATA"
@@ -676,6 +680,23 @@ node_metrics_url() {
     ip=$(kc -n "$DRIVER_NS" get pod -l app.kubernetes.io/component=node --field-selector "spec.nodeName=$1" \
         -o jsonpath='{.items[0].status.podIP}')
     [ -n "$ip" ] && echo "http://$ip:9810/metrics"
+}
+
+# router_metrics_url: the metrics address of the cluster's controller (its
+# router's pod).
+router_metrics_url() {
+    local ip
+    ip=$(kc -n "$DRIVER_NS" get pod -l app.kubernetes.io/component=controller \
+        -o jsonpath='{.items[0].status.podIP}')
+    [ -n "$ip" ] && echo "http://$ip:9810/metrics"
+}
+
+# created_at_least URL N: the metrics at URL count N or more CreateVolume
+# calls answered OK.
+created_at_least() {
+    local n
+    n=$(curl -sf --max-time 3 "$1" | awk '/^example_csi_rpc_requests_total\{/ && /method="CreateVolume"/ && /grpc_code="OK"/ {print $NF; exit}')
+    [ -n "$n" ] && awk -v n="$n" -v want="$2" 'BEGIN { exit !(n >= want) }'
 }
 
 # arriving_bytes URL: the bytes durable of the volume arriving on that node

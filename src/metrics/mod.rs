@@ -44,7 +44,7 @@ mod health;
 mod server;
 
 use health::*;
-pub use server::{bind, parse_address, serve, Limits};
+pub use server::{bind, parse_address, serve, Limits, Refresh};
 
 type Labels = Vec<(&'static str, String)>;
 type HistogramFamily = Family<Labels, Histogram, fn() -> Histogram>;
@@ -65,6 +65,8 @@ pub struct Metrics {
     latency: HistogramFamily,
     pools: PoolGauges,
     ready: Gauge,
+    /// Node agents known (the router only).
+    agents: Gauge,
     scrape_errors: Counter<u64, AtomicU64>,
     shown: HealthGauges,
     transfers: TransferGauges,
@@ -309,9 +311,18 @@ impl Metrics {
         let ready = register(
             r,
             "ready",
-            "1 when the driver answers Probe as ready (state loaded, every pool present)",
+            "1 when the driver answers Probe as ready (state loaded, every pool present; \
+             the router: the list of node agents read)",
             Gauge::default(),
         );
+        let agents = Gauge::default();
+        if mode == "router" {
+            r.register(
+                "mesh_agents",
+                "Node agents the cluster's controller knows of",
+                agents.clone(),
+            );
+        }
         let scrape_errors = register(
             r,
             "scrape_errors",
@@ -333,6 +344,7 @@ impl Metrics {
             latency,
             pools,
             ready,
+            agents,
             scrape_errors,
             shown,
             transfers,
@@ -365,6 +377,22 @@ impl Metrics {
             ])
             .observe(t.as_secs_f64());
         self.observed.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The refresh of a driver's figures (every mode but the router).
+    pub fn of_driver(driver: Arc<Driver>, sys: System) -> Refresh {
+        Box::new(move |m: &Metrics| m.refresh(&driver, &sys))
+    }
+
+    /// The refresh of the cluster's controller: ready once it has read the
+    /// list of node agents, and how many it knows.
+    pub fn of_router(agents: Arc<csi_mesh::agents::Agents>) -> Refresh {
+        Box::new(move |m: &Metrics| {
+            let (ready, known) = (agents.ready(), agents.nodes().len());
+            let _one = lock(&m.rendering);
+            m.ready.set(ready as i64);
+            m.agents.set(known as i64);
+        })
     }
 
     /// Reads the pools and loop devices (blocking: statvfs and sysfs), takes the

@@ -36,12 +36,16 @@ pub(super) struct Asked {
     pub(super) started: u64,
 }
 
+/// What a refresh reads into the metrics, on the refresh thread: a driver's
+/// pools, devices, health and transfers ([`Metrics::of_driver`]), or the node
+/// agents of the cluster's controller ([`Metrics::of_router`]).
+pub type Refresh = Box<dyn Fn(&Metrics) + Send + 'static>;
+
 impl Refresher {
     /// Starts the refresh thread of `metrics`.
     pub(super) fn start(
         metrics: Arc<Metrics>,
-        driver: Arc<Driver>,
-        sys: System,
+        refresh: Refresh,
         max_age: Duration,
     ) -> std::io::Result<Arc<Refresher>> {
         let r = Arc::new(Refresher {
@@ -64,9 +68,8 @@ impl Refresher {
                     a.started
                 };
                 // A refresh that panics must not stop the later ones.
-                let refreshed = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                    metrics.refresh(&driver, &sys)
-                }));
+                let refreshed =
+                    std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| refresh(&metrics)));
                 if refreshed.is_err() {
                     tracing::warn!("metrics: a refresh failed");
                 }
@@ -218,12 +221,11 @@ pub(super) const CONNECTION_LIFETIME: Duration = Duration::from_secs(30);
 pub async fn serve(
     listener: tokio::net::TcpListener,
     metrics: Arc<Metrics>,
-    driver: Arc<Driver>,
-    sys: System,
+    refresh: Refresh,
     csi: Endpoint,
     limits: Limits,
 ) -> Result<(), String> {
-    let refresher = Refresher::start(metrics.clone(), driver, sys, limits.max_age)
+    let refresher = Refresher::start(metrics.clone(), refresh, limits.max_age)
         .map_err(|e| format!("cannot start the metrics refresh: {e}"))?;
     let http = Arc::new(Http {
         metrics,
