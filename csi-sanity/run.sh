@@ -16,8 +16,8 @@ set -euo pipefail
 CSI_SANITY_VERSION=v5.6.0
 here=$(cd "$(dirname "$0")" && pwd)
 top=$(cd "$here/.." && pwd)
-gopath=$(go env GOPATH 2>/dev/null || echo /root/go)
-export PATH="$PATH:/usr/local/go/bin:$gopath/bin:/usr/sbin:/sbin"
+# shellcheck source=scripts/preamble.sh
+. "$top/scripts/preamble.sh"
 
 # name | pool filesystem | driver flags | volume parameters (k=v,...) | volume MiB
 # | processes: 1 (--mode all) or 2 (--mode controller and --mode node on one pool

@@ -29,6 +29,9 @@ set -euo pipefail
 
 DEPLOY="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 REPO="$(dirname "$DEPLOY")"
+SCRIPT_NAME=validate
+# shellcheck source=scripts/preamble.sh
+. "$REPO/scripts/preamble.sh"
 K8S_VERSIONS="${K8S_VERSIONS:-1.35 1.36 1.37}"
 KUSTOMIZE_VERSION="v5.8.2"         # the newest that builds with this machine's Go 1.26
 HELM_VERSION="v3.19.0"
@@ -42,7 +45,6 @@ declare -A COMPONENT_OVERLAYS=([builtin-sidecars]="${OVERLAYS[*]}" [inline-ephem
 PYTHON="${PYTHON:-python3}"
 
 step() { printf '\n### %s\n' "$*"; }
-die() { printf 'validate.sh: %s\n' "$*" >&2; exit 1; }
 
 # ------------------------------------------------------------ tools
 step "tools"

@@ -26,12 +26,13 @@
 #   e2e/build.sh --check [--suite]             succeeds when all of them are built
 set -euo pipefail
 . "$(dirname "$0")/versions.sh"
-export PATH="$PATH:/usr/local/go/bin:$HOME/go/bin"
+SCRIPT_NAME=e2e/build
+# shellcheck source=scripts/preamble.sh
+. "$(dirname "$0")/../scripts/preamble.sh"
 # -mod=mod: the wrapper modules and the copied sidecar modules record their
 # go.sum as they build
 export GOFLAGS="-mod=mod -buildvcs=false" CGO_ENABLED=0
 
-log() { echo "e2e/build: $*" >&2; }
 SNAPSHOTTER_CLIENT=github.com/kubernetes-csi/external-snapshotter/client/v8
 
 # go_module_dir MODULE VERSION: a writable copy of a module's source.

@@ -64,6 +64,9 @@
 # central flavor after the scenarios; --suite-only runs the suite alone.
 set -euo pipefail
 E2E_DIR=$(cd "$(dirname "$0")" && pwd)
+SCRIPT_NAME=e2e
+# shellcheck source=scripts/preamble.sh
+. "$E2E_DIR/../scripts/preamble.sh"
 . "$E2E_DIR/versions.sh"
 . "$E2E_DIR/lib/hoststate.sh"
 . "$E2E_DIR/lib/pki.sh"
@@ -75,7 +78,6 @@ E2E_DIR=$(cd "$(dirname "$0")" && pwd)
 . "$E2E_DIR/lib/scenarios_policy.sh"
 . "$E2E_DIR/lib/suite.sh"
 . "$E2E_DIR/lib/bench.sh"
-export PATH="$PATH:/usr/local/go/bin:$HOME/go/bin:/usr/sbin:/sbin:$HOME/.cargo/bin"
 
 FLAVORS=()
 ONLY=()

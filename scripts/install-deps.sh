@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Installs what building and testing example-csi needs, skipping what is there.
 set -euo pipefail
-export PATH="$PATH:/usr/local/go/bin:$HOME/.cargo/bin:/usr/sbin:/sbin"
+# shellcheck source=scripts/preamble.sh
+. "$(dirname "$0")/preamble.sh"
 need=()
 for pair in mkfs.xfs:xfsprogs mkfs.btrfs:btrfs-progs mkfs.ext4:e2fsprogs losetup:mount \
             findmnt:util-linux blkid:util-linux bc:bc python3:python3 pip3:python3-pip \

@@ -52,7 +52,8 @@ node=${args[1]}
 KUBECTL=${KUBECTL:-kubectl}
 kc() { "$KUBECTL" -n "$ns" "$@"; }
 say() { printf '%s move-claim: %s\n' "$(date +%H:%M:%S)" "$*"; }
-die() { printf 'move-claim.sh: %s\n' "$*" >&2; exit 1; }
+# shellcheck source=scripts/preamble.sh
+. "$(dirname "$0")/preamble.sh"
 
 pre_snap="$claim-move-pre"
 pre_claim="$claim-move-pre"

@@ -14,7 +14,8 @@
 #   HOSTILE_RUNS=20 (the hostile table, run that many times in a row)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export PATH="$PATH:/usr/sbin:/sbin:$HOME/.cargo/bin"
+# shellcheck source=scripts/preamble.sh
+. scripts/preamble.sh
 export SOAK_OPS="${SOAK_OPS:-20000}" SOAK_CLIENTS="${SOAK_CLIENTS:-32}"
 export SOAK_KILLS="${SOAK_KILLS:-20}" SOAK_REBOOTS="${SOAK_REBOOTS:-3}"
 export FUZZ_SECONDS="${FUZZ_SECONDS:-600}"

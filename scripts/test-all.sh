@@ -12,7 +12,8 @@
 set -euo pipefail
 [ "$(id -u)" = 0 ] || { echo "scripts/test-all.sh needs root (loop devices, mkfs, mounts)" >&2; exit 1; }
 cd "$(dirname "$0")/.."
-export PATH="$PATH:/usr/local/go/bin:$HOME/go/bin:/root/go/bin:/usr/sbin:/sbin:$HOME/.cargo/bin"
+# shellcheck source=scripts/preamble.sh
+. scripts/preamble.sh
 log=$(mktemp /tmp/example-csi-test.XXXXXX)
 results=$(mktemp -d /tmp/example-csi-results.XXXXXX)
 prebuild_log=$(mktemp /tmp/example-csi-e2e-build.XXXXXX)

@@ -4,7 +4,8 @@
 # by PID, and stopped at teardown. Nothing listens beyond loopback and the
 # machine's own address; pods live on a bridge of their own with no route out.
 #
-# Needs: W (the work directory), BIN_K8S, BIN_ETCD, BIN_CONTAINERD, HOST_IP.
+# Needs: W (the work directory), BIN_K8S, BIN_ETCD, BIN_CONTAINERD, HOST_IP;
+# log and die of scripts/preamble.sh.
 
 SERVICE_CIDR=10.96.0.0/24
 SERVICE_IP=10.96.0.1
@@ -14,9 +15,6 @@ APISERVER_PORT=6443
 # it into Pod.status.volumeHealth and CSINode.status.storageHealth (the API
 # server keeps those fields only with the gate on).
 FEATURE_GATES=CSIVolumeHealth=true
-
-log() { printf '%s e2e: %s\n' "$(date +%T)" "$*" >&2; }
-die() { log "FAIL: $*"; exit 1; }
 
 # host_ip: the machine's own address (not loopback), the node IP of the kubelets.
 host_ip() {
