@@ -171,6 +171,9 @@ fn a_call_that_meets_a_lock_the_sweep_holds_waits_for_it_instead_of_aborting() {
     let w = World::new();
     let id = crate::ids::VolumeId::for_name("pvc-swept");
     let c = w.c();
+    // The start-up's own sweep ends first: meeting the lock file made below, it
+    // would try the lock too and end its claim, ending the create's wait early.
+    c.settle();
     let released = std::sync::atomic::AtomicBool::new(false);
     let swept = c.state.sweep_lock_volume(id).unwrap().unwrap();
     std::thread::scope(|s| {
