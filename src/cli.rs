@@ -144,6 +144,14 @@ pub struct Cli {
           value_parser = clap::value_parser!(u64).range(1..=256))]
     pub heavy_operations: u64,
 
+    /// Threads of the async runtime, which read, route and answer the gRPC calls;
+    /// the work of every call runs on the blocking pool. One keeps each call's
+    /// answer on the thread that read it, which saves a hand-off between threads
+    /// per call; more help only where TLS to other nodes is the load.
+    #[arg(long, env = "CSI_ASYNC_THREADS", default_value_t = 1,
+          value_parser = clap::value_parser!(u64).range(1..=64))]
+    pub async_threads: u64,
+
     /// At start, unmount and detach loop devices and mounts of pool volumes that no
     /// volume staged on this node accounts for (they are only reported otherwise).
     #[arg(long, env = "CSI_CLEANUP_ORPHANS")]
@@ -383,5 +391,22 @@ mod tests {
         assert!(expedite(&["--expedite-freeze=maybe"]).is_err());
         // The last of two wins, as for every flag.
         assert!(!expedite(&["--expedite-freeze", "--expedite-freeze=false"]).unwrap());
+    }
+
+    #[test]
+    fn one_async_thread_unless_asked_and_never_none() {
+        let threads = |flags: &[&str]| {
+            let mut args = vec!["csi-driver", "--nodeid=n1"];
+            args.extend_from_slice(flags);
+            Cli::try_parse_from(args).map(|c| c.async_threads)
+        };
+        assert_eq!(threads(&[]).unwrap(), 1);
+        assert_eq!(threads(&["--async-threads=4"]).unwrap(), 4);
+        for bad in ["0", "65", "-1", "many"] {
+            assert!(
+                threads(&[&format!("--async-threads={bad}")]).is_err(),
+                "{bad}"
+            );
+        }
     }
 }

@@ -79,6 +79,7 @@ fn main() -> ExitCode {
     };
     let (_, blocking_threads) = limits(start.cfg.heavy_operations);
     let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(cli.async_threads as usize)
         .enable_all()
         .max_blocking_threads(blocking_threads)
         .thread_keep_alive(BLOCKING_KEEP_ALIVE)
