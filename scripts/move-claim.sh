@@ -24,6 +24,8 @@
 # says what it does; an interrupted move is run again with the same
 # arguments and goes on from the objects it finds.
 set -euo pipefail
+# shellcheck source=scripts/preamble.sh
+. "$(dirname "$0")/preamble.sh"
 
 ns=""
 workload=""
@@ -52,8 +54,6 @@ node=${args[1]}
 KUBECTL=${KUBECTL:-kubectl}
 kc() { "$KUBECTL" -n "$ns" "$@"; }
 say() { printf '%s move-claim: %s\n' "$(date +%H:%M:%S)" "$*"; }
-# shellcheck source=scripts/preamble.sh
-. "$(dirname "$0")/preamble.sh"
 
 pre_snap="$claim-move-pre"
 pre_claim="$claim-move-pre"
