@@ -39,7 +39,15 @@
 # data pulled over the mesh); and the network between the two nodes' pod
 # subnets cut for 30 s during such a transfer, which then goes on and
 # arrives whole; and a claim moved to the other node by scripts/move-claim.sh
-# while its workload writes. --single-node leaves the second kubelet out.
+# while its workload writes; and last, the second node rebooted: every
+# process of it killed at once, every mount and loop device of it gone, its
+# containerd's state lost, then booted again, and its pods come back on their
+# claims with their data. --single-node leaves the second kubelet out.
+#
+# On the central flavor, the node's own services fail under the driver: the
+# kubelet restarted while volumes are staged and published (and a pod deleted
+# while it is down, which it finds on its disk), containerd restarted under
+# running pods, and the API server down for 30 s mid-provisioning.
 #
 # --scenario NAME (again for more) runs only the scenarios of those names
 # (the function scenario_NAME of e2e/lib/, e.g. network_cut) in each flavor,
@@ -76,6 +84,7 @@ SCRIPT_NAME=e2e
 . "$E2E_DIR/lib/scenarios.sh"
 . "$E2E_DIR/lib/scenarios_move.sh"
 . "$E2E_DIR/lib/scenarios_policy.sh"
+. "$E2E_DIR/lib/scenarios_chaos.sh"
 . "$E2E_DIR/lib/suite.sh"
 . "$E2E_DIR/lib/bench.sh"
 
@@ -489,6 +498,13 @@ run_flavor() {
     run_scenario liveness
     run_scenario health
     run_scenario churn
+    # the node's services failing under the driver: on one flavor (any named
+    # by --scenario)
+    if [ "$flavor" = central ] || [ ${#ONLY[@]} -gt 0 ]; then
+        run_scenario kubelet_restart
+        run_scenario containerd_restart
+        run_scenario apiserver_down
+    fi
     if [ ${#NODES[@]} -gt 1 ]; then
         case $flavor in
             distributed) run_scenario two_nodes ;;
@@ -498,6 +514,7 @@ run_flavor() {
                 run_scenario network_cut
                 run_scenario agent_killed
                 run_scenario move
+                run_scenario node_reboot
                 ;;
         esac
     fi

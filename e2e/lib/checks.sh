@@ -206,9 +206,12 @@ count_is() { local n=$1; shift; [ "$("$@" 2>/dev/null | grep -c .)" = "$n" ]; }
 empty_dirs() { [ -z "$(find "$@" -mindepth 1 -maxdepth 1 2>/dev/null)" ]; }
 df_over() { local k; k=$(in_pod "$1" df -k "$2" | awk 'NR==2 {print $2}'); [ -n "$k" ] && [ "$k" -gt "$3" ]; }
 pvc_condition() { jp "pvc/$1" '{.status.conditions[*].type}' | grep -qE "$2"; }
-bound_count_is() {
-    [ "$(kc -n "$NS" get pvc -l "$1" -o jsonpath='{range .items[*]}{.status.phase}{"\n"}{end}' | grep -c Bound)" = "$2" ]
+# bound_count LABEL: how many claims of LABEL are bound
+bound_count() {
+    kc -n "$NS" get pvc -l "$1" -o jsonpath='{range .items[*]}{.status.phase}{"\n"}{end}' | grep -c Bound
 }
+bound_count_is() { [ "$(bound_count "$1")" = "$2" ]; }
+bound_at_least() { [ "$(bound_count "$1")" -ge "$2" ]; }
 # pool_loops: loop devices whose backing file is in a pool. The node plugin's
 # paths are its container's, so they are found by the backing device: the
 # pools' own loop devices.

@@ -22,13 +22,26 @@ host_ip() {
 }
 
 # start_bg NAME CMD...: runs CMD in the background, logging to $W/logs/NAME.log,
-# and records its PID for teardown.
+# and records its PID for teardown and its command for start_again.
 start_bg() {
     local name=$1; shift
     mkdir -p "$W/logs"
+    printf '%q ' "$@" >"$W/cmd-$name"
     setsid "$@" >>"$W/logs/$name.log" 2>&1 </dev/null &
     echo "$! $name" >>"$W/pids"
+    # the shell does not report it when a chaos scenario kills it
+    disown "$!"
 }
+
+# start_again NAME: the command last started as NAME, started again (after
+# stop_pids NAME, as a service manager restarts a service).
+start_again() {
+    local cmd; cmd=$(cat "$W/cmd-$1") || return 1
+    eval "start_bg $(printf '%q' "$1") $cmd"
+}
+
+# pid_of NAME: the PID of the process last started as NAME.
+pid_of() { awk -v n="$1" '$2 == n {p = $1} END {print p}' "$W/pids"; }
 
 # wait_for SECONDS WHAT CMD...: retries CMD every half second until it succeeds.
 wait_for() {
@@ -75,7 +88,7 @@ start_control_plane() {
         --service-account-key-file="$pki/sa.pub" --service-account-signing-key-file="$pki/sa.key" \
         --service-account-issuer=https://kubernetes.default.svc \
         --feature-gates="$FEATURE_GATES" --profiling=false --v=1
-    wait_for 120 kube-apiserver kc get --raw /readyz || die "kube-apiserver did not become ready (logs/kube-apiserver.log)"
+    apiserver_ready || die "kube-apiserver did not become ready (logs/kube-apiserver.log)"
 
     log "starting kube-controller-manager and kube-scheduler"
     start_bg kube-controller-manager "$BIN_K8S/kube-controller-manager" \
@@ -97,6 +110,8 @@ start_control_plane() {
     wait_for 60 "the default service account" kc -n default get serviceaccount default \
         || die "no default service account (logs/kube-controller-manager.log)"
 }
+
+apiserver_ready() { wait_for 120 kube-apiserver kc get --raw /readyz; }
 
 # route_service NAMESPACE NAME: plays kube-proxy (there is none here) for one
 # Service of one port: its cluster IP and port lead to its first ready
@@ -122,14 +137,17 @@ service_endpoint() {
     [ -n "$out" ] && echo "$out"
 }
 
-# start_node INDEX NAME: a containerd and a kubelet for node NAME. The first node
-# runs in the machine's mount namespace; another runs in a namespace of its own
-# (node_namespace), where the paths deploy/ mounts are that node's own.
+# start_node INDEX NAME [again]: a containerd and a kubelet for node NAME. The
+# first node runs in the machine's mount namespace; another runs in a
+# namespace of its own (node_namespace), where the paths deploy/ mounts are
+# that node's own. "again" boots a node that ran before: its pools and
+# containerd's images are there already.
 start_node() {
-    local i=$1 name=$2
+    local i=$1 name=$2 again=${3:-}
     local cdir=$W/containerd-$name
     local in_ns=() cgroup_root=/
     if [ "$i" -gt 0 ]; then
+        mountpoint -q "$W/node-$name/example-csi/pool" || mount_pools "$name-" "$W/node-$name/example-csi"
         node_namespace "$name"
         in_ns=(nsenter -t "$(cat "$W/node-$name/mntns.pid")" -m --)
         cgroup_root=/e2e-$name
@@ -193,7 +211,7 @@ EOF
         "$BIN_CONTAINERD/containerd" --config "$cdir/config.toml"
     wait_for 60 "containerd of $name" ctr_ --address "$cdir/containerd.sock" version \
         || die "containerd did not start (logs/containerd-$name.log)"
-    import_images "$cdir/containerd.sock"
+    [ "$again" = again ] || import_images "$cdir/containerd.sock"
 
     local root=/var/lib/kubelet
     mkdir -p "$root"
@@ -270,8 +288,17 @@ mount_pools() {
     for p in pool ssd; do
         truncate -s 64G "$W/pools/$1$p.img"
         mkfs.xfs -q -f -m reflink=1 "$W/pools/$1$p.img"
+    done
+    mount_pool_images "$@"
+}
+
+# mount_pool_images PREFIX DIR: the pools' images made by mount_pools mounted
+# (again, as at boot).
+mount_pool_images() {
+    local p
+    for p in pool ssd; do
         mkdir -p "$2/$p"
-        mount -o loop "$W/pools/$1$p.img" "$2/$p"
+        mount -o loop "$W/pools/$1$p.img" "$2/$p" || return 1
     done
 }
 
@@ -279,15 +306,15 @@ mount_pools() {
 # deploy/ mounts /var/lib/kubelet and /var/lib/example-csi on every node; here
 # they (and the kubelet's pod logs, which a kubelet prunes of pods it does not
 # know) are the node's own directories under $W/node-NAME, with pools of its
-# own (xfs images in $W/pools, mounted on the host at $W/node-NAME/example-csi,
-# so that the checks see them). The namespace is held by a process recorded
-# for teardown; its containerd and kubelet enter it.
+# own (xfs images in $W/pools, mounted on the host at $W/node-NAME/example-csi
+# by start_node, so that the checks see them). The namespace is held by a
+# process recorded for teardown; its containerd and kubelet enter it. When
+# every process in it is gone, every mount made in it goes too (a reboot).
 node_namespace() {
     local name=$1 dir=$W/node-$1
     mkdir -p "$dir/kubelet" "$dir/example-csi" "$dir/log-pods" "$dir/log-containers"
-    mount_pools "$name-" "$dir/example-csi"
     start_bg "mntns-$name" unshare --mount --propagation private sleep infinity
-    local pid; pid=$(awk -v n="mntns-$name" '$2 == n {p = $1} END {print p}' "$W/pids")
+    local pid; pid=$(pid_of "mntns-$name")
     wait_for 10 "the mount namespace of $name" not_my_mntns "$pid" || die "no mount namespace for $name"
     # What the namespace inherited of the first node (its kubelet's and
     # containerd's mounts, its pools, the volumes staged there) goes first: a

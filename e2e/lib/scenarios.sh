@@ -813,14 +813,18 @@ default_pool_volumes() {
 }
 
 # churn_claims FIRST LAST: claims churn-FIRST..churn-LAST in one request.
-churn_claims() {
+churn_claims() { immediate_claims churn "$1" "$2"; }
+
+# immediate_claims NAME FIRST LAST: 64Mi claims NAME-FIRST..NAME-LAST of the
+# Immediate class, labelled NAME=yes, in one request.
+immediate_claims() {
     local i
-    for i in $(seq "$1" "$2"); do
+    for i in $(seq "$2" "$3"); do
         cat <<EOF
 ---
 apiVersion: v1
 kind: PersistentVolumeClaim
-metadata: {name: churn-$i, labels: {e2e: "true", churn: "yes"}}
+metadata: {name: $1-$i, labels: {e2e: "true", $1: "yes"}}
 spec:
   accessModes: [ReadWriteOnce]
   storageClassName: e2e-immediate
