@@ -212,12 +212,14 @@ bound_count() {
 }
 bound_count_is() { [ "$(bound_count "$1")" = "$2" ]; }
 bound_at_least() { [ "$(bound_count "$1")" -ge "$2" ]; }
-# pool_loops: loop devices whose backing file is in a pool. The node plugin's
-# paths are its container's, so they are found by the backing device: the
-# pools' own loop devices.
+# pool_loops [DIR...]: loop devices whose backing file is in a pool (those
+# at DIR..., every node's unless named). The node plugin's paths are its
+# container's, so they are found by the backing device: the pools' own loop
+# devices.
 pool_loops() {
-    local devs
-    devs=$(for d in "${POOL_DIRS[@]}"; do findmnt -n -o MAJ:MIN --mountpoint "$d" | head -1; done | tr -d ' ')
+    local devs dirs=("$@")
+    [ ${#dirs[@]} -gt 0 ] || dirs=("${POOL_DIRS[@]}")
+    devs=$(for d in "${dirs[@]}"; do findmnt -n -o MAJ:MIN --mountpoint "$d" | head -1; done | tr -d ' ')
     [ -n "$devs" ] || { echo "no pool loop device found"; return; }
     losetup -n -O NAME,BACK-MAJ:MIN 2>/dev/null | awk -v devs=" $(echo $devs) " 'index(devs, " " $2 " ") {print $1}'
 }

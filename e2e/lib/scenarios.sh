@@ -791,9 +791,9 @@ scenario_churn() {
     scenario "20 claims at once while the controller pod is deleted"
     local before i
     before=$(default_pool_volumes)
-    churn_claims 1 10
+    immediate_claims churn 1 10
     kc -n "$DRIVER_NS" delete pod -l app.kubernetes.io/component="$CONTROLLER_COMPONENT" --wait=false >/dev/null
-    churn_claims 11 20
+    immediate_claims churn 11 20
     eventually 300 "all 20 claims bound" bound_count_is churn=yes 20
     local pvs
     pvs=$(kc get pv -o jsonpath='{range .items[*]}{.spec.claimRef.name}{"\n"}{end}' | grep -c '^churn-')
@@ -811,9 +811,6 @@ default_pool_volumes() {
     local n
     for n in $(nodes_up); do find "$(pool_dir "$n" pool)/volumes" -mindepth 1 -maxdepth 1 2>/dev/null; done | sort
 }
-
-# churn_claims FIRST LAST: claims churn-FIRST..churn-LAST in one request.
-churn_claims() { immediate_claims churn "$1" "$2"; }
 
 # immediate_claims NAME FIRST LAST: 64Mi claims NAME-FIRST..NAME-LAST of the
 # Immediate class, labelled NAME=yes, in one request.

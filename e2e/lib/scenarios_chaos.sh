@@ -168,7 +168,7 @@ scenario_node_reboot() {
     local l
     # what a power cut takes too: the kubelet's hold first, then the volumes'
     for l in $holds $(loops_of "$fs_image") $(loops_of "$raw_image") \
-             $(node_pool_loops "$second"); do
+             $(pool_loops "$(pool_dir "$second" pool)" "$(pool_dir "$second" ssd)"); do
         losetup -d "$l" 2>/dev/null || true
     done
     eventually 60 "no loop device on $second's volumes left (nothing of the node holds them)" \
@@ -191,7 +191,7 @@ scenario_node_reboot() {
     # (its Node's Ready condition, seconds old, says nothing yet)
     eventually 60 "the kubelet of $second serves again" curl -sf "http://127.0.0.1:$((10248 + 10))/healthz"
     eventually 180 "the node plugin on $second runs again, in new containers" \
-        all_of "plugin_restarted_on $second $plugin"
+        plugin_restarted_on "$second" "$plugin"
     eventually 240 "the workloads run again on their claims" \
         all_of "restarted nr-fs ${running[0]}" "restarted nr-raw ${running[1]}" || return
     eventually 60 "the filesystem pod sees its file" in_pod nr-fs test -s /data/file
@@ -263,12 +263,4 @@ node_cgroup_procs() {
 # loops_backed_by_path TEXT: loop devices whose backing file's path has TEXT in it.
 loops_backed_by_path() {
     losetup -n -O NAME,BACK-FILE 2>/dev/null | awk -v t="$1" 'index($2, t) {print $1}'
-}
-
-# node_pool_loops NAME: loop devices backed by a file in node NAME's pools.
-node_pool_loops() {
-    local devs p
-    devs=$(for p in pool ssd; do findmnt -n -o MAJ:MIN --mountpoint "$(pool_dir "$1" "$p")" | head -1; done | tr -d ' ')
-    [ -n "$devs" ] || return 0
-    losetup -n -O NAME,BACK-MAJ:MIN 2>/dev/null | awk -v devs=" $(echo $devs) " 'index(devs, " " $2 " ") {print $1}'
 }
