@@ -126,6 +126,13 @@ parameters: {type: nvme-does-not-exist}
 reclaimPolicy: Delete
 volumeBindingMode: WaitForFirstConsumer
 EOF
+    # Before the pod: the scheduler would refuse it on a node whose capacity
+    # for the new class is not published yet, and that refusal stays on the
+    # pod until it is scheduled again.
+    local n
+    for n in $(nodes_up); do
+        eventually 120 "the class's capacity for $n is published, not zero" capacity_for e2e-unknown-pool "$n"
+    done
     pvc unknown-pool 1Gi e2e-unknown-pool
     pod unknown-pool unknown-pool "exec sleep 100000"
     eventually 180 "the claim gets a ProvisioningFailed Event naming the pool and the node's pools" \
@@ -138,9 +145,7 @@ EOF
 }
 
 # refused_for_storage_everywhere POD: the scheduler found no node with the
-# storage POD's claims ask for. (One node may say so for a while, when its
-# capacity for a new class is not published yet: the pod then goes to
-# another.)
+# storage POD's claims ask for.
 refused_for_storage_everywhere() {
     jp "pod/$1" '{.status.conditions[?(@.type=="PodScheduled")].reason} {.status.conditions[?(@.type=="PodScheduled")].message}' \
         | grep -qE '^Unschedulable 0/([0-9]+) nodes are available: \1 node\(s\) did not have enough free storage'
