@@ -2,7 +2,7 @@
 #
 # example-csi: the csi-driver binary and the tools it calls.
 #
-#   docker build -t example-csi/csi-driver:v0.1.0 .
+#   docker build -t example-csi/csi-driver:v0.2.0 .
 #
 # The tag matches the crate version in Cargo.toml (deploy/ pins it).
 
@@ -20,7 +20,7 @@ RUN --mount=type=cache,target=/usr/local/cargo/registry \
 
 # ---- runtime ----------------------------------------------------------
 FROM debian:bookworm-slim
-ARG VERSION=0.1.0
+ARG VERSION=0.2.0
 LABEL org.opencontainers.image.title="example-csi" \
       org.opencontainers.image.description="Local-storage CSI driver (example.csi.k8s.io): image files on loop devices, directories, btrfs subvolumes" \
       org.opencontainers.image.version="${VERSION}" \

@@ -1015,10 +1015,16 @@ def main():
               "every image pinned to a version (no latest, no missing tag), and where it names a "
               "digest (every image of a +digests rendering: an operator's kustomize images: block), "
               "tag@sha256:<64 hex>",
-              f"the driver's image is {DRIVER_IMAGE_REPO}:v{version} (version of Cargo.toml)",
+              f"the driver's image is {DRIVER_IMAGE_REPO}:v{version} (version of Cargo.toml), "
+              "the Dockerfile's VERSION the same",
               f"sidecars from {SIDECAR_REGISTRY}, one tag per sidecar across all overlays")
     seen = {}
     each_overlay(check_images, version, r, seen)
+    dockerfile = (REPO / "Dockerfile").read_text()
+    m = re.search(r'^ARG VERSION=(\S+)$', dockerfile, re.M)
+    r.check(m is not None and m.group(1) == version,
+            f"the Dockerfile's VERSION is the crate version {version}",
+            f"found {m.group(1) if m else 'no ARG VERSION'}")
 
     r.section("wiring inside each pod",
               "every sidecar's --csi-address is the socket of the driver's --endpoint (same volume, same file)",

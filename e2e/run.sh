@@ -44,6 +44,14 @@
 # containerd's state lost, then booted again, and its pods come back on their
 # claims with their data. --single-node leaves the second kubelet out.
 #
+# The cluster flavor starts from the release before this build
+# (PREVIOUS_RELEASE in e2e/versions.sh, built from its commit), installed
+# from its own deploy/ with workloads and a snapshot on both nodes; this
+# build is applied over it, rolled back with `kubectl rollout undo` and
+# applied again, and the workloads run on with their data through each step
+# (e2e/lib/scenarios_upgrade.sh); its other scenarios then run on the
+# upgraded installation.
+#
 # On the central flavor, the node's own services fail under the driver: the
 # kubelet restarted while volumes are staged and published (and a pod deleted
 # while it is down, which it finds on its disk), containerd restarted under
@@ -85,6 +93,7 @@ SCRIPT_NAME=e2e
 . "$E2E_DIR/lib/scenarios_move.sh"
 . "$E2E_DIR/lib/scenarios_policy.sh"
 . "$E2E_DIR/lib/scenarios_chaos.sh"
+. "$E2E_DIR/lib/scenarios_upgrade.sh"
 . "$E2E_DIR/lib/suite.sh"
 . "$E2E_DIR/lib/bench.sh"
 
@@ -288,18 +297,21 @@ find_kustomize() {
     else KUSTOMIZE="$BIN_K8S/kubectl kustomize --load-restrictor LoadRestrictionsNone"; fi
 }
 
-# render FLAVOR: the manifests applied for a flavor, in $W/deploy-FLAVOR.yaml
+# render FLAVOR [DEPLOY NAME]: the manifests applied for a flavor, from the
+# deploy/ folder DEPLOY (this build's by default), in $W/deploy-NAME.yaml
+# (NAME: the flavor by default).
 render() {
-    local flavor=$1 dir=$W/kustomize-$1
+    local flavor=$1 deploy=${2:-$E2E_ROOT/deploy} name=${3:-$1}
+    local dir=$W/kustomize-$name
     mkdir -p "$dir"
     {
         echo "apiVersion: kustomize.config.k8s.io/v1beta1"
         echo "kind: Kustomization"
         # kustomize takes only relative paths
-        echo "resources: [$(realpath --relative-to="$dir" "$E2E_ROOT/deploy/overlays/$flavor")]"
+        echo "resources: [$(realpath --relative-to="$dir" "$deploy/overlays/$flavor")]"
         local c components=()
         for c in $(flavor_components "$flavor"); do
-            components+=("$(realpath --relative-to="$dir" "$E2E_ROOT/deploy/components/$c")")
+            components+=("$(realpath --relative-to="$dir" "$deploy/components/$c")")
         done
         echo "components: [$(IFS=,; echo "${components[*]}")]"
         # NODE_VOLUME_LIMIT: the node plugin's --max-volumes-per-node (the
@@ -322,7 +334,7 @@ EOF
         fi
     } >"$dir/kustomization.yaml"
     # shellcheck disable=SC2086
-    $KUSTOMIZE "$dir" >"$W/deploy-$flavor.yaml"
+    $KUSTOMIZE "$dir" >"$W/deploy-$name.yaml"
 }
 
 HELM_BIN=""
@@ -461,13 +473,20 @@ undeploy_flavor() {
     check "no driver socket left" count_is 0 find "${kubelet_dirs[@]/%//plugins/example.csi.k8s.io}" -type s
 }
 
-# run_scenario NAME: scenario_NAME, unless --scenario named others.
+# wanted NAME: whether scenario NAME runs (every one, unless --scenario named
+# others).
+wanted() { [ ${#ONLY[@]} -eq 0 ] || [[ " ${ONLY[*]} " == *" $1 "* ]]; }
+
+# run_scenario NAME: scenario_NAME, if wanted.
 run_scenario() {
-    if [ ${#ONLY[@]} -gt 0 ] && [[ " ${ONLY[*]} " != *" $1 "* ]]; then
-        return 0
-    fi
+    wanted "$1" || return 0
     "scenario_$1"
 }
+
+# upgrade_first FLAVOR: whether FLAVOR starts from the previous release and
+# is upgraded to this build (the upgrade scenario: the default deployment,
+# installed with kustomize).
+upgrade_first() { [ "$1" = cluster ] && [ "$INSTALLER" = kustomize ] && wanted upgrade; }
 
 run_flavor() {
     local flavor=$1
@@ -478,8 +497,12 @@ run_flavor() {
     set +e
     # the cluster flavor spans every node from the start
     [ "$flavor" = cluster ] && [ ${#NODES[@]} -gt 1 ] && second_node_up
+    # the previous release installed, upgraded to this build and rolled back
+    # and forward with volumes in use; the scenarios below then run on the
+    # upgraded installation
+    upgrade_first "$flavor" && scenario_upgrade
     deploy_flavor "$flavor" || { undeploy_flavor "$flavor"; set -e; return; }
-    kc create namespace "$NS" >/dev/null
+    kc get namespace "$NS" >/dev/null 2>&1 || kc create namespace "$NS" >/dev/null
     storage_classes
     SUM=""
     run_scenario provision
@@ -557,9 +580,16 @@ declare -A SIDECAR_BINS=(
 declare -A SIDECAR_TAGS=([snapshot-controller]=$SNAPSHOTTER_VERSION)
 for name in "${!SIDECAR_VERSIONS[@]}"; do SIDECAR_TAGS[$name]=${SIDECAR_VERSIONS[$name]}; done
 
+# the release before this one first: both share the target folder, and the
+# build of this one then puts its own binary back in it
+if [[ " ${FLAVORS[*]} " == *" cluster "* ]] && upgrade_first cluster && [ -z "$BENCH_OUT" ]; then
+    previous_release
+fi
 log "building the driver (release)"
 (cd "$E2E_ROOT" && cargo build --release --quiet --bin csi-driver)
 DRIVER_BIN=${CARGO_TARGET_DIR:-$E2E_ROOT/target}/release/csi-driver
+"$DRIVER_BIN" --version | grep -qw "$(driver_version)" \
+    || die "$DRIVER_BIN is not this build ($(driver_version)): $("$DRIVER_BIN" --version)"
 find_kustomize
 [ "$INSTALLER" = helm ] && find_helm
 

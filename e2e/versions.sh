@@ -16,6 +16,11 @@ POPULATOR_VERSION=v3.2.0
 VALIDATOR_VERSION=v1.7.0
 # The reference driver the cluster benchmark measures beside this one.
 HOSTPATH_VERSION=v1.18.0
+# The release before this build: the upgrade scenario installs it from its
+# own deploy/ and binary (built from its commit), then upgrades to this build
+# and rolls back. Each release is tagged vVERSION at that commit.
+PREVIOUS_RELEASE=0.1.0
+PREVIOUS_RELEASE_COMMIT=f4f1f4a9e7be2d9cdfbf91040bd8870d50a2ee2d
 HELM_VERSION=$(sed -n 's/^HELM_VERSION="\(.*\)".*/\1/p' "$E2E_ROOT/deploy/validate.sh")
 
 # image tag pinned in deploy/ for a sidecar, e.g. pinned_tag csi-provisioner

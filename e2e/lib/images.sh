@@ -35,6 +35,41 @@ driver_version() {
 
 driver_image() { echo "example-csi/csi-driver:v$(driver_version)"; }
 
+# The release before this build (PREVIOUS_RELEASE at PREVIOUS_RELEASE_COMMIT):
+# its csi-driver and its deploy/, built once from its commit into
+# $E2E_CACHE/release-VERSION-COMMIT. Sets PREVIOUS_DIR to that folder, or
+# PREVIOUS_WHY to why it cannot be had (a clone without the commit).
+PREVIOUS_DIR=""
+# shellcheck disable=SC2034  # read by the upgrade scenario
+PREVIOUS_WHY=""
+previous_release() {
+    local commit=$PREVIOUS_RELEASE_COMMIT
+    local out=$E2E_CACHE/release-$PREVIOUS_RELEASE-${commit:0:12}
+    local target=${CARGO_TARGET_DIR:-$E2E_ROOT/target}
+    if [ ! -x "$out/csi-driver" ]; then
+        if ! git -C "$E2E_ROOT" cat-file -e "$commit^{commit}" 2>/dev/null; then
+            # shellcheck disable=SC2034  # read by the upgrade scenario
+            PREVIOUS_WHY="release v$PREVIOUS_RELEASE (commit ${commit:0:12}) is not in this clone's history"
+            return 0
+        fi
+        log "building release v$PREVIOUS_RELEASE from its commit ${commit:0:12}"
+        rm -rf "$out" "$out.tmp"; mkdir -p "$out.tmp/src"
+        git -C "$E2E_ROOT" archive "$commit" | tar -x -C "$out.tmp/src" || die "cannot unpack v$PREVIOUS_RELEASE"
+        # the same target folder: the dependencies are built once for both
+        (cd "$out.tmp/src" && CARGO_TARGET_DIR=$target cargo build --release --locked --quiet --bin csi-driver) \
+            || die "cannot build v$PREVIOUS_RELEASE"
+        install -m 0755 "$target/release/csi-driver" "$out.tmp/csi-driver"
+        mv "$out.tmp/src/deploy" "$out.tmp/deploy"
+        rm -rf "$out.tmp/src"
+        mv "$out.tmp" "$out"
+    fi
+    "$out/csi-driver" --version | grep -qw "$PREVIOUS_RELEASE" \
+        || die "$out/csi-driver is not v$PREVIOUS_RELEASE: $("$out/csi-driver" --version)"
+    PREVIOUS_DIR=$out
+}
+
+previous_image() { echo "example-csi/csi-driver:v$PREVIOUS_RELEASE"; }
+
 # The Debian root filesystem of the driver's image, cached by its package list.
 driver_rootfs() {
     local pkgs key out
@@ -108,6 +143,14 @@ build_images() {
     install -m 0755 "$DRIVER_BIN" "$dir/driver/usr/local/bin/csi-driver"
     python3 "$mk" "$dir/driver.tar" "$(driver_image)" --layer "$rootfs" --layer "$dir/driver" \
         --entrypoint '["/usr/local/bin/csi-driver"]'
+
+    # the release before, its binary on this build's root filesystem
+    if [ -n "$PREVIOUS_DIR" ]; then
+        rm -rf "$dir/previous"; mkdir -p "$dir/previous/usr/local/bin"
+        install -m 0755 "$PREVIOUS_DIR/csi-driver" "$dir/previous/usr/local/bin/csi-driver"
+        python3 "$mk" "$dir/previous.tar" "$(previous_image)" --layer "$rootfs" --layer "$dir/previous" \
+            --entrypoint '["/usr/local/bin/csi-driver"]'
+    fi
 }
 
 # import_images SOCKET: every image built above into one containerd.
