@@ -75,9 +75,24 @@ seccompProfile:
   type: RuntimeDefault
 {{- end }}
 
+{{/* A container that runs as uid 65532 in the socket's group, as the
+sidecars do but node-driver-registrar. */}}
+{{- define "example-csi.nonRoot" -}}
+runAsNonRoot: true
+runAsUser: 65532
+runAsGroup: {{ .Values.socketGroup }}
+{{- end }}
+
+{{/* Every driver instance gives its socket to the sidecars' group. */}}
+{{- define "example-csi.socketGroupArg" -}}
+# The socket (0660) goes to the group the non-root sidecars run in.
+- --socket-group={{ .Values.socketGroup }}
+{{- end }}
+
 {{/* The settings every driver container starts with. */}}
 {{- define "example-csi.driverCommonArgs" -}}
 - --endpoint=$(CSI_ENDPOINT)
+{{ include "example-csi.socketGroupArg" . }}
 - --nodeid=$(NODE_ID)
 - --drivername={{ include "example-csi.driverName" . }}
 {{- end }}
@@ -184,13 +199,17 @@ livenessProbe:
 {{- end }}
 {{- end }}
 
-{{/* A kubernetes-csi sidecar's image, pull policy, securityContext,
-resources and socket mount: (dict "ctx" $ "sidecar" VALUES). */}}
+{{/* A kubernetes-csi sidecar's image, pull policy, securityContext (uid
+65532 in the socket's group, or with "root" the image's user, root) and
+resources: (dict "ctx" $ "sidecar" VALUES ["root" true]). */}}
 {{- define "example-csi.sidecarCommon" -}}
 image: {{ include "example-csi.image" (dict "image" .sidecar.image "default" "") }}
 imagePullPolicy: {{ .sidecar.image.pullPolicy }}
 securityContext:
   {{- include "example-csi.restricted" . | nindent 2 }}
+  {{- if not .root }}
+  {{- include "example-csi.nonRoot" .ctx | nindent 2 }}
+  {{- end }}
 resources:
   {{- toYaml .sidecar.resources | nindent 2 }}
 {{- end }}
