@@ -66,6 +66,19 @@ CRD_SCHEMAS = {
 SKIPPED_KINDS = {}
 
 WORKLOAD_KINDS = {"Deployment", "DaemonSet", "StatefulSet"}
+# The rendering the self-test breaks copies of: a root driver, non-root
+# sidecars and a Secret one of them reads.
+SELF_TEST_RENDERING = "central+snapshot-metadata"
+
+REGISTRAR_IMAGE = SIDECAR_REGISTRY + "csi-node-driver-registrar:"
+# Who runs as root besides the privileged node driver: node-driver-registrar
+# (it makes its registration socket in the kubelet's root-owned
+# plugins_registry), and these driver instances, by workload and --mode, each
+# without capabilities. Every other container runs as a non-root user.
+ROOT_DRIVERS = {
+    ("Deployment", "example-csi-controller", "controller"):
+        "the central controller writes the node's root-owned pool and state directories",
+}
 
 
 class Report:
@@ -116,6 +129,18 @@ class Report:
                 print(f"  - {f}")
         print(f"{name}: {self.passed} passed, {len(self.failed)} failed")
         return 1 if self.failed else 0
+
+
+class QuietReport(Report):
+    """A Report that prints nothing, for checks run on a copy broken on
+    purpose: their failures are what a self-test looks at."""
+
+    def __init__(self):
+        super().__init__()
+        self.in_section = [0, 0]
+
+    def fail(self, what):
+        self.failed.append(what)
 
 
 # ---------------------------------------------------------------- loading
@@ -267,6 +292,35 @@ def volume(spec, name):
     return None
 
 
+def run_as(spec, c):
+    """(runAsNonRoot, runAsUser, runAsGroup) of a container: its own settings
+    over the pod's."""
+    pod = spec.get("securityContext") or {}
+    sc = c.get("securityContext") or {}
+    return tuple(sc.get(k, pod.get(k)) for k in ("runAsNonRoot", "runAsUser", "runAsGroup"))
+
+
+def runs_as_non_root(spec, c):
+    non_root, uid, _ = run_as(spec, c)
+    return non_root is True and isinstance(uid, int) and uid > 0
+
+
+def groups(spec, c):
+    """The groups the manifests put a container's processes in: its runAsGroup,
+    the pod's supplementalGroups and fsGroup (the image's own group is not
+    known here)."""
+    pod = spec.get("securityContext") or {}
+    out = set(pod.get("supplementalGroups") or [])
+    for g in (pod.get("fsGroup"), run_as(spec, c)[2]):
+        if g is not None:
+            out.add(g)
+    return out
+
+
+def is_registrar(c):
+    return c.get("image", "").startswith(REGISTRAR_IMAGE)
+
+
 def port_number(c, port):
     if isinstance(port, int):
         return port
@@ -362,6 +416,20 @@ def check_security(name, docs, r):
             if not is_driver(c):
                 r.check(sc.get("readOnlyRootFilesystem") is True,
                         f"{name}: sidecar {cn} has readOnlyRootFilesystem: true")
+            non_root, uid, _ = run_as(spec, c)
+            if is_registrar(c):
+                r.check(not runs_as_non_root(spec, c),
+                        f"{name}: {cn} (node-driver-registrar) runs as root",
+                        "it makes its registration socket in the kubelet's root-owned plugins_registry")
+            elif not sc.get("privileged") and not (
+                    is_driver(c) and (d["kind"], d["metadata"]["name"], flag(c, "--mode", "all")) in ROOT_DRIVERS):
+                r.check(runs_as_non_root(spec, c),
+                        f"{name}: {cn} runs as a non-root user (runAsNonRoot: true, runAsUser not 0)",
+                        f"runAsNonRoot {non_root}, runAsUser {uid}")
+            for m in c.get("volumeMounts") or []:
+                secret = (volume(spec, m["name"]) or {}).get("secret")
+                if secret is not None and runs_as_non_root(spec, c):
+                    check_secret_readable(name, cn, spec, c, m["name"], secret, r)
             res = c.get("resources") or {}
             missing = [f"{kind}.{rname}" for kind in ("requests", "limits")
                        for rname in ("cpu", "memory") if rname not in (res.get(kind) or {})]
@@ -371,6 +439,133 @@ def check_security(name, docs, r):
     r.check(privileged == expected,
             f"{name}: the node plugin's driver container is the only privileged container",
             f"privileged: {privileged}")
+
+
+def check_secret_readable(name, cn, spec, c, vname, secret, r):
+    """A Secret a non-root container mounts is readable by it: its files are
+    the pod's fsGroup's, the container is in that group and the mode lets the
+    group read, or the mode lets anyone read."""
+    default = secret.get("defaultMode", 0o644)
+    modes = [i.get("mode", default) for i in secret.get("items") or []] or [default]
+    fs_group = (spec.get("securityContext") or {}).get("fsGroup")
+    by_group = fs_group is not None and fs_group in groups(spec, c)
+    readable = all(m & 0o004 or (by_group and m & 0o040) for m in modes)
+    r.check(readable, f"{name}: {cn} (non-root) can read the Secret volume {vname}",
+            f"mode {' '.join(oct(m) for m in modes)}, pod fsGroup {fs_group}, "
+            f"the container's groups {sorted(groups(spec, c))}")
+
+
+def check_socket_group(name, docs, r):
+    """The driver's socket is 0660: a non-root sidecar reaches it through its
+    group, the one the driver gives it to (--socket-group), and the driver can
+    give it to that group (privileged, or in it: without CAP_CHOWN a process
+    gives a file only to a group it is in)."""
+    for d, spec in pod_workloads(docs):
+        w = wname(d)
+        cs = containers(spec)
+        drivers = [c for c in cs if is_driver(c)]
+        if len(drivers) != 1:
+            continue  # check_pods reports it
+        drv = drivers[0]
+        try:
+            endpoint = expand_env(drv, flag(drv, "--endpoint", ""))
+        except KeyError:
+            continue  # check_pods reports it
+        if not endpoint.startswith("unix://"):
+            continue
+        where = resolve_path(spec, drv, endpoint[len("unix://"):])
+        clients = []
+        for c in cs:
+            addr = flag(c, "--csi-address")
+            if c is drv or addr is None or not runs_as_non_root(spec, c):
+                continue
+            try:
+                addr = expand_env(c, addr)
+            except KeyError:
+                continue
+            if addr.startswith("unix://"):
+                addr = addr[len("unix://"):]
+            if resolve_path(spec, c, addr) == where:
+                clients.append(c)
+        if not clients:
+            continue
+        names = ", ".join(c["name"] for c in clients)
+        group = setting(drv, "--socket-group", "CSI_SOCKET_GROUP")
+        if not r.check(group is not None and group.isdigit() and int(group) > 0,
+                       f"{name}: {w} driver gives its socket to a group (--socket-group): "
+                       f"the non-root {names} connect to it",
+                       f"--socket-group {group}"):
+            continue
+        gid = int(group)
+        for c in clients:
+            r.check(gid in groups(spec, c),
+                    f"{name}: {w}/{c['name']} (non-root) is in the socket's group {gid}",
+                    f"its groups (runAsGroup, the pod's supplementalGroups, fsGroup): {sorted(groups(spec, c))}")
+        r.check((drv.get("securityContext") or {}).get("privileged") is True or gid in groups(spec, drv),
+                f"{name}: {w} driver may give its socket to group {gid}: privileged, or in the group "
+                "(runAsGroup, supplementalGroups or fsGroup)",
+                f"its groups: {sorted(groups(spec, drv))}")
+
+
+def check_self_test(rendered, r):
+    """The security checks find a broken manifest: a copy of a rendering with
+    one thing broken fails them, where the rendering itself passes (a test of
+    this test)."""
+    import copy
+    base = SELF_TEST_RENDERING
+    if base not in rendered:
+        print(f"  skip  no rendering named {base} to break")
+        return
+
+    def run(docs):
+        q = QuietReport()
+        check_security(base, docs, q)
+        check_socket_group(base, docs, q)
+        return q.failed
+
+    def mutated(change):
+        docs = copy.deepcopy(rendered[base])
+        change(docs)
+        return run(docs)
+
+    def pod(docs):
+        d = next(d for d in docs if d["kind"] == "Deployment" and d["metadata"]["name"] == "example-csi-controller")
+        return d["spec"]["template"]["spec"]
+
+    def container(docs, cname):
+        return next(c for c in pod(docs)["containers"] if c["name"] == cname)
+
+    found = run(rendered[base])
+    r.check(not found, f"self-test: {base} itself passes", "; ".join(found))
+
+    def root_sidecar(docs):
+        del container(docs, "csi-provisioner")["securityContext"]["runAsNonRoot"]
+    found = mutated(root_sidecar)
+    r.check(len(found) == 1 and "csi-provisioner runs as a non-root user" in found[0],
+            "self-test: a sidecar without runAsNonRoot is reported", "; ".join(found) or "not found")
+
+    def no_socket_group(docs):
+        drv = container(docs, DRIVER_CONTAINER)
+        drv["args"] = [a for a in drv["args"] if not a.startswith("--socket-group")]
+    found = mutated(no_socket_group)
+    r.check(len(found) == 1 and "gives its socket to a group (--socket-group)" in found[0],
+            "self-test: a driver without --socket-group is reported", "; ".join(found) or "not found")
+
+    def no_fs_group(docs):
+        del pod(docs)["securityContext"]["fsGroup"]
+    found = mutated(no_fs_group)
+    r.check(any("driver may give its socket to group" in f for f in found)
+            and any("can read the Secret volume snapshot-metadata-tls" in f for f in found),
+            "self-test: a root driver without the socket's group (no CAP_CHOWN), and a Secret its "
+            "non-root reader cannot read, are reported", "; ".join(found) or "not found")
+
+    def key_for_root_only(docs):
+        v = next(v for v in pod(docs)["volumes"] if v["name"] == "snapshot-metadata-tls")
+        v["secret"]["defaultMode"] = 0o400
+    found = mutated(key_for_root_only)
+    r.check(len(found) == 1 and "can read the Secret volume snapshot-metadata-tls" in found[0],
+            "self-test: a Secret mode only its owner (root) may read, mounted by a non-root sidecar, is reported",
+            "; ".join(found) or "not found")
 
 
 def check_images(name, docs, crate_version, r, seen_tags):
@@ -1008,8 +1203,21 @@ def main():
               "allowPrivilegeEscalation: false, capabilities drop ALL and add none where not privileged",
               "Bidirectional mount propagation only in a privileged container",
               "readOnlyRootFilesystem: true on every sidecar",
+              "every container runs as a non-root user (runAsNonRoot: true, runAsUser not 0) but the "
+              "privileged node driver, node-driver-registrar (root: it writes the kubelet's "
+              "plugins_registry) and " + "; ".join(f"{k} {n} --mode={m} ({why})"
+                                                    for (k, n, m), why in ROOT_DRIVERS.items()),
+              "a Secret a non-root container mounts is readable by it (the pod's fsGroup and a group-readable "
+              "mode, or a world-readable mode)",
+              "a driver whose socket a non-root sidecar uses gives it to a group (--socket-group) that sidecar "
+              "is in (runAsGroup, supplementalGroups or fsGroup), and may (privileged, or in the group)",
               "cpu and memory requests and limits on every container")
     each_overlay(check_security, r)
+    each_overlay(check_socket_group, r)
+    r.section("self-test of the security checks",
+              f"a copy of {SELF_TEST_RENDERING} with a sidecar without runAsNonRoot, a driver without "
+              "--socket-group, a pod without the socket's group or a Secret only root may read fails them")
+    check_self_test(rendered, r)
 
     r.section("images",
               "every image pinned to a version (no latest, no missing tag), and where it names a "
