@@ -422,11 +422,7 @@ def check_self_test(renderings, r):
     r.check(found and all("containers.csi-driver.env[" in f for f in found),
             "self-test: the order of env is a difference", "; ".join(found) or "not found")
 
-    class Quiet(cm.Report):
-        def fail(self, what):
-            self.failed.append(what)
-    q = Quiet()
-    q.in_section = [0, 0]
+    q = cm.QuietReport()
     check_versions(q, crate="9.9.9")
     r.check(len(q.failed) == 2, "self-test: a chart version other than the crate's fails the version check",
             "; ".join(q.failed))
@@ -436,6 +432,7 @@ def check_self_test(renderings, r):
 CUSTOM_VALUES = {
     "pools": [{"name": "fast", "path": "/mnt/nvme/example-csi"}, {"name": "default", "path": "/srv/pool"}],
     "dataDir": "/srv/example-csi",
+    "socketGroup": 2000,
     "driver": {"logLevel": "debug", "logFormat": "text", "mutableParameters": ["directIO"],
                "maxVolumesPerNode": 16, "defaultFsType": "xfs", "expediteFreeze": False,
                "image": {"repository": "example-csi/csi-driver", "tag": "", "pullPolicy": "Always"}},
@@ -515,6 +512,15 @@ def check_custom_rendering(name, flavor, docs, r):
         for c in spec["containers"]:
             if c is not drv and c["name"] != "liveness-probe":
                 r.check(cm.flag(c, "--v") == "5", f"{w}/{c['name']}: sidecar --v=5")
+        r.check(cm.flag(drv, "--socket-group") == "2000", f"{w}: the driver gives its socket to socketGroup 2000",
+                str(cm.flag(drv, "--socket-group")))
+        for c in spec["containers"]:
+            if cm.runs_as_non_root(spec, c):
+                r.check(cm.run_as(spec, c)[2] == 2000, f"{w}/{c['name']}: runs in socketGroup 2000 (runAsGroup)",
+                        str(cm.run_as(spec, c)))
+        fs_group = (spec.get("securityContext") or {}).get("fsGroup")
+        r.check((fs_group == 2000) == (d["metadata"]["name"] == "example-csi-controller"),
+                f"{w}: fsGroup is socketGroup 2000 exactly in the controller pod", str(fs_group))
         if router:
             check_custom_router(w, d, spec, drv, r)
         if resizer or router:
@@ -684,6 +690,8 @@ REJECTED = [
     ("an unknown log format", {"driver": {"logFormat": "xml"}}, ["/driver/logFormat"]),
     ("an unknown mutable parameter", {"driver": {"mutableParameters": ["iops"]}},
      ["/driver/mutableParameters/0"]),
+    ("root's group as the socket's", {"socketGroup": 0}, ["/socketGroup"]),
+    ("a socket group that is not a number", {"socketGroup": "storage"}, ["/socketGroup"]),
     ("a negative max volumes per node", {"driver": {"maxVolumesPerNode": -1}}, ["/driver/maxVolumesPerNode"]),
     ("expediteFreeze not a boolean", {"driver": {"expediteFreeze": "yes"}}, ["/driver/expediteFreeze"]),
     ("a metrics port a sidecar uses", {"metrics": {"port": 9898}}, ["/metrics/port"]),
