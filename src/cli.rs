@@ -256,6 +256,12 @@ pub struct Cli {
     #[arg(long, env = "CSI_SHUTDOWN_TIMEOUT", default_value_t = 30)]
     pub shutdown_timeout: u64,
 
+    /// The numeric group the CSI socket is given (it is 0660): clients running as
+    /// another user in that group (a sidecar as non-root) can connect. Default:
+    /// the driver's own group.
+    #[arg(long, env = "CSI_SOCKET_GROUP")]
+    pub socket_group: Option<u32>,
+
     /// Allow a tcp:// endpoint. The CSI API can mount anything anywhere: only for
     /// tests on an isolated host.
     #[arg(long, env = "CSI_ALLOW_TCP")]

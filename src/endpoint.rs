@@ -2,15 +2,17 @@
 //! and a socket that is never wider than 0660, is cleaned when stale and removed on
 //! a clean stop.
 
-use std::os::unix::fs::FileTypeExt;
+use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 
 use std::os::fd::AsRawFd;
 
+use nix::fcntl::{AtFlags, AT_FDCWD};
 use nix::sys::socket::{
     bind as bind_fd, listen, socket, AddressFamily, Backlog, SockFlag, SockType, UnixAddr,
 };
 use nix::sys::stat::{fchmod, Mode};
+use nix::unistd::{fchownat, Gid};
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Endpoint {
@@ -94,8 +96,11 @@ const BACKLOG: i32 = 1024;
 /// Binds a socket that is 0660 (or stricter, by the umask) from its first
 /// moment: the kernel gives the new socket file the mode of the socket's inode,
 /// so that mode is set before the bind, and the process's umask, shared by every
-/// thread, is never changed.
-pub fn bind(path: &Path) -> std::io::Result<tokio::net::UnixListener> {
+/// thread, is never changed. With a `group`, the socket file is then given to
+/// that group (until then it is the process's own group's: never wider) and made
+/// 0660 whatever the umask, so that a client running as another user in that
+/// group can connect.
+pub fn bind(path: &Path, group: Option<u32>) -> std::io::Result<tokio::net::UnixListener> {
     let fd = socket(
         AddressFamily::Unix,
         SockType::Stream,
@@ -104,6 +109,18 @@ pub fn bind(path: &Path) -> std::io::Result<tokio::net::UnixListener> {
     )?;
     fchmod(&fd, Mode::from_bits_truncate(0o660))?;
     bind_fd(fd.as_raw_fd(), &UnixAddr::new(path)?)?;
+    if let Some(gid) = group {
+        fchownat(
+            AT_FDCWD,
+            path,
+            None,
+            Some(Gid::from_raw(gid)),
+            AtFlags::AT_SYMLINK_NOFOLLOW,
+        )?;
+        // The group must be able to write (connect), whatever the umask took
+        // away at the bind: a container's usual 022 leaves 0640.
+        std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660))?;
+    }
     listen(&fd, Backlog::new(BACKLOG)?)?;
     tokio::net::UnixListener::from_std(std::os::unix::net::UnixListener::from(fd))
 }
@@ -172,7 +189,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let sock = dir.path().join("s.sock");
         let before = umask_now();
-        let listener = bind(&sock).unwrap();
+        let listener = bind(&sock, None).unwrap();
         let mode = std::fs::metadata(&sock).unwrap().permissions().mode() & 0o777;
         assert_eq!(mode & !0o660, 0, "{mode:o} is wider than 0660");
         assert_eq!(mode, 0o660 & !before, "{mode:o}");
@@ -180,5 +197,29 @@ mod tests {
         let client = tokio::net::UnixStream::connect(&sock).await;
         assert!(client.is_ok(), "{client:?}");
         assert!(listener.accept().await.is_ok());
+    }
+
+    #[tokio::test]
+    async fn a_socket_group_owns_the_socket_and_its_mode_stays_0660() {
+        use std::os::unix::fs::MetadataExt;
+        let dir = tempfile::tempdir().unwrap();
+        let sock = dir.path().join("s.sock");
+        // Root may give a file to any group; anyone else to a group he is in.
+        let gid = nix::unistd::getegid().as_raw();
+        let other = if nix::unistd::geteuid().is_root() {
+            65532
+        } else {
+            nix::unistd::getgroups()
+                .unwrap_or_default()
+                .into_iter()
+                .map(|g| g.as_raw())
+                .find(|g| *g != gid)
+                .unwrap_or(gid)
+        };
+        let _listener = bind(&sock, Some(other)).unwrap();
+        let meta = std::fs::metadata(&sock).unwrap();
+        assert_eq!(meta.gid(), other);
+        // 0660 exactly, whatever the umask (the tests' is usually 022).
+        assert_eq!(meta.permissions().mode() & 0o7777, 0o660);
     }
 }

@@ -452,7 +452,7 @@ async fn serve(cli: Cli, start: Start) -> Result<(), Stop> {
         BLOCKING_KEEP_ALIVE + Duration::from_secs(1),
     ));
     let grace = Duration::from_secs(cli.shutdown_timeout);
-    listen(router, endpoint, grace, registration).await
+    listen(router, endpoint, grace, registration, cli.socket_group).await
 }
 
 /// A CSI service that takes and sends messages up to [`MAX_MESSAGE_BYTES`].
@@ -514,6 +514,7 @@ pub(crate) async fn listen(
     endpoint: Endpoint,
     grace: Duration,
     registration: Option<registration::Config>,
+    socket_group: Option<u32>,
 ) -> Result<(), Stop> {
     let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
     let stopping = async move {
@@ -522,7 +523,7 @@ pub(crate) async fn listen(
     match endpoint {
         Endpoint::Unix(path) => {
             endpoint::prepare(&path)?;
-            let listener = endpoint::bind(&path)
+            let listener = endpoint::bind(&path, socket_group)
                 .map_err(|e| format!("cannot listen on {}: {e}", path.display()))?;
             tracing::info!(endpoint = %path.display(), "serving");
             let server = tokio::spawn(router.serve_with_incoming_shutdown(

@@ -148,7 +148,7 @@ pub async fn serve_router(
         tokio::spawn(announce(router, client));
     }
     let grace = std::time::Duration::from_secs(cli.shutdown_timeout);
-    crate::listen(services, endpoint, grace, None).await
+    crate::listen(services, endpoint, grace, None, cli.socket_group).await
 }
 
 /// This node's certificate, from the nodes' mesh authority.

@@ -97,7 +97,7 @@ impl Registration for Service {
 /// server task starts, so that a bad directory fails the start.
 pub fn bind(cfg: &Config) -> Result<tokio::net::UnixListener, String> {
     endpoint::prepare(&cfg.socket)?;
-    endpoint::bind(&cfg.socket)
+    endpoint::bind(&cfg.socket, None)
         .map_err(|e| format!("cannot listen on {}: {e}", cfg.socket.display()))
 }
 

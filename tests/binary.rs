@@ -7,6 +7,7 @@ mod common;
 use std::collections::{BTreeMap, HashMap};
 use std::io::{Read, Write};
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -280,6 +281,62 @@ async fn root_socket_is_0660_from_its_first_moment_and_lives_with_the_process() 
     assert!(status.success(), "SIGTERM exit: {status}");
     assert!(started.elapsed() < Duration::from_secs(10));
     assert!(!driver.socket.exists(), "the socket is removed on SIGTERM");
+}
+
+/// `--socket-group`: the socket is that group's (still 0660), so that a client
+/// running as another user in that group (a sidecar as non-root) is let in, and
+/// one outside it is not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs root: loop devices and mounts, and clients run as other users"]
+async fn root_a_socket_group_lets_in_its_members_and_no_one_else() {
+    require_root();
+    const GROUP: u32 = 65532;
+    let pool = Pool::new("xfs");
+    let driver = Driver::start(&pool, &[&format!("--socket-group={GROUP}")]);
+    let meta = std::fs::symlink_metadata(&driver.socket).unwrap();
+    assert_eq!((meta.uid(), meta.gid()), (0, GROUP));
+    assert_eq!(unix_socket_mode(&driver.socket), 0o660);
+
+    // Other users may pass through the test's directories (not list them) and
+    // run a copy of the binary.
+    let mut dir = driver.socket.parent();
+    while let Some(d) = dir.filter(|d| d.starts_with(pool.dir.path())) {
+        let mode = std::fs::metadata(d).unwrap().permissions().mode();
+        std::fs::set_permissions(d, std::fs::Permissions::from_mode(mode | 0o011)).unwrap();
+        dir = d.parent();
+    }
+    let bin_dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(bin_dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let bin = bin_dir.path().join("csi-driver");
+    std::fs::copy(BIN, &bin).unwrap();
+    let info_as = |uid: u32, gid: u32| {
+        Command::new(&bin)
+            .arg("client")
+            .arg(format!("--endpoint=unix://{}", driver.socket.display()))
+            .arg("info")
+            .uid(uid)
+            .gid(gid)
+            .output()
+            .expect("run csi-driver client as another user")
+    };
+    let member = info_as(65533, GROUP);
+    assert!(
+        member.status.success(),
+        "a member of the socket's group was refused: {}",
+        String::from_utf8_lossy(&member.stderr)
+    );
+    assert!(
+        String::from_utf8_lossy(&member.stdout).contains("example.csi.k8s.io"),
+        "{}",
+        String::from_utf8_lossy(&member.stdout)
+    );
+    let stranger = info_as(65533, 65533);
+    assert!(
+        !stranger.status.success(),
+        "a user outside the group got in"
+    );
+    let err = String::from_utf8_lossy(&stranger.stderr).to_lowercase();
+    assert!(err.contains("permission denied"), "{err}");
 }
 
 #[tokio::test]
