@@ -6,7 +6,8 @@
 # use it as users do. Run as root:
 #
 #   e2e/run.sh [--flavor central|central-attach|distributed|cluster]... [--helm]
-#              [--suite | --suite-only] [--single-node] [--builtin-sidecars]
+#              [--suite | --suite-only] [--suite-flavor central|cluster]
+#              [--single-node] [--builtin-sidecars]
 #              [--keep] [--scenario NAME]...
 #   e2e/run.sh --bench OUT [--flavor F] [--stress] [-- bench_cluster.py options]
 #
@@ -78,6 +79,9 @@
 # --suite also runs Kubernetes' own storage e2e suite, "External Storage"
 # (e2e/lib/suite.sh, e2e/testdriver.yaml, skips in e2e/skips.md), against the
 # central flavor after the scenarios; --suite-only runs the suite alone.
+# --suite-flavor cluster runs it against the cluster flavor instead, on both
+# kubelets (unless --single-node): the tests' pods land on either node and
+# their volumes are made where they land.
 set -euo pipefail
 E2E_DIR=$(cd "$(dirname "$0")" && pwd)
 SCRIPT_NAME=e2e
@@ -100,6 +104,7 @@ SCRIPT_NAME=e2e
 FLAVORS=()
 ONLY=()
 SUITE=0
+SUITE_FLAVOR=central
 NODE_VOLUME_LIMIT=""
 SCENARIOS=1
 SINGLE_NODE=0
@@ -116,6 +121,10 @@ while [ $# -gt 0 ]; do
         --flavor) FLAVORS+=("$2"); shift 2 ;;
         --suite) SUITE=1; shift ;;
         --suite-only) SUITE=1; SCENARIOS=0; shift ;;
+        --suite-flavor)
+            case $2 in central|cluster) SUITE_FLAVOR=$2 ;;
+                *) echo "e2e/run.sh: the suite runs against central or cluster, not $2" >&2; exit 2 ;; esac
+            shift 2 ;;
         --single-node) SINGLE_NODE=1; shift ;;
         --helm) INSTALLER=helm; shift ;;
         --keep) KEEP=1; shift ;;
@@ -163,6 +172,8 @@ W=${E2E_WORK:-/tmp/example-csi-e2e}
 NODE=localhost
 NODES=("$NODE")
 [ "$SINGLE_NODE" = 0 ] && [[ " ${FLAVORS[*]} " == *" distributed "* || " ${FLAVORS[*]} " == *" cluster "* ]] \
+    && NODES+=(node2)
+[ "$SINGLE_NODE" = 0 ] && [ "$SUITE" = 1 ] && [ "$SUITE_FLAVOR" = cluster ] && [ ${#NODES[@]} = 1 ] \
     && NODES+=(node2)
 NS=e2e
 DRIVER_NS=example-csi

@@ -4,7 +4,7 @@
 # Kubernetes' own storage e2e suite, "External Storage": the e2e test binary of
 # the cluster's release, given e2e/testdriver.yaml, runs every test pattern of
 # every storage test suite against the driver as the central overlay deploys
-# it. The suite skips on its own what the test-driver file says the driver
+# it (or SUITE_FLAVOR's overlay: cluster, on every node of NODES). The suite skips on its own what the test-driver file says the driver
 # cannot do; e2e/skips.md lists, with reasons, the patterns this runner skips
 # on top of that. The result (counts, every failure, the suite's own skip
 # reasons) is in $W/suite/summary.txt and printed.
@@ -79,16 +79,27 @@ suite_images() {
 }
 
 run_suite() {
-    local bin=$E2E_CACHE/suite-$KUBERNETES_VERSION out=$W/suite
-    FLAVOR=central
+    local bin=$E2E_CACHE/suite-$KUBERNETES_VERSION out=$W/suite n
+    local flavor=${SUITE_FLAVOR:-central} testdriver=$E2E_ROOT/e2e/testdriver.yaml
+    FLAVOR=$flavor
     CONTROLLER_COMPONENT=controller
     set +e
+    [ "$flavor" = cluster ] && [ ${#NODES[@]} -gt 1 ] && second_node_up
     NODE_VOLUME_LIMIT=$SUITE_VOLUME_LIMIT
-    deploy_flavor central || { NODE_VOLUME_LIMIT=""; undeploy_flavor central; set -e; return; }
+    deploy_flavor "$flavor" || { NODE_VOLUME_LIMIT=""; undeploy_flavor "$flavor"; set -e; return; }
     NODE_VOLUME_LIMIT=""
-    check_eq "CSINode's volume limit is the node plugin's" "$SUITE_VOLUME_LIMIT" \
-        "$(kc get csinode "$NODE" -o jsonpath='{.spec.drivers[?(@.name=="example.csi.k8s.io")].allocatable.count}')"
-    scenario "Kubernetes' External Storage suite ($KUBERNETES_VERSION, $SUITE_PROCS processes)"
+    for n in $(nodes_up); do
+        check_eq "CSINode's volume limit on $n is the node plugin's" "$SUITE_VOLUME_LIMIT" \
+            "$(kc get csinode "$n" -o jsonpath='{.spec.drivers[?(@.name=="example.csi.k8s.io")].allocatable.count}')"
+    done
+    if [ "$(nodes_up | wc -l)" -gt 1 ]; then
+        # the tests' pods go wherever the scheduler puts them, not all on
+        # the first node
+        mkdir -p "$out"
+        grep -v '^ClientNodeName:' "$testdriver" >"$out/testdriver.yaml"
+        testdriver=$out/testdriver.yaml
+    fi
+    scenario "Kubernetes' External Storage suite ($KUBERNETES_VERSION, $flavor flavor on $(nodes_up | wc -l) node(s), $SUITE_PROCS processes)"
     kc apply -f "$E2E_ROOT/e2e/manifests/preloaded-images.yaml" >/dev/null \
         || fail "the policy that gives pods pulling Always the imported image"
     mkdir -p "$out"
@@ -100,7 +111,7 @@ run_suite() {
         --output-dir="$out" --junit-report=junit.xml --json-report=report.json \
         "$bin/e2e.test" -- \
         -kubeconfig="$W/admin.kubeconfig" -provider=skeleton -repo-root="$E2E_ROOT" \
-        -storage.testdriver="$E2E_ROOT/e2e/testdriver.yaml" -report-dir="$out" \
+        -storage.testdriver="$testdriver" -report-dir="$out" \
         -node-os-distro=debian -allowed-not-ready-nodes=0 \
     ) >"$W/logs/suite.log" 2>&1
     local rc=$?
@@ -120,6 +131,6 @@ run_suite() {
     fi
     # what the suite left behind
     eventually 300 "suite: no PersistentVolume left" count_is 0 kc get pv -o name
-    undeploy_flavor central
+    undeploy_flavor "$flavor"
     set -e
 }
