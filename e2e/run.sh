@@ -45,7 +45,10 @@
 # containerd's state lost, then booted again, and its pods come back on their
 # claims with their data. --single-node leaves the second kubelet out.
 #
-# The cluster flavor starts from the release before this build
+# The cluster flavor starts from the distributed flavor, with workloads on
+# claims and a snapshot on both nodes, switched to the cluster flavor as
+# deploy/README.md says (its claims and snapshots keep working through the
+# router), and removed. It then starts again from the release before this build
 # (PREVIOUS_RELEASE in e2e/versions.sh, built from its commit), installed
 # from its own deploy/ with workloads and a snapshot on both nodes; this
 # build is applied over it, rolled back with `kubectl rollout undo` and
@@ -508,9 +511,12 @@ run_flavor() {
     set +e
     # the cluster flavor spans every node from the start
     [ "$flavor" = cluster ] && [ ${#NODES[@]} -gt 1 ] && second_node_up
-    # the previous release installed, upgraded to this build and rolled back
-    # and forward with volumes in use; the scenarios below then run on the
-    # upgraded installation
+    # an installation of the distributed flavor switched to this one with
+    # volumes in use (and removed after); then the previous release
+    # installed, upgraded to this build and rolled back and forward with
+    # volumes in use; the scenarios below then run on the upgraded
+    # installation
+    [ "$flavor" = cluster ] && [ "$INSTALLER" = kustomize ] && run_scenario from_distributed
     upgrade_first "$flavor" && scenario_upgrade
     deploy_flavor "$flavor" || { undeploy_flavor "$flavor"; set -e; return; }
     kc get namespace "$NS" >/dev/null 2>&1 || kc create namespace "$NS" >/dev/null

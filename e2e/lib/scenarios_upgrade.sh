@@ -210,3 +210,89 @@ workloads_unharmed() {
     check_eq "each volume staged once: one loop device on each image" "1 1 1" \
         "$(for c in "${images[@]}"; do loops_of "$c" | grep -c .; done | paste -sd' ')"
 }
+
+# From the distributed flavor (a provisioner, snapshotter and resizer on each
+# node) to the cluster flavor (one controller reaching the nodes' agents)
+# with volumes in use, as deploy/README.md tells an operator to switch: the
+# cluster flavor applied over the distributed one, then what only the
+# distributed flavor had deleted. The claims and snapshots the distributed
+# flavor made (handles without a node) keep working through the router:
+# their pods run on in the same containers and read their data, a new pod
+# stages a claim again, an xfs claim in use grows, a snapshot of it is taken,
+# the old snapshot is restored on the other node, and everything is deleted
+# without a trace. The cluster flavor is removed at the end, so that the
+# scenarios after this one start from nothing.
+scenario_from_distributed() {
+    scenario "the distributed flavor switched to the cluster flavor with volumes in use"
+    local first=${NODES[0]} second=${NODES[${#NODES[@]}-1]}
+    local now; now=$(driver_version)
+    render distributed
+    apply_manifests "$W/deploy-distributed.yaml" distributed
+    rolled_out_on "$now" || return
+    kc get namespace "$NS" >/dev/null 2>&1 || kc create namespace "$NS" >/dev/null
+    storage_classes
+    local before; before=$(pool_files)
+
+    pvc mig-fs 1Gi example-csi
+    pvc mig-xfs 1Gi e2e-xfs
+    pod mig-fs mig-fs "$WRITE_ONCE" "$(on_node "$first")"
+    pod mig-xfs mig-xfs "$WRITE_ONCE" "$(on_node "$second")"
+    eventually 180 "the distributed flavor serves an ext4 claim on $first and an xfs claim on $second" \
+        all_of "pod_running mig-fs" "pod_running mig-xfs" || return
+    eventually 60 "the workloads wrote their data" \
+        all_of "in_pod mig-fs test -s /data/file.sum" "in_pod mig-xfs test -s /data/file.sum" || return
+    local fs_sum xfs_sum containers
+    fs_sum=$(in_pod mig-fs cat /data/file.sum)
+    xfs_sum=$(in_pod mig-xfs cat /data/file.sum)
+    containers=$(container_ids mig-fs mig-xfs)
+    take_snapshot mig-snap-fs mig-fs || return
+    check "the volume handles name no node (made without the router)" \
+        not grep -q @ <<<"$(kc get pv -o jsonpath='{.items[*].spec.csi.volumeHandle}')"
+
+    log "switching to the cluster flavor"
+    render cluster
+    apply_manifests "$W/deploy-cluster.yaml" cluster
+    local gone
+    gone=$(objects_only_in "$W/deploy-distributed.yaml" "$W/deploy-cluster.yaml")
+    check "the distributed flavor has objects the cluster flavor has not (its resizer among them)" \
+        grep -q 'deployment.apps/example-csi-resizer' <<<"$gone"
+    # shellcheck disable=SC2086
+    kc -n "$DRIVER_NS" delete $gone --wait=true --timeout=120s >"$W/logs/switch-delete.log" 2>&1 \
+        || fail "deleting what only the distributed flavor had (logs/switch-delete.log)"
+    rolled_out_on "$now" || return
+    check "no resizer left" count_is 0 kc -n "$DRIVER_NS" get deployment example-csi-resizer -o name --ignore-not-found
+
+    check_eq "the workloads ran on through the switch, in the same containers" "$containers" \
+        "$(container_ids mig-fs mig-xfs)"
+    check_sum "the ext4 claim's pod reads its data" "$fs_sum" "$(in_pod mig-fs sha256sum /data/file | cut -c1-64)"
+    check_sum "the xfs claim's pod reads its data" "$xfs_sum" "$(in_pod mig-xfs sha256sum /data/file | cut -c1-64)"
+    restored_reads mig-restored 1Gi example-csi mig-snap-fs "$second" "$fs_sum" \
+        "the cluster flavor restores the distributed flavor's snapshot on the other node"
+    kc -n "$NS" patch pvc mig-xfs --type merge -p '{"spec":{"resources":{"requests":{"storage":"2Gi"}}}}' >/dev/null
+    eventually 120 "the cluster flavor grows the distributed flavor's xfs claim in use to 2Gi" \
+        field_is pvc/mig-xfs '{.status.capacity.storage}' 2Gi
+    eventually 60 "its pod sees the larger filesystem" df_over mig-xfs /data $((1536 << 10))
+    take_snapshot mig-snap-xfs mig-xfs
+    delete_pod mig-fs
+    pod mig-fs mig-fs "$READ_DATA" "$(on_node "$first")"
+    eventually 180 "a new pod of the ext4 claim starts (staged again by the cluster flavor)" pod_running mig-fs
+    eventually 30 "and reads the data" in_pod mig-fs test -s /tmp/now.sum
+    check_sum "the data the distributed flavor's pod wrote" "$fs_sum" "$(in_pod mig-fs cat /tmp/now.sum)"
+
+    delete_pod mig-fs mig-xfs mig-restored
+    kc -n "$NS" delete volumesnapshot mig-snap-fs mig-snap-xfs --wait=true --timeout=120s >/dev/null
+    kc -n "$NS" delete pvc mig-fs mig-xfs mig-restored --wait=true --timeout=180s >/dev/null
+    eventually 120 "no PersistentVolume or VolumeSnapshotContent left" all_of \
+        "count_is 0 kc get pv -o name" "count_is 0 kc get volumesnapshotcontent -o name"
+    eventually 120 "deleting it all leaves the pools as they were" same_list "$before" pool_files \
+        || pool_files | sed 's/^/        /'
+    kc delete -f "$W/deploy-cluster.yaml" --wait=true --timeout=180s >/dev/null 2>&1 || true
+    eventually 120 "the driver's pods gone before the next scenario" count_is 0 kc -n "$DRIVER_NS" get pods -o name
+}
+
+# objects_only_in OLD NEW: the objects (kind.group/name) of the manifests in
+# file OLD that file NEW has not, one a line.
+objects_only_in() {
+    comm -23 <(kc create --dry-run=client -o name -f "$1" | sort) \
+        <(kc create --dry-run=client -o name -f "$2" | sort)
+}
