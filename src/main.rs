@@ -70,6 +70,9 @@ fn main() -> ExitCode {
         Some(Command::MeshAuthority { dir }) => return make_mesh_authority(dir),
         None => {}
     }
+    // One allocator arena per core the process may use, set before any thread
+    // starts (MALLOC_ARENA_MAX in the environment wins).
+    csi_sys::memory::limit_arenas(std::thread::available_parallelism().map_or(1, |n| n.get()));
     if cli.mode == Mode::Router {
         return run_router(cli);
     }

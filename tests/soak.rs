@@ -738,6 +738,49 @@ fn rss_kib(pid: u32) -> u64 {
         .unwrap_or(0)
 }
 
+/// Where a process's heap memory lies, from /proc/PID/smaps: the resident KiB of
+/// the main arena (`[heap]`) and of each other glibc arena. A thread arena lives in
+/// its own 64 MiB-aligned anonymous reservation (its heap, then the part not yet
+/// in use), so each writable anonymous mapping that starts on a 64 MiB boundary
+/// begins one, and every anonymous mapping up to the next boundary belongs to it.
+fn arenas_kib(pid: u32) -> (u64, Vec<u64>) {
+    const HEAP_MAX: u64 = 64 << 20;
+    let smaps = std::fs::read_to_string(format!("/proc/{pid}/smaps")).unwrap_or_default();
+    let (mut main, mut arenas) = (0, Vec::new());
+    // The mapping being read: whether it is the main heap, the arena it is part
+    // of (index into `arenas`) and where that arena's reservation ends.
+    let (mut in_main, mut arena, mut arena_end): (bool, Option<usize>, u64) = (false, None, 0);
+    for line in smaps.lines() {
+        let fields: Vec<&str> = line.split_whitespace().collect();
+        let range = fields.first().and_then(|r| r.split_once('-'));
+        if let Some((a, b)) = range.filter(|_| fields.len() >= 5) {
+            let (Ok(start), Ok(end)) = (u64::from_str_radix(a, 16), u64::from_str_radix(b, 16))
+            else {
+                continue;
+            };
+            let anonymous = fields[4] == "0" && fields.len() == 5;
+            in_main = fields.get(5) == Some(&"[heap]");
+            if anonymous && start % HEAP_MAX == 0 && fields[1].starts_with("rw") {
+                arenas.push(0);
+                arena = Some(arenas.len() - 1);
+                arena_end = start + HEAP_MAX;
+            } else if !(anonymous && end <= arena_end) {
+                arena = None;
+            }
+        } else if let Some(kib) = line
+            .strip_prefix("Rss:")
+            .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+        {
+            if in_main {
+                main += kib;
+            } else if let Some(i) = arena {
+                arenas[i] += kib;
+            }
+        }
+    }
+    (main, arenas)
+}
+
 /// The RSS of a driver that has gone idle: the lowest of readings every half
 /// second for 25 seconds (the driver hands back a busy spell's memory once it has
 /// been idle for a little longer than its blocking threads' 10 s keep-alive).
@@ -1117,6 +1160,7 @@ async fn soak(setup: Setup) {
         c.disconnect();
     }
     let rss_idle = rss_once_idle(driver.ctl.pid()).await;
+    let (heap_idle, arenas_idle) = arenas_kib(driver.ctl.pid());
     let mut driver = driver;
     let nvols: usize = clients.iter().map(|c| c.vols.len()).sum();
     let nsnaps: usize = clients.iter().map(|c| c.snaps.len()).sum();
@@ -1130,6 +1174,7 @@ async fn soak(setup: Setup) {
             .await;
     }
     let rss_fresh = rss_kib(driver.ctl.pid());
+    let (heap_fresh, arenas_fresh) = arenas_kib(driver.ctl.pid());
 
     // Teardown through the driver: everything must go.
     let mut down = Vec::new();
@@ -1176,7 +1221,9 @@ async fn soak(setup: Setup) {
         "soak figures: two_processes={split} pool={} ops={} clients={nclients} kills={} (node plugin {}) reboots={} retries={} \
          unexpected_errors={} writes={} reads={} leaks={} leaks_after_teardown={} \
          mismatches={} volumes={nvols} snapshots={nsnaps} made={made:?} rss_after_run={} KiB \
-         rss_idle_after_run={} KiB rss_fresh_start={} KiB run={run_secs:.0}s total={:.0}s seed={seed}",
+         rss_idle_after_run={} KiB rss_fresh_start={} KiB main_heap_idle={heap_idle} KiB \
+         arenas_idle={arenas_idle:?} KiB main_heap_fresh={heap_fresh} KiB arenas_fresh={arenas_fresh:?} KiB \
+         run={run_secs:.0}s total={:.0}s seed={seed}",
         setup.pool_fs,
         st.ops.load(Ordering::Relaxed),
         st.kills.load(Ordering::Relaxed),
