@@ -45,10 +45,11 @@
 # containerd's state lost, then booted again, and its pods come back on their
 # claims with their data. --single-node leaves the second kubelet out.
 #
-# The cluster flavor starts from the distributed flavor, with workloads on
-# claims and a snapshot on both nodes, switched to the cluster flavor as
-# deploy/README.md says (its claims and snapshots keep working through the
-# router), and removed. It then starts again from the release before this build
+# With --scenario from_distributed, the cluster flavor starts from the
+# distributed flavor, with workloads on claims and a snapshot on both nodes,
+# switched to the cluster flavor as deploy/README.md says (its claims and
+# snapshots keep working through the router), and removed. It starts from the
+# release before this build
 # (PREVIOUS_RELEASE in e2e/versions.sh, built from its commit), installed
 # from its own deploy/ with workloads and a snapshot on both nodes; this
 # build is applied over it, rolled back with `kubectl rollout undo` and
