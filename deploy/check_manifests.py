@@ -285,6 +285,14 @@ def resolve_path(spec, c, path):
     return m["name"], rel
 
 
+def nested_bidirectional(c):
+    """Bidirectional mounts of container c inside another Bidirectional one."""
+    bi = [m["mountPath"].rstrip("/") or "/" for m in c.get("volumeMounts") or []
+          if m.get("mountPropagation") == "Bidirectional"]
+    return [f"{inner} inside {outer}" for outer in bi for inner in bi
+            if inner != outer and inner.startswith(outer.rstrip("/") + "/")]
+
+
 def volume(spec, name):
     for v in spec.get("volumes") or []:
         if v["name"] == name:
@@ -559,6 +567,24 @@ def check_self_test(rendered, r):
             "self-test: a root driver without the socket's group (no CAP_CHOWN), and a Secret its "
             "non-root reader cannot read, are reported", "; ".join(found) or "not found")
 
+    def stacked_pools(docs):
+        ds = next(d for d in docs if d["kind"] == "DaemonSet")
+        drv = next(c for c in containers(ds["spec"]["template"]["spec"]) if is_driver(c))
+        for m in drv["volumeMounts"]:
+            if m["name"] in ("data-dir", "pool-default"):
+                m["mountPropagation"] = "Bidirectional"
+    docs = copy.deepcopy(rendered[base])
+    q = QuietReport()
+    check_pods(base, docs, q)
+    r.check(not q.failed, f"self-test: {base} passes the checks inside each pod", "; ".join(q.failed))
+    stacked_pools(docs)
+    q = QuietReport()
+    check_pods(base, docs, q)
+    r.check(any("mounts pool /var/lib/example-csi/pool" in f for f in q.failed)
+            and any("/var/lib/example-csi/pool inside /var/lib/example-csi" in f for f in q.failed),
+            "self-test: a pool mounted Bidirectional inside the Bidirectional data directory is reported",
+            "; ".join(q.failed) or "not found")
+
     def key_for_root_only(docs):
         v = next(v for v in pod(docs)["volumes"] if v["name"] == "snapshot-metadata-tls")
         v["secret"]["defaultMode"] = 0o400
@@ -748,6 +774,18 @@ def check_pods(name, docs, r):
                 pv = volume(spec, pw[0]) if pw else None
                 r.check(pv is not None and "hostPath" in pv,
                         f"{name}: {w} pool {path} is on a hostPath")
+                # The driver makes no mount in a pool: a disk mounted there
+                # on the host reaches it (HostToContainer), nothing goes back.
+                covering = [m for m in drv.get("volumeMounts") or []
+                            if path == m["mountPath"] or path.startswith(m["mountPath"].rstrip("/") + "/")]
+                r.check(bool(covering) and all(m.get("mountPropagation") == "HostToContainer" for m in covering),
+                        f"{name}: {w} driver mounts pool {path} (and every directory above it) HostToContainer",
+                        ", ".join(f"{m['mountPath']}: {m.get('mountPropagation', 'None')}" for m in covering))
+        for c in containers(spec):
+            r.check(not nested_bidirectional(c),
+                    f"{name}: {w}/{c['name']} has no Bidirectional mount inside another one "
+                    "(each start would stack one more copy of it on the host)",
+                    "; ".join(nested_bidirectional(c)))
 
 
 def check_overlay_flags(name, docs, r):
@@ -1247,7 +1285,8 @@ def main():
               "node-deployment sidecars: DaemonSet, NODE_NAME, no leader election; "
               "--enable-capacity: NAMESPACE and POD_NAME",
               "node plugin: system-node-critical, tolerates all taints, kubelet dirs Bidirectional, "
-              "/dev, pools on hostPath")
+              "/dev, pools on hostPath mounted HostToContainer (as is every directory above them)",
+              "no container mounts Bidirectional inside another Bidirectional mount")
     each_overlay(check_pods, r)
 
     r.section("CSIDriver and flags across each overlay",

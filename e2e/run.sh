@@ -45,10 +45,10 @@
 # containerd's state lost, then booted again, and its pods come back on their
 # claims with their data. --single-node leaves the second kubelet out.
 #
-# With --scenario from_distributed, the cluster flavor starts from the
-# distributed flavor, with workloads on claims and a snapshot on both nodes,
-# switched to the cluster flavor as deploy/README.md says (its claims and
-# snapshots keep working through the router), and removed. It starts from the
+# The cluster flavor (with kustomize) starts from the distributed flavor,
+# with workloads on claims and a snapshot on both nodes, switched to the
+# cluster flavor as deploy/README.md says (its claims and snapshots keep
+# working through the router), and removed. It then starts from the
 # release before this build
 # (PREVIOUS_RELEASE in e2e/versions.sh, built from its commit), installed
 # from its own deploy/ with workloads and a snapshot on both nodes; this
@@ -277,8 +277,9 @@ detach_pool_loops() {
 
 make_pools() {
     mkdir -p "$W/pools" "$POOL_ROOT"
-    # The node plugin mounts the pools with Bidirectional propagation, which
-    # needs a shared mount on the host (systemd makes / shared; here it is not).
+    # The node plugin mounts the pools with HostToContainer propagation, which
+    # needs a shared mount on the host to receive from (systemd makes /
+    # shared; here it is not).
     mount --bind "$POOL_ROOT" "$POOL_ROOT"
     mount --make-rshared "$POOL_ROOT"
     mount_pools "" "$POOL_ROOT"
@@ -517,11 +518,7 @@ run_flavor() {
     # installed, upgraded to this build and rolled back and forward with
     # volumes in use; the scenarios below then run on the upgraded
     # installation
-    # (only when named with --scenario: each node-plugin start adds copies
-    # of the pools' mounts on the host, and two more starts before the node
-    # reboot scenario slow its mounts past its limits)
-    [ "$flavor" = cluster ] && [ "$INSTALLER" = kustomize ] && [ ${#ONLY[@]} -gt 0 ] \
-        && run_scenario from_distributed
+    [ "$flavor" = cluster ] && [ "$INSTALLER" = kustomize ] && run_scenario from_distributed
     upgrade_first "$flavor" && scenario_upgrade
     deploy_flavor "$flavor" || { undeploy_flavor "$flavor"; set -e; return; }
     kc get namespace "$NS" >/dev/null 2>&1 || kc create namespace "$NS" >/dev/null

@@ -231,5 +231,18 @@ volume_mounts() {
     awk '{print $5}' "${ns[@]}" 2>/dev/null \
         | grep -E '/var/lib/kubelet/(pods/.*/volumes/kubernetes.io~csi|plugins/kubernetes.io/csi/)'
 }
+# pool_mounts: how many mounts are stacked at each pool's path, on the host
+# (every node's pools, as the checks see them) and in each other node's
+# mount namespace (its own /var/lib/example-csi), one count a line.
+pool_mounts() {
+    local p f
+    for p in "${POOL_DIRS[@]}"; do awk -v p="$p" '$5 == p' /proc/self/mountinfo | grep -c . || true; done
+    for f in "$W"/node-*/mntns.pid; do
+        [ -f "$f" ] || continue
+        for p in pool ssd; do
+            awk -v p="$POOL_ROOT/$p" '$5 == p' "/proc/$(cat "$f")/mountinfo" 2>/dev/null | grep -c . || true
+        done
+    done
+}
 # same_list TEXT CMD...: CMD prints exactly TEXT's lines (in sorted order)
 same_list() { local want=$1; shift; [ "$("$@" 2>/dev/null | sort)" = "$want" ]; }

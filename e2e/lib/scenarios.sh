@@ -357,9 +357,11 @@ scenario_node_restart() {
     eventually 60 "pod wrote its data" in_pod steady test -s /data/file.sum
     local sum vol image; sum=$(in_pod steady cat /data/file.sum)
     vol=$(volume_of steady); image=$(pool_file_of "$vol")
-    local old; old=$(node_plugin_pods)
+    local old mounts; old=$(node_plugin_pods); mounts=$(pool_mounts | tr '\n' ' ')
     kc -n "$DRIVER_NS" delete pod -l app.kubernetes.io/component=node --wait=true --timeout=120s >/dev/null
     eventually 180 "a new node plugin is ready" node_plugin_replaced "$old" || return
+    check_eq "its start stacks no copy of a pool's mount on any node (mounts at each pool)" "$mounts" \
+        "$(pool_mounts | tr '\n' ' ')"
     check_sum "the pod still reads its data" "$sum" "$(in_pod steady sha256sum /data/file | cut -c1-64)"
     kc -n "$NS" patch pvc steady -p '{"spec":{"resources":{"requests":{"storage":"2Gi"}}}}' >/dev/null
     eventually 120 "the claim grows to 2Gi through the new node plugin" field_is pvc/steady '{.status.capacity.storage}' 2Gi

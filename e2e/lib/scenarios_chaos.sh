@@ -192,6 +192,9 @@ scenario_node_reboot() {
     eventually 60 "the kubelet of $second serves again" curl -sf "http://127.0.0.1:$((10248 + 10))/healthz"
     eventually 180 "the node plugin on $second runs again, in new containers" \
         plugin_restarted_on "$second" "$plugin"
+    check_eq "each of $second's pools mounted once in its namespace after the node plugin's start" "1 1" \
+        "$(awk -v r="$POOL_ROOT" '$5 == r "/pool" || $5 == r "/ssd" {n[$5]++} END {print n[r "/pool"] + 0, n[r "/ssd"] + 0}' \
+            "/proc/$(cat "$W/node-$second/mntns.pid")/mountinfo")"
     eventually 240 "the workloads run again on their claims" \
         all_of "restarted nr-fs ${running[0]}" "restarted nr-raw ${running[1]}" || return
     eventually 60 "the filesystem pod sees its file" in_pod nr-fs test -s /data/file
