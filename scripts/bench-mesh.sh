@@ -3,8 +3,11 @@
 # a driver with its own xfs pool and state, --agent-listen on loopback, mutual
 # TLS) and the cluster's controller (--mode router) in front of them.
 #
-#   hop:      csi-bench create-delete through the router (every call crosses
-#             the mTLS hop to node-a) against node-a's own socket, A B A B A B;
+#   hop:      csi-bench create-delete and create-snapshot through the router
+#             (every call crosses the mTLS hop to node-a) against node-a's
+#             own socket, A B A B A B;
+#   spread:   the same through the router with the volumes on node-a and
+#             node-b in turn (1 and 16 clients);
 #   transfer: a volume's snapshot restored on the other node (its data pulled
 #             over the mesh, piece by piece, digests checked, durable at each
 #             checkpoint), SIZE of data written at random (all of it
@@ -49,12 +52,19 @@ done
 
 echo "== hop: create-delete through the router against node-a's own socket"
 mkdir -p "$work/scratch"
-"$bench" --compare --scenarios create-delete --count "$count" --rounds 3 --no-settle \
+"$bench" --compare --scenarios create-delete,create-snapshot --count "$count" --rounds 3 --no-settle \
   --topology topology.example.csi/node=node-a \
   --a-name node-a --a-endpoint "unix://$work/a/csi.sock" \
   --b-name router --b-endpoint "unix://$work/router.sock" \
   --scratch "$work/scratch" --out "$out/hop"
 grep -i "create" "$out/hop/results.txt" || true
+echo "== spread: through the router, the volumes on node-a and node-b in turn"
+"$bench" --scenarios create-delete,create-snapshot --count "$count" --rounds 3 --no-settle \
+  --concurrency 1,16 \
+  --topology topology.example.csi/node=node-a --topology topology.example.csi/node=node-b \
+  --a-name router-two-nodes --a-endpoint "unix://$work/router.sock" \
+  --scratch "$work/scratch" --out "$out/spread"
+grep -i "create" "$out/spread/results.txt" || true
 
 echo "== transfer: a snapshot of ${size_mib} MiB of data restored on the other node"
 results="$out/transfer.txt"
@@ -138,8 +148,27 @@ for pct in 100 50; do
   if [ "$pct" = 100 ]; then
     # 1% of the data changed since the first move: the second sends that.
     write_on_a "$vol" "d$pct" 1
+    first=$snap
     snap=$(client "$work/router.sock" create-snapshot "snap-$pct-2" --volume "$vol" | id_of snapshot snapshot_id)
     move "$snap" "moved-$pct-2" "the same volume again after 1% of it changed (incremental)"
+    # What really differs between the two snapshots' images, in 4 KiB
+    # blocks and in the transfer's 1 MiB cells (file data and the
+    # filesystem's own metadata and log alike).
+    python3 -c '
+import sys
+a, b = open(sys.argv[1], "rb"), open(sys.argv[2], "rb")
+blocks = cells = 0
+while True:
+    x, y = a.read(1 << 20), b.read(1 << 20)
+    if not x and not y:
+        break
+    if x != y:
+        cells += 1
+        x, y = x.ljust(1 << 20, b"\0"), y.ljust(1 << 20, b"\0")
+        blocks += sum(x[i:i + 4096] != y[i:i + 4096] for i in range(0, 1 << 20, 4096))
+print(f"between the two snapshots: {blocks * 4096 / 2**20:.1f} MiB differ in 4 KiB blocks, "
+      f"{cells} MiB in 1 MiB cells")' "$work/a/pool/snapshots/${first%%@*}.img" \
+      "$work/a/pool/snapshots/${snap%%@*}.img" | tee -a "$results"
   fi
 done
 

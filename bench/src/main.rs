@@ -24,8 +24,9 @@ use csi_storage::size::parse_size;
 use scenarios::{Figures, Population, Volumes};
 use target::{Spec, Target};
 
-const SCENARIOS: [&str; 6] = [
+const SCENARIOS: [&str; 7] = [
     "create-delete",
+    "create-snapshot",
     "scale",
     "snapshot",
     "node",
@@ -138,11 +139,12 @@ pub struct Args {
     /// Parameters of all other volumes (KEY=VALUE, repeatable).
     #[arg(long = "param", value_parser = parse_pair)]
     params: Vec<(String, String)>,
-    /// A topology segment (KEY=VALUE) every CreateVolume requires, as a CO
-    /// passes the node it chose: through a cluster's controller, the node the
-    /// volumes go to.
+    /// A topology segment (KEY=VALUE) CreateVolume requires, as a CO passes
+    /// the node it chose: through a cluster's controller, the node the
+    /// volumes go to. Repeated, the requests take the segments in turn
+    /// (volumes spread over those nodes).
     #[arg(long, value_parser = parse_pair)]
-    topology: Option<(String, String)>,
+    topology: Vec<(String, String)>,
     /// Where staging and target directories are made.
     #[arg(long, default_value = "/tmp/csi-bench-scratch")]
     scratch: PathBuf,
@@ -185,9 +187,7 @@ fn main() -> ExitCode {
             }
         };
     }
-    if let Some(t) = args.topology.clone() {
-        let _ = target::TOPOLOGY.set(t);
-    }
+    let _ = target::TOPOLOGY.set(args.topology.clone());
     let rt = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -348,6 +348,12 @@ async fn run_round(
             &mut out,
         )
         .await?;
+    }
+    if has("create-snapshot") {
+        eprintln!("  create-snapshot");
+        let class = &args.snapshot_class_params;
+        let with = (args.params.as_slice(), class.as_slice());
+        scenarios::create_snapshots(t, &tag, args.count, &args.concurrency, with, &mut out).await?;
     }
     if has("node") {
         for k in &args.node_kinds {

@@ -203,6 +203,119 @@ pub async fn create_delete(
     Ok(())
 }
 
+/// CreateSnapshot then DeleteSnapshot of `count` volumes (made first, 16 at
+/// a time, not timed), at each concurrency level: ops/s, latencies and the
+/// driver's CPU per call. The volumes hold no data: the figures are the
+/// calls' own cost (and, through a cluster's controller, its hop).
+pub async fn create_snapshots(
+    t: &mut Target,
+    tag: &str,
+    count: usize,
+    levels: &[usize],
+    (params, class): (&[(String, String)], &[(String, String)]),
+    out: &mut Figures,
+) -> Result<(), Error> {
+    let ids = Arc::new(std::sync::Mutex::new(vec![String::new(); count]));
+    let (ctl, ids2, tag2, params2) = (t.ctl.clone(), ids.clone(), tag.to_string(), params.to_vec());
+    fan_out(count, 16, move |i| {
+        let mut ctl = ctl.clone();
+        let ids = ids2.clone();
+        let req = create_req(&format!("bench-cs-{tag2}-{i}"), GIB, "", &params2);
+        async move {
+            let v = create(&mut ctl, req).await?;
+            ids.lock().unwrap()[i] = v.volume_id;
+            Ok(())
+        }
+    })
+    .await?;
+    let mut result = Ok(());
+    for &c in levels {
+        if let Err(e) = snapshot_round(t, tag, c, &ids, class, out).await {
+            result = Err(e);
+            break;
+        }
+    }
+    // The volumes go whatever happened, so that a failed round leaves no
+    // volumes behind in the driver measured.
+    let ctl = t.ctl.clone();
+    let ids3 = ids.clone();
+    fan_out(count, 16, move |i| {
+        let mut ctl = ctl.clone();
+        let id = ids3.lock().unwrap()[i].clone();
+        async move {
+            if id.is_empty() {
+                return Ok(());
+            }
+            delete(&mut ctl, &id).await
+        }
+    })
+    .await?;
+    result
+}
+
+/// One concurrency level of [`create_snapshots`].
+async fn snapshot_round(
+    t: &mut Target,
+    tag: &str,
+    c: usize,
+    ids: &Arc<std::sync::Mutex<Vec<String>>>,
+    class: &[(String, String)],
+    out: &mut Figures,
+) -> Result<(), Error> {
+    let count = ids.lock().unwrap().len();
+    let snaps = Arc::new(std::sync::Mutex::new(vec![String::new(); count]));
+    let before = t.usage();
+    let (ctl, ids2, snaps2, tag2, class2) = (
+        t.ctl.clone(),
+        ids.clone(),
+        snaps.clone(),
+        tag.to_string(),
+        class.to_vec(),
+    );
+    let (mut lat, wall) = fan_out(count, c, move |i| {
+        let mut ctl = ctl.clone();
+        let source = ids2.lock().unwrap()[i].clone();
+        let snaps = snaps2.clone();
+        let name = format!("bench-cs-{tag2}-c{c}-{i}");
+        let class = class2.clone();
+        async move {
+            let s = create_snapshot(&mut ctl, &source, &name, &class).await?;
+            snaps.lock().unwrap()[i] = s.snapshot_id;
+            Ok(())
+        }
+    })
+    .await?;
+    let prefix = format!("create-snapshot/c{c}");
+    out.put(
+        format!("{prefix}/create_ops_s"),
+        count as f64 / wall.as_secs_f64(),
+    );
+    out.latencies(&format!("{prefix}/create"), &mut lat);
+    let before = per_call(t, before, count, &format!("{prefix}/create"), out);
+    let ctl = t.ctl.clone();
+    let (mut lat, wall) = fan_out(count, c, move |i| {
+        let mut ctl = ctl.clone();
+        let id = snaps.lock().unwrap()[i].clone();
+        async move {
+            ctl.delete_snapshot(csi::DeleteSnapshotRequest {
+                snapshot_id: id.clone(),
+                ..Default::default()
+            })
+            .await
+            .map_err(|s| status(&format!("DeleteSnapshot {id}"), s))?;
+            Ok(())
+        }
+    })
+    .await?;
+    out.put(
+        format!("{prefix}/delete_ops_s"),
+        count as f64 / wall.as_secs_f64(),
+    );
+    out.latencies(&format!("{prefix}/delete"), &mut lat);
+    per_call(t, before, count, &format!("{prefix}/delete"), out);
+    Ok(())
+}
+
 /// Puts the driver's CPU time (µs) and context switches per call since
 /// `before`, when its process is known; returns the usage now.
 fn per_call(

@@ -190,9 +190,22 @@ pub fn mount_cap(fs: &str) -> csi::VolumeCapability {
     }
 }
 
-/// The topology segment every CreateVolume requires (`--topology`), as a CO
-/// passes the node it scheduled a pod to.
-pub static TOPOLOGY: std::sync::OnceLock<(String, String)> = std::sync::OnceLock::new();
+/// The topology segments CreateVolume requires (`--topology`, repeatable),
+/// as a CO passes the node it scheduled a pod to: one per request, in turn,
+/// so that volumes spread evenly over the nodes named.
+pub static TOPOLOGY: std::sync::OnceLock<Vec<(String, String)>> = std::sync::OnceLock::new();
+static NEXT_TOPOLOGY: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// The segment of the next request, taking turns over `segments`.
+fn next_segment(segments: &[(String, String)]) -> Option<&(String, String)> {
+    let i = NEXT_TOPOLOGY.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    turn(segments, i)
+}
+
+/// The segment whose turn request `i` is.
+fn turn(segments: &[(String, String)], i: usize) -> Option<&(String, String)> {
+    segments.get(i.checked_rem(segments.len())?)
+}
 
 pub fn create_req(
     name: &str,
@@ -200,7 +213,8 @@ pub fn create_req(
     fs: &str,
     params: &[(String, String)],
 ) -> csi::CreateVolumeRequest {
-    let accessibility_requirements = TOPOLOGY.get().map(|(k, v)| {
+    let segment = TOPOLOGY.get().and_then(|t| next_segment(t));
+    let accessibility_requirements = segment.map(|(k, v)| {
         let at = csi::Topology {
             segments: [(k.clone(), v.clone())].into_iter().collect(),
         };
@@ -264,6 +278,17 @@ impl Usage {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn requests_take_the_topology_segments_in_turn() {
+        let segs: Vec<(String, String)> = ["node-a", "node-b"]
+            .iter()
+            .map(|n| ("topology.example.csi/node".to_string(), n.to_string()))
+            .collect();
+        let picked: Vec<&str> = (0..5).map(|i| turn(&segs, i).unwrap().1.as_str()).collect();
+        assert_eq!(picked, ["node-a", "node-b", "node-a", "node-b", "node-a"]);
+        assert!(turn(&[], 3).is_none());
+    }
 
     #[test]
     fn usage_counts_each_threads_growth_and_new_threads_whole() {
