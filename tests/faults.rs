@@ -979,10 +979,15 @@ fn every_failpoint_is_tested() {
     // for a symlink between the listing and the open: races, not crashes.
     found.remove("tree.entry-listed");
     found.remove("tree.entry-opened");
-    // A transfer between nodes is killed at its two points by
-    // tests/mobility.rs, with a second node and the router it needs.
+    // A transfer between nodes is killed at its points by tests/mobility.rs,
+    // with a second node and the router it needs.
     let mobility = std::fs::read_to_string(root.join("tests/mobility.rs")).unwrap();
-    for fp in ["transfer.after-checkpoint-data", "transfer.before-unmark"] {
+    for fp in [
+        "transfer.after-checkpoint-data",
+        "transfer.after-checkpoint",
+        "transfer.before-unmark",
+        "transfer.inside-a-patched-cell",
+    ] {
         assert!(
             mobility.contains(&format!("\"{fp}\"")),
             "{fp} is not crashed by tests/mobility.rs"

@@ -203,6 +203,9 @@ pub async fn create_delete(
     Ok(())
 }
 
+/// KEY=VALUE parameters of a request.
+type Params = [(String, String)];
+
 /// CreateSnapshot then DeleteSnapshot of `count` volumes (made first, 16 at
 /// a time, not timed), at each concurrency level: ops/s, latencies and the
 /// driver's CPU per call. The volumes hold no data: the figures are the
@@ -212,7 +215,7 @@ pub async fn create_snapshots(
     tag: &str,
     count: usize,
     levels: &[usize],
-    (params, class): (&[(String, String)], &[(String, String)]),
+    (params, class): (&Params, &Params),
     out: &mut Figures,
 ) -> Result<(), Error> {
     let ids = Arc::new(std::sync::Mutex::new(vec![String::new(); count]));

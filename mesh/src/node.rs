@@ -123,26 +123,34 @@ impl TransferService {
 type Pieces = Pin<Box<dyn Stream<Item = Result<mesh::ReadResponse, Status>> + Send>>;
 
 fn to_message(r: Received) -> mesh::ReadResponse {
+    let chunk = |offset, length, data, digest: Option<[u8; 32]>, patch| {
+        read_response::Item::Chunk(mesh::Chunk {
+            offset,
+            length,
+            data,
+            zero: digest.is_none(),
+            digest: digest.map(|d| d.to_vec()).unwrap_or_default(),
+            patch,
+        })
+    };
     let item = match r {
-        Received::Piece(Piece::Data {
-            offset,
-            data,
-            digest,
-        }) => read_response::Item::Chunk(mesh::Chunk {
-            offset,
-            length: data.len() as u64,
-            data,
-            zero: false,
-            digest: digest.to_vec(),
-        }),
-        Received::Piece(Piece::Zero { offset, length }) => {
-            read_response::Item::Chunk(mesh::Chunk {
-                offset,
-                length,
-                data: Vec::new(),
-                zero: true,
-                digest: Vec::new(),
-            })
+        Received::Piece(p) => {
+            let patch = p.is_patch();
+            match p {
+                Piece::Data {
+                    offset,
+                    data,
+                    digest,
+                }
+                | Piece::Patch {
+                    offset,
+                    data,
+                    digest,
+                } => chunk(offset, data.len() as u64, data, Some(digest), patch),
+                Piece::Zero { offset, length } | Piece::Clear { offset, length } => {
+                    chunk(offset, length, Vec::new(), None, patch)
+                }
+            }
         }
         Received::Trailer(t) => read_response::Item::Trailer(mesh::Trailer {
             digest: t.digest.to_vec(),
@@ -156,10 +164,14 @@ fn to_message(r: Received) -> mesh::ReadResponse {
 
 fn from_message(m: mesh::ReadResponse) -> Result<Received, String> {
     match m.item {
-        Some(read_response::Item::Chunk(c)) if c.zero => Ok(Received::Piece(Piece::Zero {
-            offset: c.offset,
-            length: c.length,
-        })),
+        Some(read_response::Item::Chunk(c)) if c.zero => {
+            let (offset, length) = (c.offset, c.length);
+            Ok(Received::Piece(if c.patch {
+                Piece::Clear { offset, length }
+            } else {
+                Piece::Zero { offset, length }
+            }))
+        }
         Some(read_response::Item::Chunk(c)) => {
             let digest = <[u8; 32]>::try_from(c.digest.as_slice())
                 .map_err(|_| "a piece without a digest".to_string())?;
@@ -170,10 +182,19 @@ fn from_message(m: mesh::ReadResponse) -> Result<Received, String> {
                     c.length
                 ));
             }
-            Ok(Received::Piece(Piece::Data {
-                offset: c.offset,
-                data: c.data,
-                digest,
+            let (offset, data) = (c.offset, c.data);
+            Ok(Received::Piece(if c.patch {
+                Piece::Patch {
+                    offset,
+                    data,
+                    digest,
+                }
+            } else {
+                Piece::Data {
+                    offset,
+                    data,
+                    digest,
+                }
             }))
         }
         Some(read_response::Item::Trailer(t)) => Ok(Received::Trailer(Trailer {
@@ -235,6 +256,7 @@ impl Transfer for TransferService {
                 &r.read_token,
                 r.from,
                 base.as_deref(),
+                r.patches,
             )
         })
         .await?;
@@ -471,6 +493,8 @@ impl Source for MeshSource {
             from,
             base_transfer_id: base.unwrap_or_default().to_string(),
             read_token: self.token.clone(),
+            // Where this node names a base, it starts from it.
+            patches: base.is_some(),
         };
         let (tx, mut rx) = tokio::sync::mpsc::channel(IN_FLIGHT);
         let node = self.node.clone();

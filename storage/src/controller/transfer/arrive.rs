@@ -509,7 +509,13 @@ impl Controller {
         });
         // A fresh image holds holes where zeros come: nothing to punch.
         let fresh = rec.base.is_none();
-        let mut checker = Checker::new(rec.progress, vol.size.max(rec.size));
+        // A target that starts from its base takes patches of cells.
+        let mut checker = Checker::new(rec.progress, vol.size.max(rec.size), !fresh);
+        // The cell the last pieces patched, and the ledger's length before
+        // its first patch: until the cell is done, a checkpoint records the
+        // transfer at the cell's start (a resumed read sends all of its
+        // patches again).
+        let mut open_cell: Option<(u64, u64)> = None;
         let mut unsynced = 0u64;
         let mut last_sync = Instant::now();
         // The class may cap this transfer; the node caps all of them.
@@ -531,15 +537,31 @@ impl Controller {
             };
             checker.check(&p)?;
             write_piece(&writer, &p, fresh).context(at)?;
+            let (cell, cell_end) = p.cells();
+            if open_cell.is_none_or(|(c, _)| c != cell) {
+                open_cell = Some((cell, ledger.len()));
+            }
             ledger.append(&p.entry())?;
-            let progress = p.cells().1.min(rec.size).max(rec.progress);
+            let end = p.offset() + p.length();
+            let (progress, entries) = match open_cell {
+                Some((c, before)) if p.is_patch() && end < cell_end.min(rec.size) => (c, before),
+                _ => (cell_end, ledger.len()),
+            };
+            if progress < cell_end {
+                // Between two patches of one cell: a test holds the transfer
+                // here past a checkpoint's time, or breaks it here.
+                crate::failpoint::hit("transfer.inside-a-patched-cell");
+                crate::failpoint::fail("transfer.inside-a-patched-cell")
+                    .map_err(|e| Error::Aborted(e.to_string()))?;
+            }
+            let progress = progress.min(rec.size).max(rec.progress);
             unsynced += progress - rec.progress;
             meter.note(p.data_len());
             job.set(|s| s.rate = meter.rate());
             rec.progress = progress;
-            rec.entries = ledger.len();
+            rec.entries = entries;
             if unsynced >= CHECKPOINT_BYTES || last_sync.elapsed() >= CHECKPOINT_EVERY {
-                self.checkpoint(&writer, &ledger, rec, progress, ledger.len())?;
+                self.checkpoint(&writer, &ledger, rec, progress, entries)?;
                 unsynced = 0;
                 last_sync = Instant::now();
                 // What the status calls done is durable: a crash now goes on
@@ -593,7 +615,9 @@ impl Controller {
         rec.progress = progress;
         rec.entries = entries;
         crate::failpoint::hit("transfer.after-checkpoint-data");
-        self.write_arrival(rec)
+        self.write_arrival(rec)?;
+        crate::failpoint::hit("transfer.after-checkpoint");
+        Ok(())
     }
 
     /// The end of a transfer: its ledger checked whole against the source's,

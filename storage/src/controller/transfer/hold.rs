@@ -254,7 +254,8 @@ impl Controller {
     /// The pieces of a hold for the peer `peer_is` recognizes (it must be the
     /// hold's target node) showing the hold's token, from `from` on: only what
     /// differs from the hold `base` when this node still has it as the base of
-    /// the same volume for the same node.
+    /// the same volume for the same node, as patches where the target takes
+    /// them (`patches`), else as whole cells.
     pub fn hold_stream(
         &self,
         transfer_id: &str,
@@ -262,6 +263,7 @@ impl Controller {
         token: &str,
         from: u64,
         base: Option<&str>,
+        patches: bool,
     ) -> Result<HoldStream> {
         check_id(transfer_id)?;
         let (info, pool) = self
@@ -287,7 +289,14 @@ impl Controller {
             })
             .map(|(b, p)| image_path(p, &b.transfer_id));
         let img = image_path(pool, transfer_id);
-        HoldStream::open(&img, info.size, from, base.as_deref(), pool.reflink)
+        HoldStream::open(
+            &img,
+            info.size,
+            from,
+            base.as_deref(),
+            pool.reflink,
+            patches,
+        )
     }
 
     /// The target is done with a hold: removed, or kept as the base of the
@@ -406,6 +415,8 @@ enum Plan {
     Zeros(u64, u64),
     /// The allocated part `[start, end)` of one cell.
     Cell(u64, u64),
+    /// A changed range `[start, end)` within one cell, the rest of it kept.
+    Patch(u64, u64),
 }
 
 /// The pieces of a hold, read as they are sent, then its trailer.
@@ -425,11 +436,12 @@ impl HoldStream {
         from: u64,
         base: Option<&Path>,
         reflink: bool,
+        patches: bool,
     ) -> Result<HoldStream> {
         let at = || format!("reading the hold {}", img.display());
         let reader = ImageReader::open(img).context(at)?;
         let size = size.min(reader.len().max(size));
-        let (cells, incremental) = match base {
+        let changed = match base {
             Some(b) => {
                 let (changed, method) =
                     crate::controller::metadata::changed_ranges(b, img, 0, size, reflink)
@@ -437,14 +449,25 @@ impl HoldStream {
                 tracing::debug!(
                     ranges = changed.len(),
                     ?method,
+                    patches,
                     "a transfer sends what changed"
                 );
-                (cells_of(&changed, size), true)
+                Some(changed)
             }
-            None => (vec![(0, size)], false),
+            None => None,
         };
-        let allocated = reader.data_ranges(0, size).context(at)?;
-        let plan = plan(&cells, &allocated, size);
+        let plan = match &changed {
+            Some(changed) if patches => patch_plan(changed, size),
+            _ => {
+                let cells = match &changed {
+                    Some(changed) => cells_of(changed, size),
+                    None => vec![(0, size)],
+                };
+                let allocated = reader.data_ranges(0, size).context(at)?;
+                plan(&cells, &allocated, size)
+            }
+        };
+        let incremental = changed.is_some();
         Ok(HoldStream {
             reader,
             plan: plan.into_iter(),
@@ -474,6 +497,18 @@ impl HoldStream {
                             - start / CELL * CELL,
                     }),
                     Ok(()) => Ok(Piece::data(start, data)),
+                }
+            }
+            Plan::Patch(start, end) => {
+                let mut data = vec![0u8; (end - start) as usize];
+                match self.reader.read_at(start, &mut data) {
+                    Err(e) => Err(e).context(|| "reading a hold".to_string()),
+                    // A range now empty is named, not sent.
+                    Ok(()) if data.iter().all(|b| *b == 0) => Ok(Piece::Clear {
+                        offset: start,
+                        length: end - start,
+                    }),
+                    Ok(()) => Ok(Piece::patch(start, data)),
                 }
             }
         })
@@ -520,6 +555,31 @@ fn cells_of(ranges: &[csi_sys::extents::ByteRange], size: u64) -> Vec<(u64, u64)
         match out.last_mut() {
             Some(last) if start <= last.1 => last.1 = last.1.max(end),
             _ => out.push((start, end)),
+        }
+    }
+    out
+}
+
+/// The patches of the changed ranges `changed` of an image of `size` bytes:
+/// the ranges merged where they touch, cut at each cell's boundary.
+fn patch_plan(changed: &[csi_sys::extents::ByteRange], size: u64) -> Vec<Plan> {
+    let mut merged: Vec<(u64, u64)> = Vec::new();
+    for r in changed {
+        let (start, end) = (r.offset.min(size), r.end().min(size));
+        if start >= end {
+            continue;
+        }
+        match merged.last_mut() {
+            Some(last) if start <= last.1 => last.1 = last.1.max(end),
+            _ => merged.push((start, end)),
+        }
+    }
+    let mut out = Vec::new();
+    for (mut start, end) in merged {
+        while start < end {
+            let stop = ((start / CELL + 1) * CELL).min(end);
+            out.push(Plan::Patch(start, stop));
+            start = stop;
         }
     }
     out
@@ -627,5 +687,27 @@ mod tests {
                 Plan::Zeros(7 * CELL, 8 * CELL)
             ]
         );
+    }
+
+    #[test]
+    fn patches_are_the_changed_ranges_cut_at_the_cells() {
+        let size = 4 * CELL + 4096;
+        let changed = [
+            ByteRange::new(4096, 4096),
+            ByteRange::new(8192, 4096),
+            ByteRange::new(CELL - 4096, 8192),
+            ByteRange::new(3 * CELL, 4 * CELL),
+        ];
+        assert_eq!(
+            patch_plan(&changed, size),
+            vec![
+                Plan::Patch(4096, 3 * 4096),
+                Plan::Patch(CELL - 4096, CELL),
+                Plan::Patch(CELL, CELL + 4096),
+                Plan::Patch(3 * CELL, 4 * CELL),
+                Plan::Patch(4 * CELL, size),
+            ]
+        );
+        assert!(patch_plan(&[ByteRange::new(size, 4096)], size).is_empty());
     }
 }

@@ -16,8 +16,10 @@
 //! before it clears the mark.
 //!
 //! A hold kept after its transfer is the *base* of the next transfer of the
-//! same volume to the same node, which then sends only the cells that changed
-//! since (the two holds share their unchanged extents, `metadata`).
+//! same volume to the same node, which then sends only what changed since
+//! (the two holds share their unchanged extents, `metadata`): as *patches*,
+//! the changed ranges of each cell only, the rest of the cell kept as the
+//! target's copy of the base holds it.
 
 mod arrive;
 mod hold;
@@ -46,8 +48,9 @@ pub enum Received {
 /// another node's agent.
 pub trait Source: Send {
     /// The pieces of the hold from `from` (a cell boundary) on, then the
-    /// trailer; only the cells that differ from the hold `base` when it is
-    /// given (the source may send them all when it no longer has that base).
+    /// trailer; only what differs from the hold `base` when it is given, as
+    /// patches of cells where the source can (the source may send every cell
+    /// whole when it no longer has that base, or does not send patches).
     /// Stops soon after `stop` is set.
     fn read<'a>(
         &'a mut self,

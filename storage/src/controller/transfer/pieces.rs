@@ -17,6 +17,17 @@ pub enum Piece {
     },
     /// Whole cells of zeros: `[offset, offset + length)`.
     Zero { offset: u64, length: u64 },
+    /// Of an incremental transfer to a target that takes patches: `data`
+    /// replaces the bytes at `offset`, within one cell, and the rest of the
+    /// cell keeps what the target holds (the base's data).
+    Patch {
+        offset: u64,
+        data: Vec<u8>,
+        digest: [u8; 32],
+    },
+    /// Of the same: `[offset, offset + length)`, within one cell, reads as
+    /// zeros; the rest of the cell keeps what the target holds.
+    Clear { offset: u64, length: u64 },
 }
 
 impl std::fmt::Debug for Piece {
@@ -24,6 +35,8 @@ impl std::fmt::Debug for Piece {
         match self {
             Piece::Data { offset, data, .. } => write!(f, "Data({offset}+{})", data.len()),
             Piece::Zero { offset, length } => write!(f, "Zero({offset}+{length})"),
+            Piece::Patch { offset, data, .. } => write!(f, "Patch({offset}+{})", data.len()),
+            Piece::Clear { offset, length } => write!(f, "Clear({offset}+{length})"),
         }
     }
 }
@@ -39,25 +52,43 @@ impl Piece {
         }
     }
 
+    /// A patch of data, with its digest.
+    pub fn patch(offset: u64, data: Vec<u8>) -> Piece {
+        let digest = *blake3::hash(&data).as_bytes();
+        Piece::Patch {
+            offset,
+            data,
+            digest,
+        }
+    }
+
     pub fn offset(&self) -> u64 {
         match self {
-            Piece::Data { offset, .. } | Piece::Zero { offset, .. } => *offset,
+            Piece::Data { offset, .. }
+            | Piece::Zero { offset, .. }
+            | Piece::Patch { offset, .. }
+            | Piece::Clear { offset, .. } => *offset,
         }
     }
 
     pub fn length(&self) -> u64 {
         match self {
-            Piece::Data { data, .. } => data.len() as u64,
-            Piece::Zero { length, .. } => *length,
+            Piece::Data { data, .. } | Piece::Patch { data, .. } => data.len() as u64,
+            Piece::Zero { length, .. } | Piece::Clear { length, .. } => *length,
         }
     }
 
     /// The bytes of data it carries: a run of zeros is named, not sent.
     pub fn data_len(&self) -> u64 {
         match self {
-            Piece::Data { data, .. } => data.len() as u64,
-            Piece::Zero { .. } => 0,
+            Piece::Data { data, .. } | Piece::Patch { data, .. } => data.len() as u64,
+            Piece::Zero { .. } | Piece::Clear { .. } => 0,
         }
+    }
+
+    /// Whether it changes part of a cell only (the rest keeps the base's).
+    pub fn is_patch(&self) -> bool {
+        matches!(self, Piece::Patch { .. } | Piece::Clear { .. })
     }
 
     /// The cells it covers, as a range of offsets.
@@ -68,8 +99,14 @@ impl Piece {
     }
 
     pub fn entry(&self) -> Entry {
+        let patch = self.is_patch();
         match self {
             Piece::Data {
+                offset,
+                data,
+                digest,
+            }
+            | Piece::Patch {
                 offset,
                 data,
                 digest,
@@ -77,12 +114,14 @@ impl Piece {
                 offset: *offset,
                 length: data.len() as u64,
                 zero: false,
+                patch,
                 digest: *digest,
             },
-            Piece::Zero { offset, length } => Entry {
+            Piece::Zero { offset, length } | Piece::Clear { offset, length } => Entry {
                 offset: *offset,
                 length: *length,
                 zero: true,
+                patch,
                 digest: [0; 32],
             },
         }
@@ -95,6 +134,8 @@ pub struct Entry {
     pub offset: u64,
     pub length: u64,
     pub zero: bool,
+    /// A patch (the rest of its cell kept), not a whole cell.
+    pub patch: bool,
     pub digest: [u8; 32],
 }
 
@@ -106,19 +147,20 @@ impl Entry {
         let mut out = [0u8; Entry::BYTES];
         out[..8].copy_from_slice(&self.offset.to_le_bytes());
         out[8..16].copy_from_slice(&self.length.to_le_bytes());
-        out[16] = self.zero as u8;
+        out[16] = self.zero as u8 | (self.patch as u8) << 1;
         out[17..].copy_from_slice(&self.digest);
         out
     }
 
     pub fn decode(b: &[u8]) -> Option<Entry> {
-        if b.len() != Entry::BYTES || b[16] > 1 {
+        if b.len() != Entry::BYTES || b[16] > 3 {
             return None;
         }
         Some(Entry {
             offset: u64::from_le_bytes(b[..8].try_into().ok()?),
             length: u64::from_le_bytes(b[8..16].try_into().ok()?),
-            zero: b[16] == 1,
+            zero: b[16] & 1 == 1,
+            patch: b[16] & 2 == 2,
             digest: b[17..].try_into().ok()?,
         })
     }
@@ -157,18 +199,24 @@ pub struct Trailer {
 }
 
 /// What a target checks of each piece before it writes it: in order after the
-/// last, within the volume, whole cells of zeros, data within one cell, and
-/// the data matching its digest. A source that breaks any of these is not
-/// believed for anything.
+/// last, within the volume, whole cells of zeros, data and patches within one
+/// cell, patches only where the target asked for them, and the data matching
+/// its digest. A source that breaks any of these is not believed for anything.
 pub struct Checker {
     /// The end of the last piece: the next must start at or after it.
     next: u64,
     size: u64,
+    patches: bool,
 }
 
 impl Checker {
-    pub fn new(from: u64, size: u64) -> Checker {
-        Checker { next: from, size }
+    /// From `from` on, in a volume of `size` bytes, taking patches or not.
+    pub fn new(from: u64, size: u64, patches: bool) -> Checker {
+        Checker {
+            next: from,
+            size,
+            patches,
+        }
     }
 
     pub fn check(&mut self, p: &Piece) -> Result<()> {
@@ -192,7 +240,7 @@ impl Checker {
                     return bad("zeros come in whole cells".into());
                 }
             }
-            Piece::Data { data, digest, .. } => {
+            Piece::Data { data, digest, .. } | Piece::Patch { data, digest, .. } => {
                 if offset / CELL != (end - 1) / CELL {
                     return bad("data crosses a cell's boundary".into());
                 }
@@ -200,10 +248,25 @@ impl Checker {
                     return bad("its digest does not match its data".into());
                 }
             }
+            Piece::Clear { .. } => {
+                if offset / CELL != (end - 1) / CELL {
+                    return bad("a cleared range crosses a cell's boundary".into());
+                }
+            }
         }
-        // The rest of the piece's cell is zeros by definition: nothing may
-        // come for it.
-        self.next = p.cells().1.min(self.size).max(end);
+        if p.is_patch() && !self.patches {
+            return bad(
+                "patches go only to a target that holds the base and asked for them".into(),
+            );
+        }
+        // The rest of a whole cell's piece is zeros by definition: nothing
+        // may come for it. A patch leaves the rest of its cell as it was:
+        // more patches may follow in it.
+        self.next = if p.is_patch() {
+            end
+        } else {
+            p.cells().1.min(self.size).max(end)
+        };
         Ok(())
     }
 }
@@ -255,7 +318,7 @@ mod tests {
             let e = c.check(&p).unwrap_err();
             assert!(e.to_string().contains("the source sent"), "{e}");
         };
-        let mut c = Checker::new(0, size);
+        let mut c = Checker::new(0, size, false);
         ok(&mut c, Piece::data(10, vec![1; 100]));
         // The rest of cell 0 was zeros: nothing more for it.
         bad(&mut c, Piece::data(500, vec![1; 10]));
@@ -289,8 +352,10 @@ mod tests {
         }
         bad(&mut c, forged);
         ok(&mut c, Piece::data(9 * CELL, vec![7; 10]));
+        // No patches where none were asked for.
+        bad(&mut c, Piece::patch(9 * CELL + 20, vec![7; 10]));
         // A zero run may end at the volume's end, off the grid.
-        let mut c = Checker::new(0, CELL + 4096);
+        let mut c = Checker::new(0, CELL + 4096, false);
         ok(
             &mut c,
             Piece::Zero {
@@ -298,5 +363,59 @@ mod tests {
                 length: CELL + 4096,
             },
         );
+    }
+
+    #[test]
+    fn patches_follow_each_other_within_a_cell_and_never_cross_it() {
+        let size = 4 * CELL;
+        let ok = |c: &mut Checker, p: Piece| c.check(&p).unwrap();
+        let bad = |c: &mut Checker, p: Piece| {
+            let e = c.check(&p).unwrap_err();
+            assert!(e.to_string().contains("the source sent"), "{e}");
+        };
+        let mut c = Checker::new(0, size, true);
+        ok(&mut c, Piece::patch(4096, vec![1; 4096]));
+        // The rest of the cell is the base's: more of it may follow.
+        ok(
+            &mut c,
+            Piece::Clear {
+                offset: 3 * 4096,
+                length: 4096,
+            },
+        );
+        ok(&mut c, Piece::patch(5 * 4096, vec![2; 100]));
+        bad(&mut c, Piece::patch(4096, vec![1; 10]));
+        bad(&mut c, Piece::patch(2 * CELL - 10, vec![1; 20]));
+        bad(
+            &mut c,
+            Piece::Clear {
+                offset: 2 * CELL - 10,
+                length: 20,
+            },
+        );
+        let mut forged = Piece::patch(3 * CELL, vec![1; 10]);
+        if let Piece::Patch { data, .. } = &mut forged {
+            data[0] = 2;
+        }
+        bad(&mut c, forged);
+        ok(&mut c, Piece::patch(3 * CELL + 8192, vec![3; 10]));
+    }
+
+    #[test]
+    fn a_patch_and_a_whole_cell_of_the_same_bytes_are_different_entries() {
+        let cell = Piece::data(CELL, vec![5; 4096]).entry();
+        let patch = Piece::patch(CELL, vec![5; 4096]).entry();
+        assert_ne!(cell.encode(), patch.encode());
+        assert_eq!(Entry::decode(&patch.encode()), Some(patch));
+        let clear = Piece::Clear {
+            offset: CELL + 4096,
+            length: 4096,
+        }
+        .entry();
+        assert!(clear.zero && clear.patch);
+        assert_eq!(Entry::decode(&clear.encode()), Some(clear));
+        let mut b = clear.encode();
+        b[16] = 4;
+        assert_eq!(Entry::decode(&b), None);
     }
 }

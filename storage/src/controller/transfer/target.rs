@@ -12,12 +12,24 @@ use super::pieces::Entry;
 use super::Piece;
 use crate::error::{Context, Error, Result};
 
-/// Writes a piece: its data over its cell (the rest of the cell zeros), or
-/// its run of zeros. Where the image started empty, zeros are holes already.
+/// Writes a piece: its data over its cell (the rest of the cell zeros), its
+/// run of zeros, or a patch over part of a cell (the rest kept). Where the
+/// image started empty, zeros are holes already.
 pub(super) fn write_piece(w: &ImageWriter, p: &Piece, fresh: bool) -> csi_sys::Result<()> {
     match p {
         Piece::Zero { offset, length } if !fresh => w.punch(*offset, *length),
         Piece::Zero { .. } => Ok(()),
+        // A patch changes its own bytes only: the rest of the cell is the
+        // base's, already in the image.
+        Piece::Clear { offset, length } if !fresh => w.punch(*offset, *length),
+        Piece::Clear { .. } => Ok(()),
+        Piece::Patch { offset, data, .. } => {
+            w.write_sparse(*offset, data, !fresh)?;
+            if let Err(e) = w.start_writeback(*offset, data.len() as u64) {
+                tracing::debug!(error = %e, "no early writeback; the checkpoint flushes it");
+            }
+            Ok(())
+        }
         Piece::Data { offset, data, .. } => {
             if !fresh {
                 let (start, end) = p.cells();
