@@ -18,6 +18,7 @@ use crate::model::*;
 use crate::pool::Located;
 use crate::settings::recorded_settings;
 use crate::state::VolumeLock;
+use marks::{FORMATTING, GROWING};
 
 pub struct Stage {
     pub volume_id: String,
@@ -326,26 +327,26 @@ impl Node {
         }
         if !fresh && !live {
             let image = dev.backing_file.as_path();
-            if fs_type == "ext4" && growing::was_cut(image)? {
+            if fs_type == "ext4" && GROWING.is_set(image)? {
                 // A grow cut short (the driver killed, a power loss) leaves new
                 // groups half described, which the check below refuses to
                 // repair on its own; nothing of the data moved.
                 tracing::warn!(volume.id = %id, "an offline grow of the volume's ext4 was cut short; repairing it");
                 self.heavy(|| self.sys.fs.repair(&dev.device, &fs_type))?
                     .context(|| format!("repairing the cut-short grow of volume {id}"))?;
-                growing::clear(image)?;
+                GROWING.clear(image)?;
             }
             self.heavy(|| self.sys.fs.check(&dev.device, &fs_type))?
                 .context(|| format!("checking the {fs_type} filesystem of volume {id}"))?;
             if fs_type == "ext4" && self.grows_at_stage(&dev.device, &fs_type) {
                 // ext4 is grown before it is mounted: online growth needs a
                 // privilege some nodes withhold, offline growth does not.
-                growing::mark(image)?;
+                GROWING.set(image, &fs_type)?;
                 failpoint::hit("stage.before-grow");
                 self.heavy(|| self.sys.fs.grow(&dev.device, None, &fs_type))?
                     .context(|| format!("growing the ext4 filesystem of volume {id}"))?;
                 failpoint::hit("stage.after-grow");
-                growing::clear(image)?;
+                GROWING.clear(image)?;
             }
         }
         make_dir(staging)?;
@@ -397,6 +398,12 @@ impl Node {
                 None
             }
             Some(fs) => return Ok((fs, true)),
+            // A mkfs cut short: what it left is made again.
+            None if FORMATTING.is_set(&dev.backing_file)? => {
+                tracing::warn!(volume.id = %id, wanted,
+                    "the making of the volume's filesystem was cut short; it is made anew");
+                None
+            }
             None => self
                 .sys
                 .fs
@@ -416,8 +423,13 @@ impl Node {
                         "volume {id} has {size} bytes; {wanted} needs at least {least}"
                     )));
                 }
+                FORMATTING.set(&dev.backing_file, &wanted)?;
+                failpoint::hit("stage.before-mkfs");
                 self.heavy(|| self.sys.fs.mkfs(&dev.device, &wanted))?
                     .context(|| format!("making {wanted} on {}", dev.device.display()))?;
+                // mkfs flushed the device, the image with it: the mark goes
+                // once the filesystem is whole on the disk.
+                FORMATTING.clear(&dev.backing_file)?;
                 Ok((wanted, true))
             }
             Some(have) => {
@@ -553,11 +565,11 @@ fn context_fs(context: &BTreeMap<String, String>) -> Option<&str> {
         .filter(|f| !f.is_empty())
 }
 
-/// The mark an image carries while its ext4 grows offline (`resize2fs` is not
-/// atomic): set, durably, before the grow, and cleared, durably, before the
-/// filesystem is next mounted. A stage that finds it repairs the filesystem
-/// before it checks it.
-mod growing {
+/// Marks an image carries, durably, while a step that is not atomic changes
+/// its filesystem: set before the step and cleared after it, before the
+/// filesystem is next mounted. A stage that finds one knows the step was cut
+/// short (the driver killed, a power loss).
+mod marks {
     use std::path::Path;
 
     use csi_sys::{file, xattr};
@@ -565,23 +577,34 @@ mod growing {
     use crate::error::{Context, Result};
     use crate::settings::attr_name;
 
-    const MARK: &str = "growing";
+    pub(super) struct Mark(&'static str);
 
-    pub(super) fn was_cut(image: &Path) -> Result<bool> {
-        Ok(xattr::get(image, &attr_name(MARK))
-            .context(|| format!("reading the marks of {}", image.display()))?
-            .is_some())
-    }
+    /// While an ext4 grows offline (`resize2fs`): a stage that finds it
+    /// repairs the filesystem before it checks it.
+    pub(super) const GROWING: Mark = Mark("growing");
+    /// While mkfs makes the filesystem of a blank image (a cut mkfs leaves a
+    /// filesystem no check accepts, an xfs with its in-progress bit set): a
+    /// stage that finds it makes the filesystem again, as nothing was ever
+    /// written to it.
+    pub(super) const FORMATTING: Mark = Mark("formatting");
 
-    pub(super) fn mark(image: &Path) -> Result<()> {
-        let at = || format!("marking {} as growing", image.display());
-        xattr::set(image, &attr_name(MARK), b"ext4").context(at)?;
-        file::sync_path(image).context(at)
-    }
+    impl Mark {
+        pub(super) fn is_set(&self, image: &Path) -> Result<bool> {
+            Ok(xattr::get(image, &attr_name(self.0))
+                .context(|| format!("reading the marks of {}", image.display()))?
+                .is_some())
+        }
 
-    pub(super) fn clear(image: &Path) -> Result<()> {
-        let at = || format!("clearing the growing mark of {}", image.display());
-        xattr::remove(image, &attr_name(MARK)).context(at)?;
-        file::sync_path(image).context(at)
+        pub(super) fn set(&self, image: &Path, fs_type: &str) -> Result<()> {
+            let at = || format!("marking {} as {}", image.display(), self.0);
+            xattr::set(image, &attr_name(self.0), fs_type.as_bytes()).context(at)?;
+            file::sync_path(image).context(at)
+        }
+
+        pub(super) fn clear(&self, image: &Path) -> Result<()> {
+            let at = || format!("clearing the {} mark of {}", self.0, image.display());
+            xattr::remove(image, &attr_name(self.0)).context(at)?;
+            file::sync_path(image).context(at)
+        }
     }
 }
