@@ -239,7 +239,12 @@ pub async fn start_agent(cli: &Cli, driver: &Arc<Driver>) -> Result<Option<Agent
         .map_err(|e| Stop::Refused(format!("--agent-listen {addr}: {e}")))?;
     tracing::info!(address = %addr, "serving this node's Controller services to the cluster's controller");
     let (tx, rx) = oneshot::channel::<()>();
-    let incoming = tokio_stream::wrappers::TcpListenerStream::new(listener);
+    // Each answer goes out at once: without TCP_NODELAY the last frames of
+    // an answer wait for the caller's delayed ACK (about 40 ms).
+    let incoming = tokio_stream::StreamExt::map(
+        tokio_stream::wrappers::TcpListenerStream::new(listener),
+        |s| s.and_then(|s| s.set_nodelay(true).map(|()| s)),
+    );
     tokio::spawn(async move {
         let stopping = async move {
             let _ = rx.await;
