@@ -30,6 +30,9 @@ use rustix::io::Errno;
 use crate::error::{Result, SysError};
 use crate::fsrecord::{note, FsOp};
 
+mod pack;
+pub use pack::{pack_tree, unpack_tree, Packed};
+
 /// How deep a walk goes. Each level holds a descriptor or two open; a tree
 /// deeper than this is refused rather than risking the process's descriptors.
 /// Paths are limited to 4096 bytes, so ordinary programs cannot use much deeper
@@ -182,51 +185,77 @@ fn too_deep(at: &Path) -> SysError {
     }
 }
 
-fn timestamps(stat: &Stat) -> Timestamps {
-    Timestamps {
-        last_access: rustix::fs::Timespec {
-            tv_sec: stat.st_atime as _,
-            tv_nsec: stat.st_atime_nsec as _,
-        },
-        last_modification: rustix::fs::Timespec {
-            tv_sec: stat.st_mtime as _,
-            tv_nsec: stat.st_mtime_nsec as _,
-        },
+/// What a walk keeps of an entry besides its data: kind and permission bits,
+/// owner, and times.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Meta {
+    /// `st_mode`: the kind of the entry and its permission bits.
+    mode: u32,
+    uid: u32,
+    gid: u32,
+    atime: (i64, u32),
+    mtime: (i64, u32),
+}
+
+impl Meta {
+    fn of(stat: &Stat) -> Meta {
+        Meta {
+            mode: stat.st_mode as _,
+            uid: stat.st_uid as _,
+            gid: stat.st_gid as _,
+            atime: (stat.st_atime as _, stat.st_atime_nsec as _),
+            mtime: (stat.st_mtime as _, stat.st_mtime_nsec as _),
+        }
     }
-}
 
-fn owner(stat: &Stat) -> (Option<Uid>, Option<Gid>) {
-    (
-        Some(Uid::from_raw(stat.st_uid as _)),
-        Some(Gid::from_raw(stat.st_gid as _)),
-    )
-}
+    fn kind(&self) -> FileType {
+        FileType::from_raw_mode(self.mode as _)
+    }
 
-fn permissions(stat: &Stat) -> Mode {
-    Mode::from_raw_mode(stat.st_mode as _) & Mode::from_bits_truncate(0o7777)
+    fn timestamps(&self) -> Timestamps {
+        let at = |(s, ns): (i64, u32)| rustix::fs::Timespec {
+            tv_sec: s as _,
+            tv_nsec: ns as _,
+        };
+        Timestamps {
+            last_access: at(self.atime),
+            last_modification: at(self.mtime),
+        }
+    }
+
+    fn owner(&self) -> (Option<Uid>, Option<Gid>) {
+        (
+            Some(Uid::from_raw(self.uid as _)),
+            Some(Gid::from_raw(self.gid as _)),
+        )
+    }
+
+    fn permissions(&self) -> Mode {
+        Mode::from_raw_mode(self.mode as _) & Mode::from_bits_truncate(0o7777)
+    }
 }
 
 /// Owner, then mode (chown clears setuid bits), then times of a file or
 /// directory this walk made, through its descriptor.
-fn apply_metadata_fd(fd: BorrowedFd<'_>, stat: &Stat, at: &Path) -> Result<()> {
-    let (uid, gid) = owner(stat);
+fn apply_metadata_fd(fd: BorrowedFd<'_>, meta: &Meta, at: &Path) -> Result<()> {
+    let (uid, gid) = meta.owner();
     rustix::fs::fchown(fd, uid, gid).map_err(|e| SysError::io("chown", at, e.into()))?;
-    rustix::fs::fchmod(fd, permissions(stat)).map_err(|e| SysError::io("chmod", at, e.into()))?;
-    rustix::fs::futimens(fd, &timestamps(stat))
+    rustix::fs::fchmod(fd, meta.permissions()).map_err(|e| SysError::io("chmod", at, e.into()))?;
+    rustix::fs::futimens(fd, &meta.timestamps())
         .map_err(|e| SysError::io("set times of", at, e.into()))
 }
 
 /// Owner, mode (not of a link: links have none) and times of the entry `name`
 /// this walk made in `dir`, without following it.
-fn apply_metadata_at(dir: BorrowedFd<'_>, name: &CStr, stat: &Stat, at: &Path) -> Result<()> {
-    let (uid, gid) = owner(stat);
+fn apply_metadata_at(dir: BorrowedFd<'_>, name: &CStr, meta: &Meta, at: &Path) -> Result<()> {
+    let (uid, gid) = meta.owner();
     rustix::fs::chownat(dir, name, uid, gid, AtFlags::SYMLINK_NOFOLLOW)
         .map_err(|e| SysError::io("chown", at, e.into()))?;
-    if file_type(stat) != FileType::Symlink {
-        rustix::fs::chmodat(dir, name, permissions(stat), AtFlags::empty())
+    if meta.kind() != FileType::Symlink {
+        rustix::fs::chmodat(dir, name, meta.permissions(), AtFlags::empty())
             .map_err(|e| SysError::io("chmod", at, e.into()))?;
     }
-    rustix::fs::utimensat(dir, name, &timestamps(stat), AtFlags::SYMLINK_NOFOLLOW)
+    rustix::fs::utimensat(dir, name, &meta.timestamps(), AtFlags::SYMLINK_NOFOLLOW)
         .map_err(|e| SysError::io("set times of", at, e.into()))
 }
 
@@ -269,7 +298,11 @@ pub fn copy_tree(src_dir: &Path, dst_dir: &Path) -> Result<WalkReport> {
             // A directory gets its metadata once its contents are in place
             // (adding entries changes its mtime).
             let done = stack.pop().expect("the frame just looked at");
-            apply_metadata_fd(done.dst.as_fd(), &done.src_dir.stat, &done.dst_path)?;
+            apply_metadata_fd(
+                done.dst.as_fd(),
+                &Meta::of(&done.src_dir.stat),
+                &done.dst_path,
+            )?;
             continue;
         };
         let src_path = frame.src_path.join(os(&name));
@@ -426,7 +459,7 @@ fn copy_special(
             dst_dir,
             name,
             kind,
-            permissions(&entry.stat),
+            Meta::of(&entry.stat).permissions(),
             entry.stat.st_rdev as _,
         )
         .map_err(|e| SysError::io("mknod", dst_path, e.into()))?;
@@ -435,7 +468,7 @@ fn copy_special(
             path: dst_path.to_path_buf(),
         });
     }
-    apply_metadata_at(dst_dir, name, &entry.stat, dst_path)
+    apply_metadata_at(dst_dir, name, &Meta::of(&entry.stat), dst_path)
 }
 
 /// A new directory `name` in `dir` (mode 0700 until its own mode is copied onto
@@ -471,7 +504,7 @@ fn copy_file_at(
     let dst = File::from(fd);
     // `stat` was taken before the copy read the file (and moved its atime).
     let copied = crate::copy::copy_open_file(src, src_path, &dst, dst_path)
-        .and_then(|()| apply_metadata_fd(dst.as_fd(), stat, dst_path));
+        .and_then(|()| apply_metadata_fd(dst.as_fd(), &Meta::of(stat), dst_path));
     if copied.is_err() {
         drop(dst);
         let _ = rustix::fs::unlinkat(dir, name, AtFlags::empty());
