@@ -993,6 +993,7 @@ fn every_failpoint_is_tested() {
         "transfer.after-checkpoint-data",
         "transfer.after-checkpoint",
         "transfer.before-unmark",
+        "transfer.before-unpack",
         "transfer.inside-a-patched-cell",
     ] {
         assert!(

@@ -8,7 +8,7 @@ use csi_glue::{
 };
 use csi_proto::csi::{self, controller_server::Controller};
 use csi_storage::ids::VolumeId;
-use csi_storage::model::{Backing, VolumeView};
+use csi_storage::model::VolumeView;
 use csi_storage::snapshots::SnapshotPage;
 use csi_storage::volumes::UnpublishReason;
 use csi_storage::Controller as Domain;
@@ -37,11 +37,11 @@ pub(crate) fn snapshot(d: &Domain, s: &csi_storage::model::SnapshotRecord) -> cs
         creation_time: Some(timestamp(s.created)),
         ready_to_use: true,
         group_snapshot_id: s.group.map(|g| g.to_string()).unwrap_or_default(),
-        // A snapshot is in a pool of the node that took it. On a mesh, an
-        // image's data moves to wherever a restore is asked for: no topology
-        // is said, which CSI reads as "every node". A directory's does not
-        // move: only volumes made on its node can be restored from it.
-        accessible_topology: match d.on_mesh() && s.backing == Backing::Image {
+        // A snapshot is in a pool of the node that took it. On a mesh, its
+        // data (an image, or a directory's packed tree) moves to wherever a
+        // restore is asked for: no topology is said, which CSI reads as
+        // "every node". Without a mesh only its own node can restore it.
+        accessible_topology: match d.on_mesh() {
             true => vec![],
             false => vec![topology(d)],
         },

@@ -232,8 +232,9 @@ impl Transfer for TransferService {
             fs_type: h.fs_type.unwrap_or_default(),
             source_volume_id: h.source_volume.to_string(),
             requested: h.requested.unwrap_or(0),
-            kind: "image".into(),
+            kind: if h.tree.is_some() { "dir" } else { "image" }.into(),
             read_token: h.read_token,
+            volume_size: h.tree.unwrap_or(h.size),
         }))
     }
 
@@ -365,6 +366,15 @@ impl Agent for AgentService {
         let hold = r
             .hold
             .ok_or_else(|| Status::invalid_argument("the source's hold is required"))?;
+        let tree = match hold.kind.as_str() {
+            "" | "image" => None,
+            "dir" => Some(hold.volume_size),
+            k => {
+                return Err(Status::invalid_argument(format!(
+                    "a hold of kind {k:?}: this node takes \"image\" and \"dir\""
+                )))
+            }
+        };
         let claim = claim_of(&csi.parameters);
         let create = csi_glue::create_volume(&csi).map_err(status)?;
         let from = ArrivingFrom {
@@ -376,6 +386,7 @@ impl Agent for AgentService {
             source_volume: hold.source_volume_id,
             claim,
             read_token: hold.read_token,
+            tree,
         };
         let c = self.controller.clone();
         let v = blocking(move || c.create_arriving_volume(create, from)).await?;

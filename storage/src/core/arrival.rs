@@ -1,8 +1,8 @@
 //! The mark of a volume whose data is still arriving from another node: an
-//! extended attribute on its image, set before the volume exists and cleared
-//! only once every byte is durable here. The node refuses to stage a marked
-//! image, so no pod ever sees a volume half-arrived; the controller sets and
-//! clears the mark (see `controller::transfer`).
+//! extended attribute on its image (or directory), set before the volume
+//! exists and cleared only once every byte is durable here. The node refuses
+//! to stage a marked volume, so no pod ever sees a volume half-arrived; the
+//! controller sets and clears the mark (see `controller::transfer`).
 
 use std::path::Path;
 
@@ -37,8 +37,8 @@ pub(crate) fn clear(image: &Path) -> Result<()> {
 /// Refuses the use of an image still arriving (ABORTED: a retry succeeds once
 /// it is whole).
 pub(crate) fn refuse_while_arriving(image: &Path, what: &str) -> Result<()> {
-    // No image: nothing arrives there, and the step that reads it says why.
-    if !csi_sys::dir::is_file(image) {
+    // No volume: nothing arrives there, and the step that reads it says why.
+    if !csi_sys::dir::is_file(image) && !csi_sys::dir::is_dir(image) {
         return Ok(());
     }
     match arriving_from(image)? {

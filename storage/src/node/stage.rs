@@ -165,6 +165,8 @@ impl Node {
         };
         let opts = MountOptions { read_only, flags };
         if loc.backing != Backing::Image {
+            // A directory whose data is still arriving is never served half-made.
+            crate::core::arrival::refuse_while_arriving(&loc.path, "NodeStageVolume")?;
             self.bind_dir_at_staging(id, loc, staging, &opts)?;
             return self.finish_stage(rec, staging, &group);
         }

@@ -195,6 +195,7 @@ impl Pair {
                     source_volume: vol.into(),
                     claim: Some(("ns".into(), "claim".into())),
                     read_token: hold.read_token,
+                    tree: hold.tree,
                 },
             )
             .unwrap()

@@ -37,6 +37,13 @@ use crate::Controller;
 /// runs the mesh.
 pub type Sources = Arc<dyn Fn(&str, &str, &str) -> Box<dyn Source> + Send + Sync>;
 
+/// The hidden folder of a pool where directories' packed trees arrive.
+const ARRIVING: &str = ".arriving";
+
+fn packed_path(pool: &crate::pool::Pool, id: VolumeId) -> PathBuf {
+    pool.root.join(ARRIVING).join(format!("{id}.tree"))
+}
+
 /// Bytes written between two checkpoints, at most.
 const CHECKPOINT_BYTES: u64 = 64 << 20;
 /// Time between two checkpoints, at most.
@@ -61,6 +68,9 @@ pub struct ArrivingFrom {
     /// What the source asks of whoever reads its hold: given to this node
     /// alone, through the controller.
     pub read_token: String,
+    /// Of a directory: the source's size. Its tree arrives packed, `size`
+    /// bytes, and is unpacked into the volume once all of it is here.
+    pub tree: Option<u64>,
 }
 
 /// An arrival as its record keeps it.
@@ -83,6 +93,9 @@ pub(super) struct ArrivalRecord {
     /// Empty in records made before holds had tokens.
     #[serde(default)]
     read_token: String,
+    /// The data is a packed tree, unpacked into the volume at the end.
+    #[serde(default)]
+    tree: bool,
 }
 
 /// A transfer as `ListTransfers` shows it.
@@ -248,6 +261,9 @@ impl Controller {
     fn remove_arrival(&self, id: VolumeId) -> Result<()> {
         let at = || format!("removing the arrival record of volume {id}");
         file::remove_file_if_exists(&self.ledger_path(id)).context(at)?;
+        for p in self.pools.values() {
+            file::remove_file_if_exists(&packed_path(p, id)).context(at)?;
+        }
         file::remove_file_if_exists(&self.record_path(id)).context(at)?;
         Ok(())
     }
@@ -288,10 +304,18 @@ impl Controller {
         from: ArrivingFrom,
     ) -> Result<VolumeRecord> {
         let mut plan = self.plan_volume(&req)?;
-        if plan.backing != Backing::Image {
-            return Err(Error::invalid(
-                "only image volumes move between nodes: use kind=image",
-            ));
+        match (from.tree.is_some(), plan.backing == Backing::Image) {
+            (true, true) => {
+                return Err(Error::invalid(
+                    "the content source is a directory: its copy is one too (kind=dir)",
+                ))
+            }
+            (false, false) => {
+                return Err(Error::invalid(
+                    "the content source is an image: its copy is one too (kind=image)",
+                ))
+            }
+            _ => {}
         }
         if let (Some(want), Some(have)) = (&plan.fs_type, &from.fs_type) {
             if want != have && plan.fs_named {
@@ -309,12 +333,23 @@ impl Controller {
             }
             self.roll_back_volume(&existing)?;
         }
-        let size = self.size_in_pool(req.capacity, &plan, from.size)?;
+        let size = self.size_in_pool(req.capacity, &plan, from.tree.unwrap_or(from.size))?;
+        if from.tree.is_some() {
+            // The packed tree waits in the pool until it is unpacked.
+            let (available, _) = self.templates.space_for(&plan.pool, from.size)?;
+            if from.size > available {
+                return Err(Error::ResourceExhausted(format!(
+                    "pool {} has {available} bytes free; the directory's {} bytes of data \
+                     need to arrive there first",
+                    plan.pool.name, from.size
+                )));
+            }
+        }
         let record = VolumeRecord {
             id,
             name: req.name.clone(),
             pool: plan.pool.name.clone(),
-            backing: Backing::Image,
+            backing: plan.backing,
             size,
             fs_type: plan.fs_type.clone(),
             capabilities: req.capabilities.clone(),
@@ -359,6 +394,9 @@ impl Controller {
         pool: &crate::pool::Pool,
         from: &ArrivingFrom,
     ) -> Result<ArrivalRecord> {
+        if from.tree.is_some() {
+            return self.make_arriving_tree(rec, pool, from);
+        }
         let path = pool.volume_path(rec.id, Backing::Image, false);
         let at = || format!("making volume {} at {}", rec.id, path.display());
         let replica = self.replica_of(pool, &from.node, &from.source_volume);
@@ -375,6 +413,35 @@ impl Controller {
             csi_sys::xattr::set(&path, &name, &value).context(at)?;
         }
         arrival::mark(&path, &from.node)?;
+        self.record_new_arrival(rec, from, base)
+    }
+
+    /// A directory volume, empty and marked, and the file its packed tree
+    /// arrives in, in the pool's hidden folder `.arriving/`.
+    fn make_arriving_tree(
+        &self,
+        rec: &VolumeRecord,
+        pool: &crate::pool::Pool,
+        from: &ArrivingFrom,
+    ) -> Result<ArrivalRecord> {
+        let path = pool.volume_path(rec.id, rec.backing, false);
+        let at = || format!("making volume {} at {}", rec.id, path.display());
+        self.make_volume_data(pool, rec, None)?;
+        arrival::mark(&path, &from.node)?;
+        let packed = packed_path(pool, rec.id);
+        file::mkdir_p_mode(&pool.root.join(ARRIVING), 0o700).context(at)?;
+        file::remove_file_if_exists(&packed).context(at)?;
+        file::create_sparse(&packed, from.size).context(at)?;
+        self.record_new_arrival(rec, from, None)
+    }
+
+    fn record_new_arrival(
+        &self,
+        rec: &VolumeRecord,
+        from: &ArrivingFrom,
+        base: Option<String>,
+    ) -> Result<ArrivalRecord> {
+        let at = || format!("recording the arrival of volume {}", rec.id);
         file::mkdir_p_mode(&self.transfers_dir(), 0o700).context(at)?;
         let arrival = ArrivalRecord {
             volume: rec.id,
@@ -389,6 +456,7 @@ impl Controller {
             resumed: 0,
             claim: from.claim.clone(),
             read_token: from.read_token.clone(),
+            tree: from.tree.is_some(),
         };
         AppendFile::create(&self.ledger_path(rec.id)).context(at)?;
         self.write_arrival(&arrival)?;
@@ -496,9 +564,12 @@ impl Controller {
             .volumes
             .get(rec.volume)
             .ok_or_else(|| Error::not_found(format!("volume {} is gone", rec.volume)))?;
-        let image = self
-            .pool(&vol.pool)?
-            .volume_path(vol.id, Backing::Image, false);
+        let pool = self.pool(&vol.pool)?;
+        // A directory's packed tree arrives beside it.
+        let image = match rec.tree {
+            true => packed_path(pool, vol.id),
+            false => pool.volume_path(vol.id, Backing::Image, false),
+        };
         let at = || format!("writing the arriving volume {}", vol.id);
         let writer = ImageWriter::open(&image).context(at)?;
         let ledger = LedgerFile::open(&self.ledger_path(rec.volume), rec.entries)?;
@@ -644,6 +715,9 @@ impl Controller {
                 rec.transfer_id, ours.1, trailer.pieces, rec.source_node
             )));
         }
+        if rec.tree {
+            return self.finish_tree(image, rec, trailer, source);
+        }
         crate::failpoint::hit("transfer.before-unmark");
         arrival::clear(image)?;
         let vol = self.volumes.get(rec.volume);
@@ -659,6 +733,50 @@ impl Controller {
             pieces = trailer.pieces, bytes = trailer.data_bytes,
             incremental = trailer.incremental, resumed = rec.resumed,
             "all of the volume's data arrived and is durable");
+        Ok(())
+    }
+
+    /// The end of a directory's transfer, its packed tree whole and durable:
+    /// unpacked into the volume (emptied first: a crash may have cut an
+    /// earlier unpack short), then the mark cleared. A volume no longer
+    /// marked was unpacked already, and may be in use: it is left alone.
+    fn finish_tree(
+        &self,
+        packed: &Path,
+        rec: &mut ArrivalRecord,
+        trailer: &Trailer,
+        source: &mut dyn Source,
+    ) -> Result<()> {
+        let vol = self
+            .volumes
+            .get(rec.volume)
+            .ok_or_else(|| Error::not_found(format!("volume {} is gone", rec.volume)))?;
+        let path = self
+            .pool(&vol.pool)?
+            .volume_path(vol.id, vol.backing, false);
+        let at = || format!("unpacking the arrived directory of volume {}", vol.id);
+        if arrival::arriving_from(&path)?.is_some() {
+            for e in dir::list(&path).context(at)? {
+                file::remove_tree(&path.join(&e.name)).context(at)?;
+            }
+            crate::failpoint::hit("transfer.before-unpack");
+            // Its data fits what the source sent, which fits the stream.
+            let report = self
+                .heavy(|| csi_sys::tree::unpack_tree(packed, &path, rec.size))?
+                .context(at)?;
+            tracing::debug!(volume.id = %vol.id, entries = report.entries, "directory unpacked");
+            crate::failpoint::hit("transfer.before-unmark");
+            arrival::clear(&path)?;
+        }
+        self.remove_arrival(rec.volume)?;
+        // A packed tree is no base for the next transfer: it goes.
+        if let Err(e) = source.release(false) {
+            tracing::info!(transfer = %rec.transfer_id, error = %e,
+                "the source's hold could not be released; it expires there");
+        }
+        tracing::info!(volume.id = %rec.volume, transfer = %rec.transfer_id,
+            pieces = trailer.pieces, bytes = trailer.data_bytes, resumed = rec.resumed,
+            "all of the directory's data arrived and is durable");
         Ok(())
     }
 
@@ -701,6 +819,18 @@ impl Controller {
             if !self.volumes.contains(id) {
                 if let Err(e) = self.remove_arrival(id) {
                     tracing::warn!(error = %e, "cannot remove an arrival left by a crash");
+                }
+            }
+        }
+        for p in self.pools.values() {
+            let folder = p.root.join(ARRIVING);
+            for e in dir::list_if_exists(&folder).unwrap_or_default() {
+                let id = e.name.strip_suffix(".tree").and_then(VolumeId::parse);
+                if id.is_some_and(|id| self.read_arrival(id).is_some()) {
+                    continue;
+                }
+                if let Err(e) = file::remove_file_if_exists(&folder.join(&e.name)) {
+                    tracing::warn!(error = %e, "cannot remove a packed tree left by a crash");
                 }
             }
         }

@@ -57,6 +57,11 @@ pub struct HoldInfo {
     /// before holds had tokens.
     #[serde(default)]
     pub read_token: String,
+    /// Of a directory volume or snapshot: the source's size. The hold is
+    /// then its tree packed into one stream (`csi_sys::tree::pack_tree`),
+    /// `size` bytes long; None for an image.
+    #[serde(default)]
+    pub tree: Option<u64>,
 }
 
 impl HoldInfo {
@@ -93,6 +98,19 @@ fn image_path(pool: &Pool, transfer_id: &str) -> PathBuf {
 
 fn info_path(pool: &Pool, transfer_id: &str) -> PathBuf {
     holds_dir(pool).join(format!("{}.json", key(transfer_id)))
+}
+
+/// Packs the tree `src` into the new file `out`, the number of its entries
+/// that changed meanwhile logged.
+fn pack(src: &Path, out: &Path) -> csi_sys::Result<csi_sys::tree::Packed> {
+    let packed = csi_sys::tree::pack_tree(src, out)?;
+    let r = packed.report;
+    if r.vanished + r.mounts_skipped + r.sockets_skipped > 0 {
+        tracing::info!(src = %src.display(), entries = r.entries, vanished = r.vanished,
+            mounts_skipped = r.mounts_skipped, sockets_skipped = r.sockets_skipped,
+            "a directory packed for another node changed while it was packed");
+    }
+    Ok(packed)
 }
 
 fn check_id(transfer_id: &str) -> Result<()> {
@@ -163,6 +181,13 @@ impl Controller {
         file::remove_file_if_exists(&tmp).context(at)?;
         let copy = || file::copy_file_unsynced(&src_path, &tmp).map(|_| ());
         let made = match volume {
+            // A directory travels as its tree packed: a live one as each entry
+            // is when the walk reaches it, as a local clone copies it.
+            _ if info.tree.is_some() => self.heavy(|| pack(&src_path, &tmp)).and_then(|r| {
+                let packed = r.context(at)?;
+                info.size = packed.bytes;
+                Ok(())
+            }),
             // A volume in use is frozen while it is copied, as for a snapshot.
             Some(v) => self
                 .heavy(|| self.with_frozen(&[(v, src_path.clone())], || copy().context(at)))
@@ -194,12 +219,7 @@ impl Controller {
         transfer_id: &str,
         target_node: &str,
     ) -> Result<(PathBuf, HoldInfo, Option<VolumeId>)> {
-        let not_image = || {
-            Error::precondition(
-                "only image volumes move between nodes; this is a directory volume".to_string(),
-            )
-        };
-        let info = |pool: &str, size, fs_type, source_volume, requested| HoldInfo {
+        let info = |pool: &str, size, fs_type, source_volume, requested, backing| HoldInfo {
             transfer_id: transfer_id.to_string(),
             target_node: target_node.to_string(),
             pool: pool.to_string(),
@@ -210,6 +230,8 @@ impl Controller {
             created: Timestamp::now(),
             base: false,
             read_token: new_token(),
+            // Its length is known once it is packed.
+            tree: (backing != Backing::Image).then_some(size),
         };
         match source {
             HoldSource::Snapshot(s) => {
@@ -218,9 +240,6 @@ impl Controller {
                     .get(s)
                     .filter(|r| r.state == RecordState::Ready)
                     .ok_or_else(|| Error::not_found(format!("snapshot {s} does not exist")))?;
-                if rec.backing != Backing::Image {
-                    return Err(not_image());
-                }
                 let path = self.pool(&rec.pool)?.snapshot_path(s, rec.backing);
                 let i = info(
                     &rec.pool,
@@ -228,6 +247,7 @@ impl Controller {
                     rec.fs_type.clone(),
                     rec.source_volume,
                     rec.requested,
+                    rec.backing,
                 );
                 Ok((path, i, None))
             }
@@ -237,15 +257,19 @@ impl Controller {
                     .get(v)
                     .filter(|r| r.state == RecordState::Ready)
                     .ok_or_else(|| Error::not_found(format!("volume {v} does not exist")))?;
-                if rec.backing != Backing::Image {
-                    return Err(not_image());
-                }
                 crate::core::arrival::refuse_while_arriving(
                     &self.pool(&rec.pool)?.volume_path(v, rec.backing, false),
                     "a copy of this volume",
                 )?;
                 let path = self.pool(&rec.pool)?.volume_path(v, rec.backing, false);
-                let i = info(&rec.pool, rec.size, rec.fs_type.clone(), v, rec.requested);
+                let i = info(
+                    &rec.pool,
+                    rec.size,
+                    rec.fs_type.clone(),
+                    v,
+                    rec.requested,
+                    rec.backing,
+                );
                 Ok((path, i, Some(v)))
             }
         }
@@ -275,7 +299,9 @@ impl Controller {
                 info.target_node
             )));
         }
-        if !from.is_multiple_of(CELL) || from > info.size {
+        // A transfer whose data all arrived reads on from its end (the end
+        // of a packed tree is anywhere).
+        if (!from.is_multiple_of(CELL) && from != info.size) || from > info.size {
             return Err(Error::invalid(format!(
                 "a transfer resumes at a multiple of {CELL} within its {} bytes, not at {from}",
                 info.size
@@ -285,7 +311,11 @@ impl Controller {
             .filter(|b| !b.is_empty() && *b != transfer_id)
             .and_then(|b| self.find_hold(b))
             .filter(|(b, _)| {
-                b.base && b.source_volume == info.source_volume && b.target_node == info.target_node
+                b.base
+                    && b.source_volume == info.source_volume
+                    && b.target_node == info.target_node
+                    && b.tree.is_none()
+                    && info.tree.is_none()
             })
             .map(|(b, p)| image_path(p, &b.transfer_id));
         let img = image_path(pool, transfer_id);

@@ -64,7 +64,7 @@ impl Controller {
 
     /// Makes the data of a new volume: an empty sparse image or directory, or a copy
     /// (reflink where the pool can) of a source.
-    pub(super) fn make_volume_data(
+    pub(crate) fn make_volume_data(
         &self,
         pool: &Pool,
         rec: &VolumeRecord,
