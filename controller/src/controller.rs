@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use csi_glue::{
-    bytes, call, capabilities, capacity, create_volume, optional_capability, timestamp, topology,
+    bytes, call, capabilities, capacity, create_volume, optional_capability, snapshot_of, topology,
     volume, volume_health,
 };
 use csi_proto::csi::{self, controller_server::Controller};
@@ -27,25 +27,6 @@ impl ControllerService {
 /// The nodes a volume is published to, as CSI carries them.
 fn published_on(v: &VolumeView) -> Vec<String> {
     v.published.0.iter().map(|n| n.to_string()).collect()
-}
-
-pub(crate) fn snapshot(d: &Domain, s: &csi_storage::model::SnapshotRecord) -> csi::Snapshot {
-    csi::Snapshot {
-        size_bytes: bytes(s.restore_size()),
-        snapshot_id: s.id.to_string(),
-        source_volume_id: s.source_volume.to_string(),
-        creation_time: Some(timestamp(s.created)),
-        ready_to_use: true,
-        group_snapshot_id: s.group.map(|g| g.to_string()).unwrap_or_default(),
-        // A snapshot is in a pool of the node that took it. On a mesh, its
-        // data (an image, or a directory's packed tree) moves to wherever a
-        // restore is asked for: no topology is said, which CSI reads as
-        // "every node". Without a mesh only its own node can restore it.
-        accessible_topology: match d.on_mesh() {
-            true => vec![],
-            false => vec![topology(d)],
-        },
-    }
 }
 
 /// The reason of an unpublish; a value newer than this driver is not said.
@@ -257,7 +238,7 @@ impl Controller for ControllerService {
                 .flat_map(|a| a.requisite.iter().map(|t| t.segments.clone()))
                 .collect();
             d.create_snapshot_within(&rr.name, &rr.source_volume_id, &rr.parameters, &requisite)
-                .map(|s| snapshot(&d, &s))
+                .map(|s| snapshot_of(&d, &s))
         })
         .await?;
         Ok(Response::new(csi::CreateSnapshotResponse {
@@ -297,7 +278,7 @@ impl Controller for ControllerService {
                 entries: snapshots
                     .iter()
                     .map(|s| csi::list_snapshots_response::Entry {
-                        snapshot: Some(snapshot(&d, s)),
+                        snapshot: Some(snapshot_of(&d, s)),
                     })
                     .collect(),
                 next_token: next_token.unwrap_or_default(),
@@ -380,7 +361,7 @@ impl Controller for ControllerService {
         let d = self.controller.clone();
         let id = r.snapshot_id.clone();
         let s = call("GetSnapshot", "", &r, move || {
-            d.get_snapshot(&id).map(|s| snapshot(&d, &s))
+            d.get_snapshot(&id).map(|s| snapshot_of(&d, &s))
         })
         .await?;
         Ok(Response::new(csi::GetSnapshotResponse {

@@ -2,15 +2,12 @@
 
 use std::sync::Arc;
 
-use csi_glue::{call, timestamp};
+use csi_glue::{call, group_snapshot_of};
 use csi_proto::csi::{
     self, group_controller_server::GroupController, group_controller_service_capability,
 };
-use csi_storage::snapshots::GroupSnapshot;
 use csi_storage::Controller as Domain;
 use tonic::{Request, Response, Status};
-
-use crate::controller::snapshot;
 
 pub struct GroupControllerService {
     controller: Arc<Domain>,
@@ -19,15 +16,6 @@ pub struct GroupControllerService {
 impl GroupControllerService {
     pub fn new(controller: Arc<Domain>) -> Self {
         GroupControllerService { controller }
-    }
-}
-
-fn group(d: &Domain, g: &GroupSnapshot) -> csi::VolumeGroupSnapshot {
-    csi::VolumeGroupSnapshot {
-        group_snapshot_id: g.group.id.to_string(),
-        snapshots: g.members.iter().map(|s| snapshot(d, s)).collect(),
-        creation_time: Some(timestamp(g.group.created)),
-        ready_to_use: true,
     }
 }
 
@@ -62,7 +50,7 @@ impl GroupController for GroupControllerService {
         let rr = r.clone();
         let g = call("CreateVolumeGroupSnapshot", "", &r, move || {
             d.create_group_snapshot(&rr.name, &rr.source_volume_ids, &rr.parameters)
-                .map(|g| group(&d, &g))
+                .map(|g| group_snapshot_of(&d, &g))
         })
         .await?;
         Ok(Response::new(csi::CreateVolumeGroupSnapshotResponse {
@@ -93,7 +81,7 @@ impl GroupController for GroupControllerService {
         let rr = r.clone();
         let g = call("GetVolumeGroupSnapshot", "", &r, move || {
             d.get_group_snapshot(&rr.group_snapshot_id, &rr.snapshot_ids)
-                .map(|g| group(&d, &g))
+                .map(|g| group_snapshot_of(&d, &g))
         })
         .await?;
         Ok(Response::new(csi::GetVolumeGroupSnapshotResponse {

@@ -16,8 +16,9 @@ use std::collections::BTreeMap;
 use csi_proto::csi::volume_content_source;
 use csi_storage::ids::{SnapshotId, VolumeId};
 use csi_storage::model::{
-    Access, AccessMode, Capability, CapacityRange, ContentSource, VolumeView,
+    Access, AccessMode, Capability, CapacityRange, ContentSource, SnapshotRecord, VolumeView,
 };
+use csi_storage::snapshots::GroupSnapshot;
 use csi_storage::volumes::CreateVolume;
 use csi_storage::{cancel, health, Core, Driver, Error};
 use tonic::Status;
@@ -376,6 +377,39 @@ pub fn controller_capabilities(
             r#type: Some(Type::Rpc(Rpc { r#type: t as i32 })),
         })
         .collect()
+}
+
+/// A snapshot of this node as CSI carries it.
+pub fn snapshot_of(d: &csi_storage::Controller, s: &SnapshotRecord) -> csi::Snapshot {
+    csi::Snapshot {
+        size_bytes: bytes(s.restore_size()),
+        snapshot_id: s.id.to_string(),
+        source_volume_id: s.source_volume.to_string(),
+        creation_time: Some(timestamp(s.created)),
+        ready_to_use: true,
+        group_snapshot_id: s.group.map(|g| g.to_string()).unwrap_or_default(),
+        // A snapshot is in a pool of the node that took it. On a mesh, its
+        // data (an image, or a directory's packed tree) moves to wherever a
+        // restore is asked for: no topology is said, which CSI reads as
+        // "every node". Without a mesh only its own node can restore it.
+        accessible_topology: match d.on_mesh() {
+            true => vec![],
+            false => vec![topology(d)],
+        },
+    }
+}
+
+/// A group snapshot of this node as CSI carries it.
+pub fn group_snapshot_of(
+    d: &csi_storage::Controller,
+    g: &GroupSnapshot,
+) -> csi::VolumeGroupSnapshot {
+    csi::VolumeGroupSnapshot {
+        group_snapshot_id: g.group.id.to_string(),
+        snapshots: g.members.iter().map(|s| snapshot_of(d, s)).collect(),
+        creation_time: Some(timestamp(g.group.created)),
+        ready_to_use: true,
+    }
 }
 
 pub fn topology(core: &Core) -> csi::Topology {
