@@ -186,35 +186,86 @@ async fn root_the_router_serves_every_controller_call_for_both_nodes() {
         .into_inner();
     assert_eq!(got.volume.unwrap().capacity_bytes, 128 * MIB);
 
-    // A group snapshot takes volumes of one node; across nodes it is refused.
-    let group = r
-        .group
-        .create_volume_group_snapshot(csi::CreateVolumeGroupSnapshotRequest {
-            name: "group-a".into(),
-            source_volume_ids: vec![va.volume_id.clone(), clone.volume_id.clone()],
-            ..Default::default()
-        })
+    // A group snapshot of one node's volumes is that node's; one across
+    // nodes is taken in parts, its handle bare and its members on each node.
+    let group = create_group(&mut r, "group-a", &[&va.volume_id, &clone.volume_id])
         .await
-        .unwrap()
-        .into_inner()
-        .group_snapshot
         .unwrap();
     assert_eq!(node_of(&group.group_snapshot_id), NODE_A);
     assert!(group
         .snapshots
         .iter()
         .all(|s| node_of(&s.snapshot_id) == NODE_A));
-    let across = r
+    let across = create_group(&mut r, "group-ab", &[&va.volume_id, &vb.volume_id])
+        .await
+        .unwrap();
+    assert!(!across.group_snapshot_id.contains('@'), "{across:?}");
+    let members: Vec<(String, String)> = across
+        .snapshots
+        .iter()
+        .map(|s| (node_of(&s.snapshot_id), node_of(&s.source_volume_id)))
+        .collect();
+    assert_eq!(
+        members,
+        vec![
+            (NODE_A.into(), NODE_A.into()),
+            (NODE_B.into(), NODE_B.into())
+        ]
+    );
+    assert!(across
+        .snapshots
+        .iter()
+        .all(|s| s.group_snapshot_id == across.group_snapshot_id && s.ready_to_use));
+    // The same name again: the same group, not taken again.
+    let again = create_group(&mut r, "group-ab", &[&va.volume_id, &vb.volume_id])
+        .await
+        .unwrap();
+    assert_eq!(again, across);
+    // Found by its members, and by its handle alone (every node asked).
+    let across_ids: Vec<String> = across
+        .snapshots
+        .iter()
+        .map(|s| s.snapshot_id.clone())
+        .collect();
+    for ids in [across_ids.clone(), vec![]] {
+        let got = r
+            .group
+            .get_volume_group_snapshot(csi::GetVolumeGroupSnapshotRequest {
+                group_snapshot_id: across.group_snapshot_id.clone(),
+                snapshot_ids: ids,
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_inner()
+            .group_snapshot
+            .unwrap();
+        assert_eq!(got, across);
+    }
+    // Of other volumes under the same name: refused.
+    let other = r
         .group
         .create_volume_group_snapshot(csi::CreateVolumeGroupSnapshotRequest {
             name: "group-ab".into(),
-            source_volume_ids: vec![va.volume_id.clone(), vb.volume_id.clone()],
+            source_volume_ids: vec![clone.volume_id.clone(), vb.volume_id.clone()],
             ..Default::default()
         })
         .await
         .unwrap_err();
-    assert_eq!(across.code(), tonic::Code::InvalidArgument);
-    assert!(across.message().contains(NODE_B), "{}", across.message());
+    assert_eq!(other.code(), tonic::Code::AlreadyExists, "{other:?}");
+    delete_group(&mut r, &across.group_snapshot_id)
+        .await
+        .unwrap();
+    let gone = r
+        .group
+        .get_volume_group_snapshot(csi::GetVolumeGroupSnapshotRequest {
+            group_snapshot_id: across.group_snapshot_id.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(gone.code(), tonic::Code::NotFound, "{gone:?}");
+    assert_eq!(all_snapshots(&cb.controller, 0).await.len(), 1);
     let fetched = r
         .group
         .get_volume_group_snapshot(csi::GetVolumeGroupSnapshotRequest {
@@ -293,6 +344,219 @@ async fn root_the_router_serves_every_controller_call_for_both_nodes() {
     assert!(all_snapshots(&r.controller, 0).await.is_empty());
     assert!(all_volumes(&cb.controller, 0).await.is_empty());
     drop(cl);
+}
+
+/// Writes `n` into `path` and makes it durable.
+fn put_count(path: &std::path::Path, n: u64) {
+    use std::io::Write;
+    let mut f = std::fs::File::create(path).unwrap();
+    f.write_all(n.to_string().as_bytes()).unwrap();
+    f.sync_all().unwrap();
+}
+
+/// The count in the file `seq` of a volume made from `snapshot` on `node`.
+async fn count_restored(
+    cl: &Cluster,
+    r: &mut Clients,
+    name: &str,
+    node: &str,
+    snapshot: &str,
+) -> u64 {
+    let mut req = create_on(name, node);
+    req.volume_content_source = Some(snapshot_source(snapshot));
+    let v = must_create(&mut r.controller, req).await;
+    assert_eq!(node_of(&v.volume_id), node);
+    let on = if node == NODE_A { &cl.a } else { &cl.b };
+    let mut c = on.driver.clients().await;
+    let staging = on.pool.scratch(&format!("staging-{name}"));
+    let target = on.pool.scratch(&format!("pod-{name}")).join("v");
+    let cap = mount_cap("ext4", writer());
+    c.stage_and_publish(&v.volume_id, &staging, &target, &cap)
+        .await;
+    let n = std::fs::read_to_string(target.join("seq"))
+        .unwrap()
+        .parse()
+        .unwrap();
+    c.unpublish_and_unstage(&v.volume_id, &target, &staging)
+        .await;
+    r.controller
+        .delete_volume(delete_req(&v.volume_id))
+        .await
+        .unwrap();
+    n
+}
+
+#[tokio::test]
+#[ignore = "needs root: loop devices and mounts"]
+async fn root_a_group_snapshot_across_nodes_is_of_one_instant() {
+    // Node B waits 2 s before it freezes its part: node A's part, frozen
+    // first, must not be copied (and thawed) before B's is frozen too.
+    let cl = cluster_with(
+        &[],
+        &[(
+            "EXAMPLE_CSI_FAILPOINTS",
+            "freeze.after-volume-lock=1*sleep(2000)",
+        )],
+    );
+    let mut r = cl.router.clients().await;
+    let va = must_create(&mut r.controller, create_on("pvc-a", NODE_A)).await;
+    let vb = must_create(&mut r.controller, create_on("pvc-b", NODE_B)).await;
+    let cap = mount_cap("ext4", writer());
+    let mut ca = cl.a.driver.clients().await;
+    let mut cb = cl.b.driver.clients().await;
+    let (sa, ta) = (
+        cl.a.pool.scratch("staging"),
+        cl.a.pool.scratch("pod").join("v"),
+    );
+    let (sb, tb) = (
+        cl.b.pool.scratch("staging"),
+        cl.b.pool.scratch("pod").join("v"),
+    );
+    ca.stage_and_publish(&va.volume_id, &sa, &ta, &cap).await;
+    cb.stage_and_publish(&vb.volume_id, &sb, &tb, &cap).await;
+
+    // A workload counts on both volumes, A first: whenever B holds n, A
+    // durably held n before. A snapshot where B is ahead of A is of two
+    // instants.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let counting = {
+        let stop = stop.clone();
+        let (fa, fb) = (ta.join("seq"), tb.join("seq"));
+        std::thread::spawn(move || {
+            let mut n = 0;
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                n += 1;
+                put_count(&fa, n);
+                put_count(&fb, n);
+            }
+            n
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let started = Instant::now();
+    let g = create_group(&mut r, "group-ab", &[&va.volume_id, &vb.volume_id])
+        .await
+        .unwrap();
+    let took = started.elapsed();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    let written = counting.join().unwrap();
+    assert!(took >= Duration::from_millis(1900), "{took:?}");
+    let member = |node: &str| {
+        g.snapshots
+            .iter()
+            .find(|s| node_of(&s.snapshot_id) == node)
+            .unwrap()
+            .snapshot_id
+            .clone()
+    };
+    let on_a = count_restored(&cl, &mut r, "ra", NODE_A, &member(NODE_A)).await;
+    let on_b = count_restored(&cl, &mut r, "rb", NODE_B, &member(NODE_B)).await;
+    eprintln!("counts: A {on_a}, B {on_b}, written {written}");
+    assert!(on_b >= 1, "the workload wrote before the group: {on_b}");
+    assert!(
+        on_a >= on_b,
+        "B's part ({on_b}) is ahead of A's ({on_a}): not one instant"
+    );
+    // Both were frozen at once: at most the one count A held while B froze.
+    assert!(on_a <= on_b + 1, "A {on_a}, B {on_b}");
+    assert!(written > on_a, "the workload went on after the thaw");
+    ca.unpublish_and_unstage(&va.volume_id, &ta, &sa).await;
+    cb.unpublish_and_unstage(&vb.volume_id, &tb, &sb).await;
+}
+
+/// Neither node holds a snapshot.
+async fn nothing_left(cl: &Cluster, what: &str) {
+    let a = cl.a.driver.clients().await;
+    let b = cl.b.driver.clients().await;
+    assert!(
+        all_snapshots(&a.controller, 0).await.is_empty(),
+        "{what}: on A"
+    );
+    assert!(
+        all_snapshots(&b.controller, 0).await.is_empty(),
+        "{what}: on B"
+    );
+}
+
+#[tokio::test]
+#[ignore = "needs root: loop devices and mounts"]
+async fn root_a_group_across_nodes_is_undone_whole_when_a_node_fails_and_a_retry_makes_it() {
+    let mut cl = cluster(&[]);
+    let mut r = cl.router.clients().await;
+    let va = must_create(&mut r.controller, create_on("pvc-a", NODE_A)).await;
+    let vb = must_create(&mut r.controller, create_on("pvc-b", NODE_B)).await;
+    let pair = [va.volume_id.as_str(), vb.volume_id.as_str()];
+    // B dies before its freeze (A's part is frozen and waits), then after
+    // the go, in the middle of its copies (A's part is made): either way the
+    // whole group fails, naming B, and A keeps nothing.
+    for point in [
+        "create-group-snapshot.after-intent",
+        "create-group-snapshot.after-member",
+    ] {
+        cl.b.driver.envs = vec![("EXAMPLE_CSI_FAILPOINTS".into(), point.into())];
+        cl.b.driver.restart();
+        let mut r = cl.router.clients().await;
+        let e = create_group(&mut r, "group-ab", &pair).await.unwrap_err();
+        assert_eq!(e.code(), tonic::Code::Unavailable, "{point}: {e:?}");
+        assert!(e.message().contains(NODE_B), "{point}: {}", e.message());
+        assert!(cl.b.driver.wait_exit(30).is_some(), "{point}");
+        cl.b.driver.envs.clear();
+        cl.b.driver.spawn();
+        nothing_left(&cl, point).await;
+    }
+    // B down: refused at once, naming it; nothing made on A.
+    cl.b.driver.kill9();
+    let e = create_group(&mut r, "group-ab", &pair).await.unwrap_err();
+    assert_eq!(e.code(), tonic::Code::Unavailable, "{e:?}");
+    assert!(e.message().contains(NODE_B), "{}", e.message());
+    cl.b.driver.spawn();
+    nothing_left(&cl, "B down").await;
+
+    // A part left by a call that died before it answered (here: B's part
+    // made alone, directly on B) is of another instant: the router's call
+    // takes the group again, whole.
+    let mut cb = cl.b.driver.clients().await;
+    let stale = create_group(
+        &mut cb,
+        "group-ab",
+        &[&csi_glue::handle::parse(&vb.volume_id).id],
+    )
+    .await
+    .unwrap();
+    let g = create_group(&mut r, "group-ab", &pair).await.unwrap();
+    assert_eq!(g.snapshots.len(), 2);
+    let on_b = all_snapshots(&cb.controller, 0).await;
+    assert_eq!(on_b.len(), 1);
+    let at = |s: &csi::Snapshot| {
+        let t = s.creation_time.unwrap();
+        (t.seconds, t.nanos)
+    };
+    let b_member = &on_b[0];
+    assert!(
+        at(b_member) > at(&stale.snapshots[0]),
+        "B's part was taken again: {b_member:?} after {stale:?}"
+    );
+    r.group
+        .delete_volume_group_snapshot(csi::DeleteVolumeGroupSnapshotRequest {
+            group_snapshot_id: g.group_snapshot_id.clone(),
+            snapshot_ids: g.snapshots.iter().map(|s| s.snapshot_id.clone()).collect(),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    nothing_left(&cl, "deleted").await;
+    // B down: a delete of a group with parts there is retryable, naming it.
+    let g = create_group(&mut r, "group-ab", &pair).await.unwrap();
+    cl.b.driver.kill9();
+    let e = delete_group(&mut r, &g.group_snapshot_id)
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::Unavailable, "{e:?}");
+    assert!(e.message().contains(NODE_B), "{}", e.message());
+    cl.b.driver.spawn();
+    delete_group(&mut r, &g.group_snapshot_id).await.unwrap();
+    nothing_left(&cl, "deleted after B came back").await;
 }
 
 fn uuid_like() -> &'static str {
@@ -518,6 +782,22 @@ async fn root_strangers_cannot_make_an_agent_do_anything() {
     );
     let e = agent
         .list_transfers(csi_proto::mesh::ListTransfersRequest {})
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");
+    // Nor may another node take a part of a group snapshot here (a freeze).
+    let mut agent = csi_proto::mesh::agent_client::AgentClient::new(
+        agent_channel(port, &nodes, csi_mesh::tls::Role::Node(NODE_B.into()))
+            .await
+            .unwrap(),
+    );
+    let part = csi_proto::mesh::GroupPartStep {
+        // Refused before its request is read.
+        create: Vec::new(),
+        go: true,
+    };
+    let e = agent
+        .take_group_part(tokio_stream::iter(vec![part]))
         .await
         .unwrap_err();
     assert_eq!(e.code(), tonic::Code::PermissionDenied, "{e:?}");

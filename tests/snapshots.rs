@@ -182,33 +182,6 @@ async fn all_volume_ids(c: &mut Clients) -> BTreeSet<String> {
         .collect()
 }
 
-async fn create_group(
-    c: &mut Clients,
-    name: &str,
-    vols: &[&str],
-) -> Result<csi::VolumeGroupSnapshot, Status> {
-    Ok(c.group
-        .create_volume_group_snapshot(csi::CreateVolumeGroupSnapshotRequest {
-            name: name.to_string(),
-            source_volume_ids: vols.iter().map(|s| s.to_string()).collect(),
-            ..Default::default()
-        })
-        .await?
-        .into_inner()
-        .group_snapshot
-        .expect("CreateVolumeGroupSnapshot answers a group"))
-}
-
-async fn delete_group(c: &mut Clients, id: &str) -> Result<(), Status> {
-    c.group
-        .delete_volume_group_snapshot(csi::DeleteVolumeGroupSnapshotRequest {
-            group_snapshot_id: id.to_string(),
-            ..Default::default()
-        })
-        .await?;
-    Ok(())
-}
-
 /// A volume staged and published by a test.
 struct Mounted {
     id: String,

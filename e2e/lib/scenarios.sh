@@ -311,6 +311,47 @@ EOF
             count_is $((before - 2)) kc -n "$NS" get volumesnapshot -o name
         i=$((i + 1))
     done
+    # With the cluster flavor, a group of claims on two nodes: taken in parts
+    # of one instant, its members on their own nodes.
+    [ "$FLAVOR" = cluster ] && [ "$(nodes_up | grep -c .)" -gt 1 ] || return 0
+    local a b
+    a=$(nodes_up | sed -n 1p); b=$(nodes_up | sed -n 2p)
+    PVC_LABELS="group: across" PVC_ANNOTATIONS="volume.kubernetes.io/selected-node: $a" pvc ga-1 1Gi e2e-immediate
+    PVC_LABELS="group: across" PVC_ANNOTATIONS="volume.kubernetes.io/selected-node: $b" pvc ga-2 1Gi e2e-immediate
+    eventually 60 "both claims bound" all_of "pvc_bound ga-1" "pvc_bound ga-2" || return
+    check_eq "one claim on each node" "$a $b" "$(node_of_pvc ga-1) $(node_of_pvc ga-2)"
+    apply <<EOF
+apiVersion: groupsnapshot.storage.k8s.io/v1
+kind: VolumeGroupSnapshot
+metadata: {name: across}
+spec:
+  volumeGroupSnapshotClassName: example-csi
+  source: {selector: {matchLabels: {group: across}}}
+EOF
+    eventually 120 "group snapshot of volumes on $a and $b ready" \
+        field_is "volumegroupsnapshot/across" '{.status.readyToUse}' true || return
+    check_eq "one member snapshot per claim" 2 "$(group_members across)"
+    check_eq "the members are on both nodes" "$(printf '%s\n' "$a" "$b" | sort | xargs)" "$(member_nodes across)"
+    local before; before=$(kc -n "$NS" get volumesnapshot -o name | grep -c .)
+    kc -n "$NS" delete volumegroupsnapshot across --wait=true --timeout=120s >/dev/null
+    eventually 60 "member snapshots gone with the group" \
+        count_is $((before - 2)) kc -n "$NS" get volumesnapshot -o name
+}
+
+# member_nodes GROUP: the nodes (sorted) that the snapshot handles of the
+# members of the VolumeGroupSnapshot GROUP name.
+member_nodes() {
+    local snaps contents
+    snaps=$(kc -n "$NS" get volumesnapshot -o json)
+    contents=$(kc get volumesnapshotcontent -o json)
+    python3 -c '
+import json, sys
+group, snaps, contents = sys.argv[1], json.loads(sys.argv[2])["items"], json.loads(sys.argv[3])["items"]
+handle = {c["metadata"]["name"]: c.get("status", {}).get("snapshotHandle", "") for c in contents}
+names = [s.get("status", {}).get("boundVolumeSnapshotContentName", "") for s in snaps
+         if any(o.get("kind") == "VolumeGroupSnapshot" and o.get("name") == group
+                for o in s["metadata"].get("ownerReferences", []))]
+print(" ".join(sorted(handle.get(n, "").rsplit("@", 1)[-1] for n in names)))' "$1" "$snaps" "$contents"
 }
 
 # group_members GROUP: how many VolumeSnapshots the VolumeGroupSnapshot GROUP owns.

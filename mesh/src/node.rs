@@ -353,8 +353,104 @@ pub fn status_message(s: TransferStatus) -> mesh::TransferStatus {
     }
 }
 
+/// The events of a node's part of a group snapshot.
+type PartEvents = Pin<Box<dyn Stream<Item = Result<mesh::GroupPartEvent, Status>> + Send>>;
+
+/// How often a part waiting for go looks at its call.
+const PART_TICK: Duration = Duration::from_millis(20);
+
 #[tonic::async_trait]
 impl Agent for AgentService {
+    type TakeGroupPartStream = PartEvents;
+
+    async fn take_group_part(
+        &self,
+        req: Request<tonic::Streaming<mesh::GroupPartStep>>,
+    ) -> Result<Response<PartEvents>, Status> {
+        self.require_controller(&req)?;
+        let mut steps = req.into_inner();
+        let first = steps
+            .message()
+            .await?
+            .ok_or_else(|| Status::invalid_argument("the part's request is required"))?;
+        let r = csi_proto::csi::CreateVolumeGroupSnapshotRequest::decode(first.create.as_slice())
+            .map_err(|e| {
+            Status::invalid_argument(format!("the CreateVolumeGroupSnapshot request: {e}"))
+        })?;
+        let (events, out) = tokio::sync::mpsc::channel(4);
+        let (go, gone) = std::sync::mpsc::channel::<()>();
+        // The controller's end: go, or the call closed or broken, which stops
+        // the part at its next safe point (the freeze is lifted, the part
+        // undone).
+        let token = csi_storage::cancel::Token::new();
+        let watch = token.clone();
+        tokio::spawn(async move {
+            loop {
+                match steps.message().await {
+                    Ok(Some(step)) if step.go => {
+                        let _ = go.send(());
+                    }
+                    Ok(Some(_)) => {}
+                    Ok(None) | Err(_) => {
+                        watch.cancel();
+                        return;
+                    }
+                }
+            }
+        });
+        let c = self.controller.clone();
+        let wait = c.cfg.freeze_timeout;
+        tokio::task::spawn_blocking(move || {
+            let froze = AtomicBool::new(false);
+            let barrier = || -> csi_storage::Result<()> {
+                froze.store(true, Ordering::SeqCst);
+                let said = events.blocking_send(Ok(mesh::GroupPartEvent {
+                    frozen: true,
+                    ..Default::default()
+                }));
+                if said.is_err() {
+                    return Err(csi_storage::Error::Cancelled(
+                        "the controller left before the part was frozen".into(),
+                    ));
+                }
+                let until = std::time::Instant::now() + wait;
+                loop {
+                    match gone.recv_timeout(PART_TICK) {
+                        Ok(()) => return Ok(()),
+                        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
+                            return Err(csi_storage::Error::Cancelled(
+                                "the controller left before every part was frozen".into(),
+                            ))
+                        }
+                        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
+                            csi_storage::cancel::check()?;
+                            if std::time::Instant::now() >= until {
+                                return Err(csi_storage::Error::Aborted(format!(
+                                    "the other nodes' parts of group snapshot {:?} were not \
+                                     frozen within {wait:?}: this part is thawed and undone",
+                                    r.name
+                                )));
+                            }
+                        }
+                    }
+                }
+            };
+            let made = token.run(|| {
+                csi_storage::cancel::check()?;
+                c.create_group_snapshot_part(&r.name, &r.source_volume_ids, &r.parameters, &barrier)
+            });
+            let event = made.map_err(status).map(|g| mesh::GroupPartEvent {
+                frozen: false,
+                group: csi_glue::group_snapshot_of(&c, &g).encode_to_vec(),
+                existed: !froze.load(Ordering::SeqCst),
+            });
+            let _ = events.blocking_send(event);
+        });
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(out),
+        )))
+    }
+
     async fn create_arriving_volume(
         &self,
         req: Request<mesh::CreateArrivingVolumeRequest>,

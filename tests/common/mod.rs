@@ -736,6 +736,33 @@ pub async fn all_volumes(c: &ControllerClient<Channel>, max: i32) -> Vec<csi::Vo
     .await
 }
 
+pub async fn create_group(
+    c: &mut Clients,
+    name: &str,
+    vols: &[&str],
+) -> Result<csi::VolumeGroupSnapshot, tonic::Status> {
+    Ok(c.group
+        .create_volume_group_snapshot(csi::CreateVolumeGroupSnapshotRequest {
+            name: name.to_string(),
+            source_volume_ids: vols.iter().map(|s| s.to_string()).collect(),
+            ..Default::default()
+        })
+        .await?
+        .into_inner()
+        .group_snapshot
+        .expect("CreateVolumeGroupSnapshot answers a group"))
+}
+
+pub async fn delete_group(c: &mut Clients, id: &str) -> Result<(), tonic::Status> {
+    c.group
+        .delete_volume_group_snapshot(csi::DeleteVolumeGroupSnapshotRequest {
+            group_snapshot_id: id.to_string(),
+            ..Default::default()
+        })
+        .await?;
+    Ok(())
+}
+
 /// Every snapshot ListSnapshots reports, as `all_volumes` lists volumes.
 pub async fn all_snapshots(c: &ControllerClient<Channel>, max: i32) -> Vec<csi::Snapshot> {
     all_pages(c, |mut c, starting_token| async move {

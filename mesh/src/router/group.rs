@@ -1,5 +1,5 @@
-//! The router's GroupController (a group snapshot is taken on the one node
-//! that holds all its volumes), SnapshotMetadata (streamed from the node that
+//! The router's GroupController (a group snapshot of one node's volumes is
+//! taken there; one across nodes, in parts, see `across`), SnapshotMetadata (streamed from the node that
 //! holds the snapshots) and Identity services.
 
 use std::collections::BTreeMap;
@@ -14,15 +14,21 @@ use csi_proto::csi::{
 use tokio_stream::Stream;
 use tonic::{Request, Response, Status};
 
+use super::across;
 use super::{deadline, from_node, onward, qualify_group, Kind, Router, MAX_MESSAGE_BYTES};
 
 pub struct RouterGroupController {
     r: Arc<Router>,
+    /// Held while a group across nodes is taken.
+    across: tokio::sync::Mutex<()>,
 }
 
 impl RouterGroupController {
     pub fn new(r: Arc<Router>) -> Self {
-        RouterGroupController { r }
+        RouterGroupController {
+            r,
+            across: tokio::sync::Mutex::new(()),
+        }
     }
 
     async fn client(
@@ -62,9 +68,8 @@ impl RouterGroupController {
         Ok(node.map(|n| (n, ids)))
     }
 
-    /// The node of a group snapshot, its id and its members' ids written
-    /// into the request's fields: its handle names the node; a bare one is
-    /// found through its member snapshots.
+    /// The node of a group snapshot whose handle names it, its id and its
+    /// members' ids there written into the request's fields.
     async fn group(
         &self,
         handle: &mut String,
@@ -74,19 +79,22 @@ impl RouterGroupController {
             return Err(Status::invalid_argument("group_snapshot_id is required"));
         }
         let h = csi_glue::handle::parse(handle);
-        let why = "the snapshots of a group live on one node";
-        let placed = self.one_node(Kind::Snapshot, members, why).await?;
-        let node = match (&h.node, &placed) {
-            (Some(r), _) => self.r.agents.resolve(r).await?,
-            (None, Some((n, _))) => n.clone(),
-            (None, None) => {
-                return Err(Status::not_found(format!(
-                    "group snapshot {handle:?} names no node and no member snapshot"
-                )))
-            }
+        let Some(named) = &h.node else {
+            return Err(Status::internal(format!(
+                "group snapshot {handle:?} names no node"
+            )));
         };
+        let node = self.r.agents.resolve(named).await?;
+        let why = "the snapshots of a group live on one node";
+        if let Some((at, ids)) = self.one_node(Kind::Snapshot, members, why).await? {
+            if at != node {
+                return Err(Status::invalid_argument(format!(
+                    "group snapshot {handle:?} is on {node}, its snapshots on {at}"
+                )));
+            }
+            *members = ids;
+        }
         *handle = h.id;
-        *members = placed.map(|(_, ids)| ids).unwrap_or_default();
         Ok(node)
     }
 }
@@ -113,11 +121,15 @@ impl GroupController for RouterGroupController {
     ) -> Result<Response<csi::CreateVolumeGroupSnapshotResponse>, Status> {
         let dl = deadline(&req);
         let mut r = req.into_inner();
-        let why = "a group snapshot takes volumes of one node (their filesystems are frozen \
-                   together)";
-        let (node, ids) = self
-            .one_node(Kind::Volume, &r.source_volume_ids, why)
-            .await?
+        let mut parts = across::by_node(&self.r, Kind::Volume, &r.source_volume_ids).await?;
+        if parts.len() > 1 {
+            let g = across::create(&self.r, &self.across, dl, r, parts).await?;
+            return Ok(Response::new(csi::CreateVolumeGroupSnapshotResponse {
+                group_snapshot: Some(g),
+            }));
+        }
+        let (node, ids) = parts
+            .pop_first()
             .ok_or_else(|| Status::invalid_argument("source_volume_ids is required"))?;
         r.source_volume_ids = ids;
         let mut resp = self
@@ -139,6 +151,10 @@ impl GroupController for RouterGroupController {
     ) -> Result<Response<csi::DeleteVolumeGroupSnapshotResponse>, Status> {
         let dl = deadline(&req);
         let mut r = req.into_inner();
+        if bare(&r.group_snapshot_id) {
+            across::delete(&self.r, dl, &r.group_snapshot_id, &r.snapshot_ids).await?;
+            return Ok(Response::new(csi::DeleteVolumeGroupSnapshotResponse {}));
+        }
         let node = match self
             .group(&mut r.group_snapshot_id, &mut r.snapshot_ids)
             .await
@@ -164,6 +180,12 @@ impl GroupController for RouterGroupController {
     ) -> Result<Response<csi::GetVolumeGroupSnapshotResponse>, Status> {
         let dl = deadline(&req);
         let mut r = req.into_inner();
+        if bare(&r.group_snapshot_id) {
+            let g = across::get(&self.r, dl, &r.group_snapshot_id, &r.snapshot_ids).await?;
+            return Ok(Response::new(csi::GetVolumeGroupSnapshotResponse {
+                group_snapshot: Some(g),
+            }));
+        }
         let node = self
             .group(&mut r.group_snapshot_id, &mut r.snapshot_ids)
             .await?;
@@ -179,6 +201,13 @@ impl GroupController for RouterGroupController {
         }
         Ok(Response::new(resp))
     }
+}
+
+/// Whether a group snapshot's handle names no node: a group across nodes (or
+/// one made before handles named nodes), whose parts its members or the
+/// nodes themselves tell.
+fn bare(handle: &str) -> bool {
+    !handle.is_empty() && csi_glue::handle::parse(handle).node.is_none()
 }
 
 pub struct RouterSnapshotMetadata {

@@ -10,6 +10,7 @@
 //! a call the caller gives up is dropped, which cancels it on the agent, whose
 //! domain undoes it at its next safe point.
 
+mod across;
 mod controller;
 mod group;
 mod listing;

@@ -312,6 +312,19 @@ impl RouterAgent {
 
 #[tonic::async_trait]
 impl mesh::agent_server::Agent for RouterAgent {
+    type TakeGroupPartStream = std::pin::Pin<
+        Box<dyn tokio_stream::Stream<Item = Result<mesh::GroupPartEvent, Status>> + Send>,
+    >;
+
+    async fn take_group_part(
+        &self,
+        _req: tonic::Request<tonic::Streaming<mesh::GroupPartStep>>,
+    ) -> Result<tonic::Response<Self::TakeGroupPartStream>, Status> {
+        Err(Status::unimplemented(
+            "the controller takes group snapshots through the CSI GroupController",
+        ))
+    }
+
     async fn create_arriving_volume(
         &self,
         _req: tonic::Request<mesh::CreateArrivingVolumeRequest>,

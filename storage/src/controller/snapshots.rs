@@ -370,6 +370,23 @@ impl Controller {
         source_volume_ids: &[String],
         parameters: &BTreeMap<String, String>,
     ) -> Result<GroupSnapshot> {
+        self.create_group_snapshot_part(name, source_volume_ids, parameters, &|| Ok(()))
+    }
+
+    /// A group snapshot of this node's volumes that is one part of a group
+    /// spanning several nodes: once this node's members are frozen (and
+    /// before anything is copied) `barrier` runs, and the copies start only
+    /// when it returns Ok — the caller makes it return once every node's part
+    /// is frozen, so that all of them copy one instant. An error from it
+    /// thaws and undoes the part. A part made earlier under the same name is
+    /// answered as it is, without a call to `barrier`.
+    pub fn create_group_snapshot_part(
+        &self,
+        name: &str,
+        source_volume_ids: &[String],
+        parameters: &BTreeMap<String, String>,
+        barrier: &dyn Fn() -> Result<()>,
+    ) -> Result<GroupSnapshot> {
         validate_name("group snapshot", name)?;
         if source_volume_ids.is_empty() {
             return Err(Error::invalid("source_volume_ids are required"));
@@ -420,7 +437,7 @@ impl Controller {
                 self.snapshot_record(member_id(v.id), format!("{name}/{}", v.id), v, Some(gid))
             })
             .collect();
-        if let Err(e) = self.copy_group_members(&vols, &members) {
+        if let Err(e) = self.copy_group_members(&vols, &members, barrier) {
             return Err(e.with_cleanup(self.roll_back_group(&group)));
         }
         for m in &mut members {
@@ -450,7 +467,12 @@ impl Controller {
 
     /// Records the members (not yet ready) and copies every source volume into
     /// its member under one freeze.
-    fn copy_group_members(&self, vols: &[VolumeRecord], members: &[SnapshotRecord]) -> Result<()> {
+    fn copy_group_members(
+        &self,
+        vols: &[VolumeRecord],
+        members: &[SnapshotRecord],
+        barrier: &dyn Fn() -> Result<()>,
+    ) -> Result<()> {
         for m in members {
             self.snapshots.put(m)?;
         }
@@ -467,6 +489,7 @@ impl Controller {
         // other. One heavy slot, taken before the freeze, covers every copy.
         self.heavy(|| {
             self.with_frozen(&images, || {
+                barrier()?;
                 for (v, m) in vols.iter().zip(members) {
                     self.copy_to_snapshot(v, m)?;
                     failpoint::hit("create-group-snapshot.after-member");
