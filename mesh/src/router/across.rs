@@ -223,7 +223,7 @@ async fn round(
 
 /// The parts as one group: the members qualified with their nodes, each
 /// naming the whole group.
-fn combine(
+pub(super) fn combine(
     parts: Vec<(String, csi::VolumeGroupSnapshot)>,
 ) -> Result<csi::VolumeGroupSnapshot, Status> {
     let id = match parts.first() {

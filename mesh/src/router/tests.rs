@@ -305,3 +305,68 @@ async fn node_info_is_asked_of_the_node_named_and_refused_before_any_hop() {
     assert_eq!(e.code(), tonic::Code::Unavailable, "{e:?}");
     assert!(e.message().contains("gone"), "{}", e.message());
 }
+
+/// The parts of a group across nodes as one group: members qualified with
+/// their nodes and naming the group's bare id, the latest part's time, and
+/// ready only when every part is; parts of different ids are refused.
+#[test]
+fn the_parts_of_a_group_across_nodes_make_one_group() {
+    let part = |id: &str, member: &str, volume: &str, seconds: i64, ready: bool| {
+        csi::VolumeGroupSnapshot {
+            group_snapshot_id: id.into(),
+            snapshots: vec![csi::Snapshot {
+                snapshot_id: member.into(),
+                source_volume_id: volume.into(),
+                group_snapshot_id: id.into(),
+                ready_to_use: ready,
+                ..Default::default()
+            }],
+            creation_time: Some(csi_glue::timestamp(csi_storage::model::Timestamp {
+                seconds,
+                nanos: 0,
+            })),
+            ready_to_use: ready,
+        }
+    };
+    let g = super::across::combine(vec![
+        ("a".into(), part("g1", "s1", "v1", 20, true)),
+        ("b".into(), part("g1", "s2", "v2", 10, true)),
+    ])
+    .unwrap();
+    assert_eq!(g.group_snapshot_id, "g1");
+    let members: Vec<(&str, &str, &str)> = g
+        .snapshots
+        .iter()
+        .map(|s| {
+            (
+                s.snapshot_id.as_str(),
+                s.source_volume_id.as_str(),
+                s.group_snapshot_id.as_str(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        members,
+        vec![("s1@a", "v1@a", "g1"), ("s2@b", "v2@b", "g1")]
+    );
+    assert_eq!(g.creation_time.unwrap().seconds, 20);
+    assert!(g.ready_to_use);
+
+    let not_yet = super::across::combine(vec![
+        ("a".into(), part("g1", "s1", "v1", 20, true)),
+        ("b".into(), part("g1", "s2", "v2", 30, false)),
+    ])
+    .unwrap();
+    assert!(!not_yet.ready_to_use);
+    assert_eq!(not_yet.creation_time.unwrap().seconds, 30);
+
+    let e = super::across::combine(vec![
+        ("a".into(), part("g1", "s1", "v1", 20, true)),
+        ("b".into(), part("g2", "s2", "v2", 20, true)),
+    ])
+    .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::Internal);
+    assert!(e.message().contains("node b"), "{}", e.message());
+    let e = super::across::combine(vec![]).unwrap_err();
+    assert_eq!(e.code(), tonic::Code::NotFound);
+}
