@@ -553,6 +553,7 @@ run_flavor() {
             cluster)
                 run_scenario two_nodes
                 run_scenario across_nodes
+                run_scenario across_nodes_dir
                 run_scenario network_cut
                 run_scenario agent_killed
                 run_scenario move

@@ -539,6 +539,59 @@ scenario_across_nodes() {
     kc -n "$NS" delete pvc src --wait=true --timeout=120s >/dev/null
 }
 
+# A directory volume's tree: nested folders, random data, a file with holes,
+# a symlink and a mode; its listing (type, mode, link target), file sizes and sums,
+# as the writer made them and as a reader on another node finds them.
+# (No double quote: the command goes into a YAML string.)
+# shellcheck disable=SC2016
+DIR_LIST='cd /data && find . -path ./tree -prune -o -print | sort | while read -r f; do stat -c %F:%a:%N $f; done; stat -c %s:%n holey d/e/random; sha256sum d/e/random holey'
+DIR_WRITE='mkdir -p /data/d/e /data/empty && dd if=/dev/urandom of=/data/d/e/random bs=1M count=16 2>/dev/null && dd if=/dev/urandom of=/data/holey bs=1M count=1 seek=300 2>/dev/null && ln -s d/e/random /data/link && chmod 0750 /data/d && sync && ('"$DIR_LIST"') > /tmp/tree && mv /tmp/tree /data/tree && sync && exec sleep 100000'
+DIR_READ='('"$DIR_LIST"') > /tmp/tree.tmp && du -k /data/holey | cut -f1 > /tmp/holey.du && mv /tmp/tree.tmp /tmp/tree; exec sleep 100000'
+
+# Directory volumes follow their workload too (the cluster flavor): a `kind:
+# dir` claim written on the first node, restored from its snapshot and
+# cloned for pods pinned to the second, which find the same tree.
+scenario_across_nodes_dir() {
+    scenario "restore and clone of a directory volume on the other node: the tree follows"
+    local a=${NODES[0]} b=${NODES[1]}
+    kc apply -f - >/dev/null <<EOF
+apiVersion: storage.k8s.io/v1
+kind: StorageClass
+metadata: {name: e2e-dir}
+provisioner: example.csi.k8s.io
+parameters: {type: ssd, kind: dir}
+reclaimPolicy: Delete
+volumeBindingMode: WaitForFirstConsumer
+EOF
+    pvc dsrc 1Gi e2e-dir
+    pod dsrc dsrc "$DIR_WRITE" "$(on_node "$a")"
+    eventually 120 "the source's pod on $a running" pod_running dsrc || return
+    eventually 120 "it wrote its tree" in_pod dsrc test -s /data/tree || return
+    check_eq "the source claim's PV is on $a" "$a" "$(node_of_pvc dsrc)"
+    local want; want=$(in_pod dsrc cat /data/tree)
+    take_snapshot dsrc-snap dsrc || return
+    pvc dsrc-restored 1Gi e2e-dir Filesystem "  dataSource: {apiGroup: snapshot.storage.k8s.io, kind: VolumeSnapshot, name: dsrc-snap}"
+    pvc dsrc-clone 1Gi e2e-dir Filesystem "  dataSource: {kind: PersistentVolumeClaim, name: dsrc}"
+    pod on-b-drestored dsrc-restored "$DIR_READ" "$(on_node "$b")"
+    pod on-b-dclone dsrc-clone "$DIR_READ" "$(on_node "$b")"
+    local c
+    for c in restored clone; do
+        local claim=dsrc-$c p=on-b-d$c
+        eventually 180 "the pod on $b with the $c claim running" pod_running "$p" || continue
+        eventually 60 "it read the tree" in_pod "$p" test -s /tmp/tree || continue
+        check_eq "the $c claim's PV is on $b" "$b" "$(node_of_pvc "$claim")"
+        check_eq "the pod on $b finds the tree written on $a (types, modes, sizes, link, sums)" "$want" "$(in_pod "$p" cat /tmp/tree)"
+        local du; du=$(in_pod "$p" cat /tmp/holey.du)
+        check "the file with holes keeps them (${du:-?} KiB allocated of 301 MiB)" test "${du:-999999}" -lt 4096
+        eventually 60 "Event TransferDone on the $c claim" claim_event_is "$claim" TransferDone
+        check "csi-driver client transfers on the controller lists it done, whole" transfer_done_whole "$claim"
+    done
+    delete_pod on-b-drestored on-b-dclone dsrc
+    kc -n "$NS" delete pvc dsrc-restored dsrc-clone --wait=true --timeout=120s >/dev/null
+    kc -n "$NS" delete volumesnapshot dsrc-snap --wait=true --timeout=120s >/dev/null
+    kc -n "$NS" delete pvc dsrc --wait=true --timeout=120s >/dev/null
+}
+
 # source_claim CLAIM NODE COMMAND DONE_FILE WHAT: a 2Gi xfs claim used by a
 # pod of the same name pinned to NODE, running COMMAND, which has written
 # WHAT once DONE_FILE is there.
