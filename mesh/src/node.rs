@@ -359,6 +359,68 @@ type PartEvents = Pin<Box<dyn Stream<Item = Result<mesh::GroupPartEvent, Status>
 /// How often a part waiting for go looks at its call.
 const PART_TICK: Duration = Duration::from_millis(20);
 
+/// The controller's side of a part: go, or the call closed or broken, which
+/// trips the part's token (its work stops at its next safe point: the freeze
+/// is lifted, the part undone).
+async fn watch_steps(
+    mut steps: tonic::Streaming<mesh::GroupPartStep>,
+    go: std::sync::mpsc::Sender<()>,
+    token: csi_storage::cancel::Token,
+) {
+    loop {
+        match steps.message().await {
+            Ok(Some(step)) if step.go => {
+                let _ = go.send(());
+            }
+            Ok(Some(_)) => {}
+            Ok(None) | Err(_) => {
+                token.cancel();
+                return;
+            }
+        }
+    }
+}
+
+/// Says that a part is frozen, then waits for go: at most `wait`, and only
+/// while the call lasts.
+fn frozen_then_go(
+    events: &tokio::sync::mpsc::Sender<Result<mesh::GroupPartEvent, Status>>,
+    go: &std::sync::mpsc::Receiver<()>,
+    wait: Duration,
+    group: &str,
+) -> csi_storage::Result<()> {
+    use std::sync::mpsc::RecvTimeoutError;
+    let said = events.blocking_send(Ok(mesh::GroupPartEvent {
+        frozen: true,
+        ..Default::default()
+    }));
+    if said.is_err() {
+        return Err(csi_storage::Error::Cancelled(
+            "the controller left before the part was frozen".into(),
+        ));
+    }
+    let until = std::time::Instant::now() + wait;
+    loop {
+        match go.recv_timeout(PART_TICK) {
+            Ok(()) => return Ok(()),
+            Err(RecvTimeoutError::Disconnected) => {
+                return Err(csi_storage::Error::Cancelled(
+                    "the controller left before every part was frozen".into(),
+                ))
+            }
+            Err(RecvTimeoutError::Timeout) => {
+                csi_storage::cancel::check()?;
+                if std::time::Instant::now() >= until {
+                    return Err(csi_storage::Error::Aborted(format!(
+                        "the other nodes' parts of group snapshot {group:?} were not frozen \
+                         within {wait:?}: this part is thawed and undone"
+                    )));
+                }
+            }
+        }
+    }
+}
+
 #[tonic::async_trait]
 impl Agent for AgentService {
     type TakeGroupPartStream = PartEvents;
@@ -379,66 +441,25 @@ impl Agent for AgentService {
         })?;
         let (events, out) = tokio::sync::mpsc::channel(4);
         let (go, gone) = std::sync::mpsc::channel::<()>();
-        // The controller's end: go, or the call closed or broken, which stops
-        // the part at its next safe point (the freeze is lifted, the part
-        // undone).
         let token = csi_storage::cancel::Token::new();
         let watch = token.clone();
-        tokio::spawn(async move {
-            loop {
-                match steps.message().await {
-                    Ok(Some(step)) if step.go => {
-                        let _ = go.send(());
-                    }
-                    Ok(Some(_)) => {}
-                    Ok(None) | Err(_) => {
-                        watch.cancel();
-                        return;
-                    }
-                }
-            }
-        });
+        tokio::spawn(watch_steps(steps, go, watch));
         let c = self.controller.clone();
         let wait = c.cfg.freeze_timeout;
         tokio::task::spawn_blocking(move || {
             let froze = AtomicBool::new(false);
-            let barrier = || -> csi_storage::Result<()> {
+            let barrier = || {
                 froze.store(true, Ordering::SeqCst);
-                let said = events.blocking_send(Ok(mesh::GroupPartEvent {
-                    frozen: true,
-                    ..Default::default()
-                }));
-                if said.is_err() {
-                    return Err(csi_storage::Error::Cancelled(
-                        "the controller left before the part was frozen".into(),
-                    ));
-                }
-                let until = std::time::Instant::now() + wait;
-                loop {
-                    match gone.recv_timeout(PART_TICK) {
-                        Ok(()) => return Ok(()),
-                        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
-                            return Err(csi_storage::Error::Cancelled(
-                                "the controller left before every part was frozen".into(),
-                            ))
-                        }
-                        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
-                            csi_storage::cancel::check()?;
-                            if std::time::Instant::now() >= until {
-                                return Err(csi_storage::Error::Aborted(format!(
-                                    "the other nodes' parts of group snapshot {:?} were not \
-                                     frozen within {wait:?}: this part is thawed and undone",
-                                    r.name
-                                )));
-                            }
-                        }
-                    }
-                }
+                frozen_then_go(&events, &gone, wait, &r.name)
             };
             let made = token.run(|| {
                 csi_storage::cancel::check()?;
                 c.create_group_snapshot_part(&r.name, &r.source_volume_ids, &r.parameters, &barrier)
             });
+            if let Err(e) = &made {
+                tracing::warn!(group = %r.name, error = %e,
+                    "this node's part of a group snapshot across nodes is not taken (undone)");
+            }
             let event = made.map_err(status).map(|g| mesh::GroupPartEvent {
                 frozen: false,
                 group: csi_glue::group_snapshot_of(&c, &g).encode_to_vec(),
