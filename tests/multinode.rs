@@ -186,16 +186,42 @@ async fn root_the_router_serves_every_controller_call_for_both_nodes() {
         .into_inner();
     assert_eq!(got.volume.unwrap().capacity_bytes, 128 * MIB);
 
-    // A group snapshot of one node's volumes is that node's; one across
-    // nodes is taken in parts, its handle bare and its members on each node.
+    // A group snapshot of one node's volumes is taken there; one across
+    // nodes is taken in parts. Either way its handle is bare, as its
+    // members name it, and they name their nodes.
     let group = create_group(&mut r, "group-a", &[&va.volume_id, &clone.volume_id])
         .await
         .unwrap();
-    assert_eq!(node_of(&group.group_snapshot_id), NODE_A);
-    assert!(group
-        .snapshots
-        .iter()
-        .all(|s| node_of(&s.snapshot_id) == NODE_A));
+    assert!(!group.group_snapshot_id.contains('@'), "{group:?}");
+    assert!(group.snapshots.iter().all(
+        |s| node_of(&s.snapshot_id) == NODE_A && s.group_snapshot_id == group.group_snapshot_id
+    ));
+    // A handle naming the node (as earlier releases gave out) is still
+    // served, and answered as asked.
+    let named = csi_glue::handle::qualify(&group.group_snapshot_id, NODE_A);
+    let got = r
+        .group
+        .get_volume_group_snapshot(csi::GetVolumeGroupSnapshotRequest {
+            group_snapshot_id: named.clone(),
+            ..Default::default()
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .group_snapshot
+        .unwrap();
+    assert_eq!(got.group_snapshot_id, named);
+    assert_eq!(got.snapshots.len(), 2);
+    assert!(got.snapshots.iter().all(|s| s.group_snapshot_id == named));
+    // Listed alone, a member names its group the same way.
+    let listed = all_snapshots(&r.controller, 0).await;
+    for m in &group.snapshots {
+        let l = listed
+            .iter()
+            .find(|s| s.snapshot_id == m.snapshot_id)
+            .unwrap();
+        assert_eq!(l.group_snapshot_id, group.group_snapshot_id);
+    }
     let across = create_group(&mut r, "group-ab", &[&va.volume_id, &vb.volume_id])
         .await
         .unwrap();
@@ -221,6 +247,14 @@ async fn root_the_router_serves_every_controller_call_for_both_nodes() {
         .await
         .unwrap();
     assert_eq!(again, across);
+    let listed = all_snapshots(&r.controller, 0).await;
+    for m in &across.snapshots {
+        let l = listed
+            .iter()
+            .find(|s| s.snapshot_id == m.snapshot_id)
+            .unwrap();
+        assert_eq!(l.group_snapshot_id, across.group_snapshot_id);
+    }
     // Found by its members, and by its handle alone (every node asked).
     let across_ids: Vec<String> = across
         .snapshots

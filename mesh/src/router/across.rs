@@ -1,9 +1,9 @@
 //! Group snapshots whose volumes are on several nodes.
 //!
 //! Each node takes its part (a group snapshot of its own volumes) under the
-//! part's name; parts of one name share one group id (the id is made from
-//! the name), which is the whole group's handle, bare: it names no node, and
-//! its members say where its parts are. For the parts to be of one instant,
+//! group's name; parts of one name share one group id (the id is made from
+//! the name), which is the whole group's handle, bare as every group's: it
+//! names no node, and its members say where its parts are. For the parts to be of one instant,
 //! the controller holds one `TakeGroupPart` call per node: every node
 //! freezes its members and says so, and only once all have does any copy
 //! (go). A failure before go lifts every freeze and undoes every part; a
@@ -308,7 +308,8 @@ async fn where_parts(
     Ok((by_node(r, Kind::Snapshot, members).await?, false))
 }
 
-/// GetVolumeGroupSnapshot of a group whose handle names no node.
+/// GetVolumeGroupSnapshot of a group whose handle names no node (on one
+/// node or several).
 pub(super) async fn get(
     r: &Router,
     deadline: Option<std::time::Duration>,

@@ -1,5 +1,6 @@
 //! The router's GroupController (a group snapshot of one node's volumes is
-//! taken there; one across nodes, in parts, see `across`), SnapshotMetadata (streamed from the node that
+//! taken there; one across nodes, in parts, see `across`; either way its
+//! handle is its bare id, found through its members), SnapshotMetadata (streamed from the node that
 //! holds the snapshots) and Identity services.
 
 use std::collections::BTreeMap;
@@ -186,6 +187,9 @@ impl GroupController for RouterGroupController {
                 group_snapshot: Some(g),
             }));
         }
+        // A handle naming its node (given out before group handles were
+        // bare) is answered as it was asked.
+        let asked = r.group_snapshot_id.clone();
         let node = self
             .group(&mut r.group_snapshot_id, &mut r.snapshot_ids)
             .await?;
@@ -198,6 +202,10 @@ impl GroupController for RouterGroupController {
             .into_inner();
         if let Some(g) = resp.group_snapshot.as_mut() {
             qualify_group(g, &node);
+            g.group_snapshot_id = asked.clone();
+            for s in &mut g.snapshots {
+                s.group_snapshot_id = asked.clone();
+            }
         }
         Ok(Response::new(resp))
     }

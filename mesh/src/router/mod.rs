@@ -298,14 +298,17 @@ pub(crate) fn qualify_volume(v: &mut csi::Volume, node: &str) {
     }
 }
 
+/// A snapshot of `node` with its handles. Its group's id stays bare: a group
+/// snapshot's handle names no node (its parts may be on several; its id is
+/// made from its name, the same on each), so a member listed alone names the
+/// group as the group's own answers do.
 pub(crate) fn qualify_snapshot(s: &mut csi::Snapshot, node: &str) {
     qualify(&mut s.snapshot_id, node);
     qualify(&mut s.source_volume_id, node);
-    qualify(&mut s.group_snapshot_id, node);
 }
 
+/// A group snapshot of `node`: its members' handles (its own id stays bare).
 pub(crate) fn qualify_group(g: &mut csi::VolumeGroupSnapshot, node: &str) {
-    qualify(&mut g.group_snapshot_id, node);
     for s in &mut g.snapshots {
         qualify_snapshot(s, node);
     }
