@@ -299,10 +299,7 @@ async fn where_parts(
     members: &[String],
 ) -> Result<(BTreeMap<String, Vec<String>>, bool), Status> {
     if members.is_empty() {
-        if !r.agents.ready() {
-            let _ = r.agents.refresh().await;
-        }
-        let every = r.agents.nodes().into_iter().map(|n| (n, Vec::new()));
+        let every = r.every_node().await.into_iter().map(|n| (n, Vec::new()));
         return Ok((every.collect(), true));
     }
     Ok((by_node(r, Kind::Snapshot, members).await?, false))

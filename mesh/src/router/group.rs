@@ -1,7 +1,7 @@
 //! The router's GroupController (a group snapshot of one node's volumes is
 //! taken there; one across nodes, in parts, see `across`; either way its
-//! handle is its bare id, found through its members), SnapshotMetadata (streamed from the node that
-//! holds the snapshots) and Identity services.
+//! handle is its bare id, found through its members), SnapshotMetadata
+//! (streamed from the node that holds the snapshots) and Identity services.
 
 use std::collections::BTreeMap;
 use std::pin::Pin;

@@ -157,11 +157,8 @@ impl Router {
         if let Some(n) = self.located_lock().get(&(kind, id.to_string())) {
             return Ok(Some(n.clone()));
         }
-        if !self.agents.ready() {
-            let _ = self.agents.refresh().await;
-        }
         let mut asks = tokio::task::JoinSet::new();
-        for node in self.agents.nodes() {
+        for node in self.every_node().await {
             let c = self.controller(&node).await;
             let id = id.to_string();
             asks.spawn(async move {
@@ -196,6 +193,15 @@ impl Router {
             kind.name(),
             unreachable.join(", ")
         )))
+    }
+
+    /// Every node, the list read first if it never was: a call that must
+    /// ask them all does not answer for none while the router starts.
+    pub(crate) async fn every_node(&self) -> Vec<String> {
+        if !self.agents.ready() {
+            let _ = self.agents.refresh().await;
+        }
+        self.agents.nodes()
     }
 
     fn located_lock(&self) -> std::sync::MutexGuard<'_, HashMap<(Kind, String), String>> {

@@ -257,11 +257,8 @@ impl Controller {
                     .get(v)
                     .filter(|r| r.state == RecordState::Ready)
                     .ok_or_else(|| Error::not_found(format!("volume {v} does not exist")))?;
-                crate::core::arrival::refuse_while_arriving(
-                    &self.pool(&rec.pool)?.volume_path(v, rec.backing, false),
-                    "a copy of this volume",
-                )?;
                 let path = self.pool(&rec.pool)?.volume_path(v, rec.backing, false);
+                crate::core::arrival::refuse_while_arriving(&path, "a copy of this volume")?;
                 let i = info(
                     &rec.pool,
                     rec.size,
