@@ -50,7 +50,7 @@ DRIVER_IMAGE_REPO = "example-csi/csi-driver"
 DRIVER_CONTAINER = "csi-driver"
 SIDECAR_REGISTRY = "registry.k8s.io/sig-storage/"
 KUBELET_DIR = "/var/lib/kubelet"
-MUTABLE_PARAMETERS = {"directIO", "readAheadKiB"}
+MUTABLE_PARAMETERS = {"directIO", "readAheadKiB", "compression", "transferBandwidth"}
 
 # Schemas for the CRD-based kinds, written from the CRDs of
 # external-snapshotter (see each file's description).

@@ -88,7 +88,7 @@ pub struct Cli {
         long,
         env = "CSI_MUTABLE_PARAMETERS",
         value_delimiter = ',',
-        default_value = "directIO,readAheadKiB,compression"
+        default_value = "directIO,readAheadKiB,compression,transferBandwidth"
     )]
     pub mutable_parameters: Vec<String>,
 

@@ -720,6 +720,71 @@ async fn root_a_nodes_bandwidth_is_shared_by_its_transfers_and_a_class_caps_its_
 
 #[tokio::test]
 #[ignore = "needs root: loop devices and mounts"]
+async fn root_a_volume_attributes_class_caps_a_transfer_and_a_change_reaches_it_under_way() {
+    // No cap of the node's: the volume's attributes alone slow it.
+    let cl = cluster_with(&[], &[]);
+    let mut r = cl.router.clients().await;
+    let snap = snapshot_with_data(&cl, "src", 64 * MIB, 32).await;
+    let mut req = create_from(
+        "pvc-capped",
+        NODE_B,
+        64 * MIB,
+        snapshot_source(&snap.snapshot_id),
+    );
+    // The class says 64 MiB/s; the attributes, 2 MiB/s, take its place.
+    req.parameters
+        .insert("transferBandwidth".into(), "64Mi".into());
+    req.mutable_parameters
+        .insert("transferBandwidth".into(), "2Mi".into());
+    let moved = must_create(&mut r.controller, req).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let now = transfers(&cl.b.driver).await;
+    let t = now
+        .iter()
+        .find(|t| t.volume_id == local(&moved.volume_id))
+        .unwrap_or_else(|| panic!("no transfer of {}: {now:?}", moved.volume_id));
+    // 32 MiB at 2 MiB/s: 16 s; far from done after 3.
+    assert_eq!(t.state, "running", "{t:?}");
+    assert!(t.rate <= 3 * MIB as u64, "{t:?}");
+
+    // What ControllerModifyVolume refuses changes nothing.
+    let modify = |v: &str| csi::ControllerModifyVolumeRequest {
+        volume_id: moved.volume_id.clone(),
+        mutable_parameters: [("transferBandwidth".to_string(), v.to_string())].into(),
+        ..Default::default()
+    };
+    let e = r
+        .controller
+        .controller_modify_volume(modify("fast"))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+    assert!(e.message().contains("transferBandwidth"), "{e:?}");
+    // Another class: 0 lifts the cap, the class's own too; the transfer
+    // under way takes it within a second and ends long before 16 s.
+    let changed = Instant::now();
+    r.controller
+        .controller_modify_volume(modify("0"))
+        .await
+        .unwrap();
+    let done = arrived(&cl.b.driver, &moved.volume_id, 30).await;
+    assert!(
+        changed.elapsed() < Duration::from_secs(8),
+        "it arrived {:?} after the cap was lifted: {done:?}",
+        changed.elapsed()
+    );
+    let image = volume_image(&cl.b.pool, &moved.volume_id);
+    assert_eq!(
+        first_difference(&snapshot_image(&cl.a.pool, &snap.snapshot_id), &image),
+        None
+    );
+    // Only the volume's record keeps it: nothing on its image.
+    let attr = csi_sys::xattr::get(&image, "example-csi.transferBandwidth").unwrap();
+    assert_eq!(attr, None);
+}
+
+#[tokio::test]
+#[ignore = "needs root: loop devices and mounts"]
 async fn root_a_hold_is_read_by_its_target_alone_and_a_delete_mid_transfer_leaves_nothing() {
     let cl = cluster_with(&[], &[(BANDWIDTH, "2Mi")]);
     let mut r = cl.router.clients().await;

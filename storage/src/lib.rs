@@ -30,7 +30,7 @@ pub use crate::core::{cancel, error, failpoint, health, ids, model, mount_option
 pub(crate) use crate::core::{data, fresh, locks, settings, state, store};
 pub use crate::core::{
     kubelet_path_roots, Config, Core, DEFAULT_FREEZE_TIMEOUT, DEFAULT_KUBELET_DIR,
-    MUTABLE_PARAMETERS,
+    MUTABLE_PARAMETERS, TRANSFER_BANDWIDTH,
 };
 pub use crate::node::Node;
 pub use csi_sys::memory::release_free as release_free_memory;

@@ -38,7 +38,7 @@ pub fn start_node(name: &'static str, mesh: &Path, envs: &[(&str, &str)]) -> Nod
             &format!("--nodeid={name}"),
             &format!("--agent-listen=127.0.0.1:{port}"),
             &format!("--mesh-dir={}", mesh.display()),
-            "--mutable-parameters=directIO,readAheadKiB",
+            "--mutable-parameters=directIO,readAheadKiB,transferBandwidth",
         ],
         envs,
     );
@@ -62,7 +62,7 @@ pub fn start_router_with(dir: &Path, mesh: &Path, nodes: &[&Node], extra: &[&str
         format!("--endpoint=unix://{}", socket.display()),
         "--mode=router".to_string(),
         format!("--mesh-dir={}", mesh.display()),
-        "--mutable-parameters=directIO,readAheadKiB".to_string(),
+        "--mutable-parameters=directIO,readAheadKiB,transferBandwidth".to_string(),
         "--log-level=debug".to_string(),
     ];
     for n in nodes {

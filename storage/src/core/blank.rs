@@ -39,6 +39,7 @@ pub(crate) fn is_fresh_image(rec: &VolumeRecord) -> bool {
 pub(crate) fn attributes(rec: &VolumeRecord) -> Vec<(String, Vec<u8>)> {
     rec.mutable_parameters
         .iter()
+        .filter(|(k, _)| k.as_str() != crate::TRANSFER_BANDWIDTH)
         .map(|(k, v)| (attr_name(k), v.as_bytes().to_vec()))
         .chain(std::iter::once((
             attr_name(MADE_FOR),

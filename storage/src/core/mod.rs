@@ -36,8 +36,19 @@ use state::StateDir;
 /// Mutable parameters this driver understands (ControllerModifyVolume and
 /// CreateVolume's mutable_parameters).
 /// `directIO` and `readAheadKiB` are attributes of an image volume's loop device;
-/// `compression` is the btrfs compression of a subvolume (`kind: dir` on btrfs).
-pub const MUTABLE_PARAMETERS: [&str; 3] = ["directIO", "readAheadKiB", "compression"];
+/// `compression` is the btrfs compression of a subvolume (`kind: dir` on btrfs);
+/// `transferBandwidth` caps the transfer of the volume's data from another node
+/// (any kind of volume), and is kept in the volume's record only.
+pub const MUTABLE_PARAMETERS: [&str; 4] = [
+    "directIO",
+    "readAheadKiB",
+    "compression",
+    TRANSFER_BANDWIDTH,
+];
+
+/// The mutable parameter that caps a transfer into the volume, bytes per
+/// second; the one the volume's data does not carry.
+pub const TRANSFER_BANDWIDTH: &str = "transferBandwidth";
 
 #[derive(Debug, Clone)]
 pub struct Config {

@@ -237,6 +237,60 @@ fn a_transfer_bandwidth_is_a_quantity_kept_with_the_volume() {
 }
 
 #[test]
+fn a_mutable_transfer_bandwidth_is_kept_in_the_record_alone_and_takes_the_class_place() {
+    let w = World::new();
+    let bw = |rec: &crate::model::VolumeRecord| crate::volumes::transfer_cap(rec);
+    let mut r = request("pvc-a", 64 * MIB as i64, 0, vec![ext4()]);
+    r.parameters = params(&[("transferBandwidth", "64Mi")]);
+    r.mutable_parameters = params(&[("transferBandwidth", "8Mi"), ("readAheadKiB", "512")]);
+    let id = w.c().create_volume(r).unwrap().id.to_string();
+    let rec = w.c().get_volume(&id).unwrap();
+    assert_eq!(bw(&rec), 8 * MIB);
+    // The image carries the loop device's attribute, not the bandwidth.
+    let image = w.image(&id);
+    let attr = |k: &str| csi_sys::xattr::get(&image, &format!("example-csi.{k}")).unwrap();
+    assert_eq!(attr("readAheadKiB").as_deref(), Some(&b"512"[..]));
+    assert_eq!(attr("transferBandwidth"), None);
+
+    // Changed alone, on an image staged here: the loop device is not asked.
+    w.stage(&id, &ext4()).unwrap();
+    let before = w.fake.read_ahead_kib(&w.fake.loops()[0].device);
+    w.c()
+        .modify_volume(&id, &params(&[("transferBandwidth", "0")]))
+        .unwrap();
+    let rec = w.c().get_volume(&id).unwrap();
+    assert_eq!(bw(&rec), 0, "0 lifts the class's cap too");
+    assert_eq!(w.fake.read_ahead_kib(&w.fake.loops()[0].device), before);
+    assert_eq!(attr("transferBandwidth"), None);
+    // What is no quantity is refused, and changes nothing.
+    for bad in ["fast", "-1Mi", "1.5Mi"] {
+        let m = params(&[("transferBandwidth", bad), ("readAheadKiB", "64")]);
+        assert_eq!(
+            kind(w.c().modify_volume(&id, &m)),
+            Kind::InvalidArgument,
+            "{bad}"
+        );
+    }
+    let rec = w.c().get_volume(&id).unwrap();
+    assert_eq!(
+        rec.mutable_parameters,
+        params(&[("transferBandwidth", "0"), ("readAheadKiB", "512")])
+    );
+
+    // A directory volume takes it too (its data may come from another node).
+    let mut dir = request("pvc-dir", 64 * MIB as i64, 0, vec![ext4()]);
+    dir.parameters = params(&[("kind", "dir")]);
+    dir.mutable_parameters = params(&[("transferBandwidth", "1Mi")]);
+    let dir_id = w.c().create_volume(dir).unwrap().id.to_string();
+    assert_eq!(bw(&w.c().get_volume(&dir_id).unwrap()), MIB);
+    // Without attributes, the class's parameter caps it.
+    let mut plain = request("pvc-plain", 64 * MIB as i64, 0, vec![ext4()]);
+    plain.parameters = params(&[("transferBandwidth", "3Mi")]);
+    let plain_id = w.c().create_volume(plain).unwrap().id.to_string();
+    assert_eq!(bw(&w.c().get_volume(&plain_id).unwrap()), 3 * MIB);
+}
+
+#[test]
 fn mutable_parameters_must_apply_to_the_kind_of_volume() {
     let w = World::new();
     // directIO on an image: kept as an attribute, applied at attach.

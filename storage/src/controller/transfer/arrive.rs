@@ -48,6 +48,9 @@ fn packed_path(pool: &crate::pool::Pool, id: VolumeId) -> PathBuf {
 const CHECKPOINT_BYTES: u64 = 64 << 20;
 /// Time between two checkpoints, at most.
 const CHECKPOINT_EVERY: Duration = Duration::from_secs(2);
+/// Time between two looks at the volume's cap (ControllerModifyVolume may
+/// change it while its data arrives).
+const CAP_LOOK_EVERY: Duration = Duration::from_millis(500);
 /// The longest wait between two tries of a transfer that failed.
 const MAX_BACKOFF: Duration = Duration::from_secs(30);
 
@@ -589,10 +592,10 @@ impl Controller {
         let mut open_cell: Option<(u64, u64)> = None;
         let mut unsynced = 0u64;
         let mut last_sync = Instant::now();
-        // The class may cap this transfer; the node caps all of them.
-        let own_cap =
-            crate::volumes::parse_parameters(&vol.parameters).map_or(0, |p| p.transfer_bandwidth);
-        let mut meter = Meter::new(own_cap);
+        // The volume's class or attributes may cap this transfer (a change
+        // counts from the next look at the record); the node caps all of them.
+        let mut meter = Meter::new(crate::volumes::transfer_cap(&vol));
+        let mut cap_seen = Instant::now();
         let mut trailer = None;
         let stream = source.read(rec.progress, rec.base.as_deref(), &job.stop)?;
         for item in stream {
@@ -638,6 +641,12 @@ impl Controller {
                 // What the status calls done is durable: a crash now goes on
                 // from here, never from below.
                 job.set(|s| s.bytes_done = progress);
+            }
+            if cap_seen.elapsed() >= CAP_LOOK_EVERY {
+                cap_seen = Instant::now();
+                if let Some(v) = self.volumes.get(rec.volume) {
+                    meter.set_cap(crate::volumes::transfer_cap(&v));
+                }
             }
             meter.wait(&job.stop);
             self.arrivals

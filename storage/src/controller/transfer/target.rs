@@ -113,7 +113,8 @@ impl LedgerFile {
 /// The rate of a transfer, and its cap.
 pub(super) struct Meter {
     cap: u64,
-    started: Instant,
+    /// Since when, and after how many bytes, the cap holds.
+    capped_from: (Instant, u64),
     bytes: u64,
     window: (Instant, u64),
     rate: u64,
@@ -123,7 +124,7 @@ impl Meter {
     pub(super) fn new(cap: u64) -> Meter {
         Meter {
             cap,
-            started: Instant::now(),
+            capped_from: (Instant::now(), 0),
             bytes: 0,
             window: (Instant::now(), 0),
             rate: 0,
@@ -144,13 +145,23 @@ impl Meter {
         self.rate
     }
 
+    /// A new cap (0: none), which counts from now: what came before is not
+    /// paid again, nor taken as credit.
+    pub(super) fn set_cap(&mut self, cap: u64) {
+        if cap != self.cap {
+            self.cap = cap;
+            self.capped_from = (Instant::now(), self.bytes);
+        }
+    }
+
     /// Sleeps as long as the cap asks (none without a cap).
     pub(super) fn wait(&self, stop: &AtomicBool) {
         if self.cap == 0 {
             return;
         }
-        let due = Duration::from_secs_f64(self.bytes as f64 / self.cap as f64);
-        let spent = self.started.elapsed();
+        let (since, before) = self.capped_from;
+        let due = Duration::from_secs_f64((self.bytes - before) as f64 / self.cap as f64);
+        let spent = since.elapsed();
         if due > spent && !stop.load(Ordering::Relaxed) {
             std::thread::sleep((due - spent).min(Duration::from_secs(1)));
         }

@@ -92,6 +92,28 @@ pub fn parse_parameters(p: &BTreeMap<String, String>) -> Result<VolumeParams> {
     })
 }
 
+/// The mutable parameters a volume's data carries (as attributes of its image
+/// or directory, or a subvolume's property): all but `transferBandwidth`, which
+/// only its record keeps.
+pub(crate) fn carried_by_data(m: &BTreeMap<String, String>) -> BTreeMap<String, String> {
+    m.iter()
+        .filter(|(k, _)| k.as_str() != crate::TRANSFER_BANDWIDTH)
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect()
+}
+
+/// Bytes per second a transfer of the data of `rec` from another node reads at
+/// most (0: no cap of its own): its mutable `transferBandwidth` (a
+/// VolumeAttributesClass, changed by ControllerModifyVolume) where it has
+/// one, else its class's parameter.
+pub(crate) fn transfer_cap(rec: &VolumeRecord) -> u64 {
+    let mutable = rec.mutable_parameters.get(crate::TRANSFER_BANDWIDTH);
+    match mutable.and_then(|b| crate::size::parse_size(b).ok()) {
+        Some(b) => b as u64,
+        None => parse_parameters(&rec.parameters).map_or(0, |p| p.transfer_bandwidth),
+    }
+}
+
 #[derive(Debug, Clone, Default)]
 pub struct CreateVolume {
     pub name: String,
@@ -177,6 +199,7 @@ impl Controller {
         backing: Backing,
         m: &BTreeMap<String, String>,
     ) -> Result<()> {
+        let m = &carried_by_data(m);
         for (k, v) in m {
             match backing {
                 Backing::Subvolume => btrfs::set_compression(path, v)

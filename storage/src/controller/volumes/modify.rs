@@ -28,12 +28,14 @@ impl Controller {
                 "directIO" => v == "true" || v == "false",
                 "readAheadKiB" => v.parse::<u32>().is_ok_and(|n| n <= 65536),
                 "compression" => ["zstd", "lzo", "zlib", "none"].contains(&v.as_str()),
+                crate::TRANSFER_BANDWIDTH => crate::size::parse_size(v).is_ok(),
                 _ => false,
             };
             if !ok {
                 return Err(Error::invalid(format!(
                     "mutable parameter {k}={v:?} is invalid (directIO: true|false; \
-                     readAheadKiB: 0..65536; compression: zstd|lzo|zlib|none)"
+                     readAheadKiB: 0..65536; compression: zstd|lzo|zlib|none; \
+                     transferBandwidth: bytes per second, e.g. 100Mi, 0 for no cap)"
                 )));
             }
         }
@@ -46,6 +48,10 @@ impl Controller {
         m: &BTreeMap<String, String>,
     ) -> Result<()> {
         for k in m.keys() {
+            // Any volume's data may come from another node.
+            if k == crate::TRANSFER_BANDWIDTH {
+                continue;
+            }
             let applies = match backing {
                 Backing::Image => k == "directIO" || k == "readAheadKiB",
                 Backing::Subvolume => k == "compression",
@@ -54,7 +60,8 @@ impl Controller {
             if !applies {
                 return Err(Error::invalid(format!(
                     "mutable parameter {k} does not apply to a {} volume (image volumes take \
-                     directIO and readAheadKiB; kind=dir volumes on btrfs take compression)",
+                     directIO and readAheadKiB; kind=dir volumes on btrfs take compression; \
+                     every volume takes transferBandwidth)",
                     match backing {
                         Backing::Image => "kind=image",
                         Backing::Subvolume => "kind=dir (btrfs subvolume)",
@@ -86,10 +93,15 @@ impl Controller {
         Self::check_mutable_applies(rec.backing, m)?;
         let pool = self.pool(&rec.pool)?.clone();
         let path = pool.volume_path(id, rec.backing, false);
+        // What the data carries changes there first; the record keeps all.
+        let on_data = super::carried_by_data(m);
         let undo = match rec.backing {
-            Backing::Image => Some(self.change_image_settings(&path, m, volume.is_staged())?),
+            _ if on_data.is_empty() => None,
+            Backing::Image => {
+                Some(self.change_image_settings(&path, &on_data, volume.is_staged())?)
+            }
             _ => {
-                self.write_attributes(&path, rec.backing, m)?;
+                self.write_attributes(&path, rec.backing, &on_data)?;
                 None
             }
         };
