@@ -101,7 +101,7 @@ pub enum Call {
     StorageHealth,
     /// The transfers of volume data between nodes: on a node's socket, its
     /// arrivals and holds; on the cluster controller's, every node's.
-    Transfers,
+    Transfers(Transfers),
 }
 
 #[derive(Debug, Args)]
@@ -246,6 +246,18 @@ pub struct Stats {
     path: String,
     #[arg(long, default_value = "")]
     staging: String,
+}
+
+#[derive(Debug, Args)]
+pub struct Transfers {
+    /// Wait until the data of this volume has arrived (its transfer here
+    /// done), then print that transfer alone.
+    #[arg(long, value_name = "VOLUME_ID")]
+    wait: Option<String>,
+    /// Seconds --wait waits at most (then DEADLINE_EXCEEDED, with the
+    /// transfer's last state).
+    #[arg(long, default_value_t = 3600, requires = "wait")]
+    timeout: u64,
 }
 
 #[derive(Debug, Args)]
@@ -438,7 +450,7 @@ async fn run(endpoint: &str, call: &Call) -> Result<Value, Failure> {
         Call::Stats(a) => calls::stats(s, a).await,
         Call::VolumeHealth(a) => calls::health(s, a).await,
         Call::StorageHealth => calls::storage_health(s).await,
-        Call::Transfers => calls::transfers(s).await,
+        Call::Transfers(a) => calls::transfers(s, a).await,
     }
 }
 

@@ -760,6 +760,38 @@ async fn root_a_volume_attributes_class_caps_a_transfer_and_a_change_reaches_it_
         .unwrap_err();
     assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
     assert!(e.message().contains("transferBandwidth"), "{e:?}");
+    // `client transfers --wait` gives up at its timeout, naming the
+    // transfer's state; a volume that arrives from nowhere is not found.
+    let wait = |volume: &str, secs: &str| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_csi-driver"))
+            .arg("client")
+            .arg(format!(
+                "--endpoint=unix://{}",
+                cl.b.driver.socket.display()
+            ))
+            .args([
+                "--output",
+                "json",
+                "transfers",
+                "--wait",
+                volume,
+                "--timeout",
+                secs,
+            ])
+            .output()
+            .expect("run csi-driver client")
+    };
+    let out = wait(&moved.volume_id, "1");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success() && err.contains("DeadlineExceeded"),
+        "{err}"
+    );
+    assert!(err.contains("running"), "{err}");
+    let out = wait("pvc-nowhere", "1");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("NotFound"), "{err}");
+
     // Another class: 0 lifts the cap, the class's own too; the transfer
     // under way takes it within a second and ends long before 16 s.
     let changed = Instant::now();
@@ -767,7 +799,22 @@ async fn root_a_volume_attributes_class_caps_a_transfer_and_a_change_reaches_it_
         .controller_modify_volume(modify("0"))
         .await
         .unwrap();
+    // The client waits until the data is whole, and says so.
+    let out = wait(&moved.volume_id, "30");
+    let waited = changed.elapsed();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(text.contains("\"state\": \"done\""), "{text}");
     let done = arrived(&cl.b.driver, &moved.volume_id, 30).await;
+    assert!(
+        text.contains(&format!("\"data_bytes\": {}", done.data_bytes)),
+        "{text}"
+    );
+    assert!(waited < Duration::from_secs(8), "{waited:?}");
     assert!(
         changed.elapsed() < Duration::from_secs(8),
         "it arrived {:?} after the cap was lifted: {done:?}",

@@ -9,7 +9,7 @@ use super::{finding, snapshot, to_map, volume, volume_health, Failure, Services}
 use super::{
     Capacity, CreateSnapshot, CreateVolume, DeleteSnapshot, DeleteVolume, ExpandVolume, GetVolume,
     ListSnapshots, ListVolumes, NodeExpand, NodePublish, NodeStage, NodeUnpublish, NodeUnstage,
-    Stats, VolumeHealth,
+    Stats, Transfers, VolumeHealth,
 };
 
 /// GetPluginInfo, Probe and NodeGetInfo.
@@ -474,40 +474,72 @@ pub(super) async fn health(s: &mut Services, a: &VolumeHealth) -> Result<Value, 
     })
 }
 
-/// ListTransfers of the mesh's Agent service.
-pub(super) async fn transfers(s: &mut Services) -> Result<Value, Failure> {
+/// ListTransfers of the mesh's Agent service; with --wait, again until that
+/// volume's data has arrived.
+pub(super) async fn transfers(s: &mut Services, a: &Transfers) -> Result<Value, Failure> {
     use csi_proto::mesh::{agent_client::AgentClient, ListTransfersRequest};
-    let list = AgentClient::new(s.channel.clone())
-        .list_transfers(ListTransfersRequest {})
-        .await?
-        .into_inner();
-    let rows: Vec<Value> = list
-        .transfers
-        .iter()
-        .map(|t| {
-            let mut row = json!({
-                "transfer_id": t.transfer_id,
-                "role": t.role,
-                "volume_id": t.volume_id,
-                "peer_node": t.peer_node,
-                "state": t.state,
-                "bytes_done": t.bytes_done,
-                "bytes_total": t.bytes_total,
-                "rate": t.rate,
-                "incremental": t.incremental,
-                "resumed": t.resumed,
-            });
-            if !t.message.is_empty() {
-                row["message"] = json!(t.message);
-            }
-            if t.data_bytes > 0 {
-                row["data_bytes"] = json!(t.data_bytes);
-            }
-            if !t.claim_name.is_empty() {
-                row["claim"] = json!(format!("{}/{}", t.claim_namespace, t.claim_name));
-            }
-            row
-        })
-        .collect();
-    Ok(json!({ "transfers": rows }))
+    let mut agent = AgentClient::new(s.channel.clone());
+    let Some(volume) = a.wait.as_deref() else {
+        let list = agent.list_transfers(ListTransfersRequest {}).await?;
+        let rows: Vec<Value> = list
+            .into_inner()
+            .transfers
+            .iter()
+            .map(transfer_row)
+            .collect();
+        return Ok(json!({ "transfers": rows }));
+    };
+    // A handle of the cluster's controller names its node; a node's own
+    // list names the volume alone.
+    let local = volume.split('@').next().unwrap_or(volume);
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(a.timeout);
+    loop {
+        let list = agent.list_transfers(ListTransfersRequest {}).await?;
+        let mine = list
+            .into_inner()
+            .transfers
+            .into_iter()
+            .find(|t| t.role == "arriving" && (t.volume_id == volume || t.volume_id == local));
+        let Some(t) = mine else {
+            return Err(Failure::Rpc(tonic::Status::not_found(format!(
+                "no transfer of volume {volume} arrives here"
+            ))));
+        };
+        if t.state == "done" {
+            return Ok(transfer_row(&t));
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Err(Failure::Rpc(tonic::Status::deadline_exceeded(format!(
+                "volume {volume} did not arrive in {} s: {}",
+                a.timeout,
+                transfer_row(&t)
+            ))));
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
+
+fn transfer_row(t: &csi_proto::mesh::TransferStatus) -> Value {
+    let mut row = json!({
+        "transfer_id": t.transfer_id,
+        "role": t.role,
+        "volume_id": t.volume_id,
+        "peer_node": t.peer_node,
+        "state": t.state,
+        "bytes_done": t.bytes_done,
+        "bytes_total": t.bytes_total,
+        "rate": t.rate,
+        "incremental": t.incremental,
+        "resumed": t.resumed,
+    });
+    if !t.message.is_empty() {
+        row["message"] = json!(t.message);
+    }
+    if t.data_bytes > 0 {
+        row["data_bytes"] = json!(t.data_bytes);
+    }
+    if !t.claim_name.is_empty() {
+        row["claim"] = json!(format!("{}/{}", t.claim_namespace, t.claim_name));
+    }
+    row
 }
