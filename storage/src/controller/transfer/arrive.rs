@@ -48,6 +48,13 @@ fn packed_path(pool: &crate::pool::Pool, id: VolumeId) -> PathBuf {
 const CHECKPOINT_BYTES: u64 = 64 << 20;
 /// Time between two checkpoints, at most.
 const CHECKPOINT_EVERY: Duration = Duration::from_secs(2);
+/// Checkpoints due while one is under way before the transfer waits for it.
+const CHECKPOINTS_BEHIND: u64 = 4;
+/// The thread of a transfer's checkpoints ended before answering.
+fn gone() -> Error {
+    Error::internal("the transfer's checkpoint thread ended")
+}
+
 /// Time between two looks at the volume's cap (ControllerModifyVolume may
 /// change it while its data arrives).
 const CAP_LOOK_EVERY: Duration = Duration::from_millis(500);
@@ -596,63 +603,116 @@ impl Controller {
         // counts from the next look at the record); the node caps all of them.
         let mut meter = Meter::new(crate::volumes::transfer_cap(&vol));
         let mut cap_seen = Instant::now();
-        let mut trailer = None;
         let stream = source.read(rec.progress, rec.base.as_deref(), &job.stop)?;
-        for item in stream {
-            if job.stop.load(Ordering::Relaxed) {
-                return Ok(false);
-            }
-            let p = match item? {
-                Received::Piece(p) => p,
-                Received::Trailer(t) => {
-                    trailer = Some(t);
-                    break;
+        // Checkpoints are made on a thread of their own while the next
+        // pieces are written: the writes never wait for the disk's flushes.
+        let trailer = std::thread::scope(|scope| -> Result<Option<Trailer>> {
+            let (ask, asked) = std::sync::mpsc::sync_channel::<ArrivalRecord>(1);
+            let (tell, told) = std::sync::mpsc::channel::<Result<()>>();
+            let (writer, ledger) = (&writer, &ledger);
+            scope.spawn(move || {
+                for mut at in asked {
+                    let (progress, entries) = (at.progress, at.entries);
+                    let made = self.checkpoint(writer, ledger, &mut at, progress, entries);
+                    if made.is_ok() {
+                        // What the status calls done is durable: a crash
+                        // now goes on from here, never from below.
+                        job.set(|s| s.bytes_done = progress);
+                    }
+                    if tell.send(made).is_err() {
+                        break;
+                    }
                 }
-            };
-            checker.check(&p)?;
-            write_piece(&writer, &p, fresh).context(at)?;
-            let (cell, cell_end) = p.cells();
-            if open_cell.is_none_or(|(c, _)| c != cell) {
-                open_cell = Some((cell, ledger.len()));
-            }
-            ledger.append(&p.entry())?;
-            let end = p.offset() + p.length();
-            let (progress, entries) = match open_cell {
-                Some((c, before)) if p.is_patch() && end < cell_end.min(rec.size) => (c, before),
-                _ => (cell_end, ledger.len()),
-            };
-            if progress < cell_end {
-                // Between two patches of one cell: a test holds the transfer
-                // here past a checkpoint's time, or breaks it here.
-                crate::failpoint::hit("transfer.inside-a-patched-cell");
-                crate::failpoint::fail("transfer.inside-a-patched-cell")
-                    .map_err(|e| Error::Aborted(e.to_string()))?;
-            }
-            let progress = progress.min(rec.size).max(rec.progress);
-            unsynced += progress - rec.progress;
-            meter.note(p.data_len());
-            job.set(|s| s.rate = meter.rate());
-            rec.progress = progress;
-            rec.entries = entries;
-            if unsynced >= CHECKPOINT_BYTES || last_sync.elapsed() >= CHECKPOINT_EVERY {
-                self.checkpoint(&writer, &ledger, rec, progress, entries)?;
-                unsynced = 0;
-                last_sync = Instant::now();
-                // What the status calls done is durable: a crash now goes on
-                // from here, never from below.
-                job.set(|s| s.bytes_done = progress);
-            }
-            if cap_seen.elapsed() >= CAP_LOOK_EVERY {
-                cap_seen = Instant::now();
-                if let Some(v) = self.volumes.get(rec.volume) {
-                    meter.set_cap(crate::volumes::transfer_cap(&v));
+            });
+            let mut in_flight = false;
+            for item in stream {
+                if job.stop.load(Ordering::Relaxed) {
+                    return Ok(None);
                 }
+                let p = match item? {
+                    Received::Piece(p) => p,
+                    Received::Trailer(t) => {
+                        if in_flight {
+                            told.recv().map_err(|_| gone())??;
+                        }
+                        return Ok(Some(t));
+                    }
+                };
+                checker.check(&p)?;
+                write_piece(writer, &p, fresh).context(at)?;
+                let (cell, cell_end) = p.cells();
+                if open_cell.is_none_or(|(c, _)| c != cell) {
+                    open_cell = Some((cell, ledger.len()));
+                }
+                ledger.append(&p.entry())?;
+                let end = p.offset() + p.length();
+                let (progress, entries) = match open_cell {
+                    Some((c, before)) if p.is_patch() && end < cell_end.min(rec.size) => {
+                        (c, before)
+                    }
+                    _ => (cell_end, ledger.len()),
+                };
+                if progress < cell_end {
+                    // Between two patches of one cell: a test holds the
+                    // transfer here past a checkpoint's time, or breaks it
+                    // here.
+                    crate::failpoint::hit("transfer.inside-a-patched-cell");
+                    crate::failpoint::fail("transfer.inside-a-patched-cell")
+                        .map_err(|e| Error::Aborted(e.to_string()))?;
+                }
+                let progress = progress.min(rec.size).max(rec.progress);
+                unsynced += progress - rec.progress;
+                meter.note(p.data_len());
+                job.set(|s| s.rate = meter.rate());
+                rec.progress = progress;
+                rec.entries = entries;
+                if unsynced >= CHECKPOINT_BYTES || last_sync.elapsed() >= CHECKPOINT_EVERY {
+                    // One checkpoint at a time: a due one waits for the one
+                    // under way, past a few of them for good.
+                    let wait = unsynced >= CHECKPOINT_BYTES * CHECKPOINTS_BEHIND;
+                    let ready = match in_flight {
+                        false => true,
+                        true if wait => {
+                            told.recv().map_err(|_| gone())??;
+                            true
+                        }
+                        true => match told.try_recv() {
+                            Ok(made) => {
+                                made?;
+                                true
+                            }
+                            Err(std::sync::mpsc::TryRecvError::Empty) => false,
+                            Err(std::sync::mpsc::TryRecvError::Disconnected) => return Err(gone()),
+                        },
+                    };
+                    if ready {
+                        ask.send(rec.clone()).map_err(|_| gone())?;
+                        in_flight = true;
+                        unsynced = 0;
+                        last_sync = Instant::now();
+                    }
+                }
+                if cap_seen.elapsed() >= CAP_LOOK_EVERY {
+                    cap_seen = Instant::now();
+                    if let Some(v) = self.volumes.get(rec.volume) {
+                        meter.set_cap(crate::volumes::transfer_cap(&v));
+                    }
+                }
+                meter.wait(&job.stop);
+                self.arrivals
+                    .pace(self.cfg.transfer_bandwidth, p.data_len(), job);
             }
-            meter.wait(&job.stop);
-            self.arrivals
-                .pace(self.cfg.transfer_bandwidth, p.data_len(), job);
+            if in_flight {
+                told.recv().map_err(|_| gone())??;
+            }
+            Ok(None)
+        })?;
+        if job.stop.load(Ordering::Relaxed) {
+            return Ok(false);
         }
         if let Some(t) = trailer {
+            tracing::debug!(volume.id = %rec.volume, transfer = %rec.transfer_id,
+                "the last piece arrived; the volume is made durable and checked");
             self.checkpoint(&writer, &ledger, rec, rec.size, ledger.len())?;
             self.finish(&image, rec, &t, &ledger, source.as_mut())?;
             job.set(|s| {

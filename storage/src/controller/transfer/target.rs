@@ -2,7 +2,7 @@
 //! ledger of what was written, and the rate meter with its cap.
 
 use std::path::Path;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use csi_sys::file::{self, AppendFile};
@@ -51,7 +51,7 @@ pub(super) fn write_piece(w: &ImageWriter, p: &Piece, fresh: bool) -> csi_sys::R
 /// The ledger an arrival keeps: the entries of the pieces written.
 pub(super) struct LedgerFile {
     file: AppendFile,
-    len: std::cell::Cell<u64>,
+    len: AtomicU64,
 }
 
 impl LedgerFile {
@@ -66,20 +66,20 @@ impl LedgerFile {
         };
         Ok(LedgerFile {
             file,
-            len: std::cell::Cell::new(entries),
+            len: AtomicU64::new(entries),
         })
     }
 
     pub(super) fn len(&self) -> u64 {
-        self.len.get()
+        self.len.load(Ordering::Relaxed)
     }
 
     pub(super) fn append(&self, e: &Entry) -> Result<()> {
-        let at = self.len.get() * Entry::BYTES as u64;
+        let at = self.len() * Entry::BYTES as u64;
         self.file
             .write_at(at, &e.encode())
             .context(|| "writing the transfer ledger".to_string())?;
-        self.len.set(self.len.get() + 1);
+        self.len.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
 
@@ -90,7 +90,7 @@ impl LedgerFile {
     }
 
     pub(super) fn truncate(&self) -> Result<()> {
-        self.len.set(0);
+        self.len.store(0, Ordering::Relaxed);
         self.file
             .truncate(0)
             .context(|| "emptying the transfer ledger".to_string())
@@ -101,7 +101,7 @@ impl LedgerFile {
         let bytes =
             file::read(self.file.path()).context(|| "reading the transfer ledger".to_string())?;
         let mut l = super::pieces::Ledger::default();
-        for chunk in bytes.chunks(Entry::BYTES).take(self.len.get() as usize) {
+        for chunk in bytes.chunks(Entry::BYTES).take(self.len() as usize) {
             let e = Entry::decode(chunk)
                 .ok_or_else(|| Error::internal("the transfer ledger is damaged"))?;
             l.add(&e);
