@@ -67,6 +67,17 @@ impl ImageReader {
         Ok(())
     }
 
+    /// Starts reading `[offset, offset + len)` into the page cache without
+    /// waiting for it, for a read that comes soon. Only a hint: the read
+    /// works the same when it fails.
+    pub fn read_soon(&self, offset: u64, len: u64) {
+        use nix::fcntl::{posix_fadvise, PosixFadviseAdvice};
+        let (Ok(o), Ok(l)) = (i64::try_from(offset), i64::try_from(len)) else {
+            return;
+        };
+        let _ = posix_fadvise(&self.file, o, l, PosixFadviseAdvice::POSIX_FADV_WILLNEED);
+    }
+
     /// The open file, for the calls that compare extents.
     pub fn file(&self) -> &File {
         &self.file

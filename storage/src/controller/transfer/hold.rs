@@ -450,11 +450,16 @@ enum Plan {
 pub struct HoldStream {
     reader: ImageReader,
     plan: std::vec::IntoIter<Plan>,
+    /// How far reads were asked ahead of the pieces.
+    asked_to: u64,
     from: u64,
     ledger: Ledger,
     incremental: bool,
     ended: bool,
 }
+
+/// How far ahead of the pieces a hold is read.
+const READ_AHEAD: u64 = 16 * CELL;
 
 impl HoldStream {
     fn open(
@@ -498,6 +503,7 @@ impl HoldStream {
         Ok(HoldStream {
             reader,
             plan: plan.into_iter(),
+            asked_to: 0,
             from,
             ledger: Ledger::default(),
             incremental,
@@ -505,8 +511,29 @@ impl HoldStream {
         })
     }
 
+    /// Asks the disk for the data of the next pieces (up to `READ_AHEAD`
+    /// bytes of them) not asked for yet, so that their reads find it read.
+    fn read_ahead(&mut self) {
+        let mut ahead = 0;
+        for item in self.plan.as_slice() {
+            let (Plan::Cell(start, end) | Plan::Patch(start, end)) = *item else {
+                continue;
+            };
+            if end > self.asked_to {
+                let from = start.max(self.asked_to);
+                self.reader.read_soon(from, end - from);
+                self.asked_to = end;
+            }
+            ahead += end - start;
+            if ahead >= READ_AHEAD {
+                break;
+            }
+        }
+    }
+
     /// The next piece of the plan, whether sent or only counted.
     fn next_piece(&mut self) -> Option<Result<Piece>> {
+        self.read_ahead();
         let item = self.plan.next()?;
         Some(match item {
             Plan::Zeros(start, end) => Ok(Piece::Zero {
