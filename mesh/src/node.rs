@@ -148,7 +148,7 @@ fn to_message(r: Received) -> mesh::ReadResponse {
                     digest,
                 } => chunk(offset, data.len() as u64, data, Some(digest), patch),
                 Piece::Zero { offset, length } | Piece::Clear { offset, length } => {
-                    chunk(offset, length, Vec::new(), None, patch)
+                    chunk(offset, length, Default::default(), None, patch)
                 }
             }
         }

@@ -96,7 +96,9 @@ impl Source for TestSource {
                         seen.data_bytes
                             .fetch_add(data.len() as u64, Ordering::Relaxed);
                         if f.corrupt {
-                            data[0] ^= 1;
+                            let mut bad = data.to_vec();
+                            bad[0] ^= 1;
+                            *data = bad.into();
                         }
                     }
                     Some(Ok(Received::Piece(p)))

@@ -1,6 +1,8 @@
 //! The pieces of a transfer, their ledger, and the checks a target makes of
 //! what a source sends before it writes anything.
 
+use bytes::Bytes;
+
 use crate::error::{Error, Result};
 
 /// The grid of a transfer: no piece of data crosses a multiple of this.
@@ -12,7 +14,7 @@ pub enum Piece {
     /// The cell holding `offset` reads as zeros except for `data` at `offset`.
     Data {
         offset: u64,
-        data: Vec<u8>,
+        data: Bytes,
         digest: [u8; 32],
     },
     /// Whole cells of zeros: `[offset, offset + length)`.
@@ -22,7 +24,7 @@ pub enum Piece {
     /// cell keeps what the target holds (the base's data).
     Patch {
         offset: u64,
-        data: Vec<u8>,
+        data: Bytes,
         digest: [u8; 32],
     },
     /// Of the same: `[offset, offset + length)`, within one cell, reads as
@@ -43,7 +45,8 @@ impl std::fmt::Debug for Piece {
 
 impl Piece {
     /// A piece of data, with its digest.
-    pub fn data(offset: u64, data: Vec<u8>) -> Piece {
+    pub fn data(offset: u64, data: impl Into<Bytes>) -> Piece {
+        let data = data.into();
         let digest = *blake3::hash(&data).as_bytes();
         Piece::Data {
             offset,
@@ -53,7 +56,8 @@ impl Piece {
     }
 
     /// A patch of data, with its digest.
-    pub fn patch(offset: u64, data: Vec<u8>) -> Piece {
+    pub fn patch(offset: u64, data: impl Into<Bytes>) -> Piece {
+        let data = data.into();
         let digest = *blake3::hash(&data).as_bytes();
         Piece::Patch {
             offset,
@@ -275,6 +279,14 @@ impl Checker {
 mod tests {
     use super::*;
 
+    /// The same bytes with the first one changed (its digest no longer
+    /// matches).
+    fn flip_first(data: &Bytes) -> Bytes {
+        let mut changed = data.to_vec();
+        changed[0] ^= 3;
+        changed.into()
+    }
+
     #[test]
     fn entries_encode_and_decode() {
         let e = Piece::data(3 * CELL + 5, vec![1, 2, 3]).entry();
@@ -348,7 +360,7 @@ mod tests {
         );
         let mut forged = Piece::data(6 * CELL, vec![1; 10]);
         if let Piece::Data { data, .. } = &mut forged {
-            data[0] = 2;
+            *data = flip_first(data);
         }
         bad(&mut c, forged);
         ok(&mut c, Piece::data(9 * CELL, vec![7; 10]));
@@ -395,7 +407,7 @@ mod tests {
         );
         let mut forged = Piece::patch(3 * CELL, vec![1; 10]);
         if let Piece::Patch { data, .. } = &mut forged {
-            data[0] = 2;
+            *data = flip_first(data);
         }
         bad(&mut c, forged);
         ok(&mut c, Piece::patch(3 * CELL + 8192, vec![3; 10]));
