@@ -232,10 +232,16 @@ async fn holds(mut c: ControllerClient<Channel>, kind: Kind, id: String) -> Resu
 }
 
 /// An agent's answer as the router gives it: its own codes, except that a
-/// failure to reach the agent names the node (UNAVAILABLE: retry later).
+/// failure to reach the agent names the node (UNAVAILABLE: retry later). A
+/// connection that closes under a call (the agent's process killed after the
+/// router last used it) fails it as CANCELLED in tonic; that too is a node
+/// out of reach, never the caller's cancellation (the router answers no
+/// caller who went away).
 pub(crate) fn from_node(node: &str, s: Status) -> Status {
     match s.code() {
-        tonic::Code::Unavailable | tonic::Code::Unknown if is_transport(&s) => {
+        tonic::Code::Unavailable | tonic::Code::Unknown | tonic::Code::Cancelled
+            if is_transport(&s) =>
+        {
             Status::unavailable(format!("node {node} is unreachable: {}", s.message()))
         }
         tonic::Code::Unavailable => Status::unavailable(format!("node {node}: {}", s.message())),
@@ -251,6 +257,7 @@ fn is_transport(s: &Status) -> bool {
         || m.contains("transport error")
         || m.contains("connect")
         || m.contains("connection")
+        || m == "operation was canceled"
 }
 
 /// The caller's deadline, from its `grpc-timeout` header.

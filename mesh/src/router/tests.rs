@@ -98,6 +98,21 @@ fn handles_in_answers_name_the_node_and_keep_handles_given() {
 }
 
 #[test]
+fn a_connection_closed_under_a_call_is_a_node_out_of_reach() {
+    // tonic's answer when the agent's connection closes mid-call.
+    let s = from_node("n7", Status::cancelled("operation was canceled"));
+    assert_eq!(s.code(), tonic::Code::Unavailable);
+    assert!(
+        s.message().contains("node n7 is unreachable"),
+        "{}",
+        s.message()
+    );
+    // An agent's own CANCELLED (not the transport's) passes as it is.
+    let s = from_node("n7", Status::cancelled("the call was abandoned"));
+    assert_eq!(s.code(), tonic::Code::Cancelled);
+}
+
+#[test]
 fn an_unreachable_agent_is_named_and_its_own_answers_pass_unchanged() {
     let s = from_node(
         "n7",
