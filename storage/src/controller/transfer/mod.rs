@@ -10,7 +10,10 @@
 //! digest; a run of empty cells travels as one piece of zeros and stays a
 //! hole. The target writes each piece, and at each checkpoint makes what it
 //! wrote durable and records how far it got, so that a transfer cut by a crash
-//! of either node, or by the network, goes on from there. The last message
+//! of either node, or by the network, goes on from there; a checkpoint runs on
+//! a thread of its own while the next pieces are written, and records only
+//! what was written before its flush began. The source asks the disk for the
+//! next pieces' data ahead of reading them. The last message
 //! carries the digest of the whole transfer's ledger (every piece's offset,
 //! length and digest, from the start), which the target compares with its own
 //! before it clears the mark.
