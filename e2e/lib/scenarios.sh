@@ -508,10 +508,28 @@ scenario_across_nodes() {
     local want holes
     want=$(in_pod src cat /data/sums); holes=$(in_pod src cat /data/holey.du)
     take_snapshot src-snap src || return
-    pvc src-restored 2Gi e2e-xfs Filesystem "  dataSource: {apiGroup: snapshot.storage.k8s.io, kind: VolumeSnapshot, name: src-snap}"
+    # The restore's VolumeAttributesClass paces its transfer at 1 MiB/s (the
+    # 66 MiB of data would take a minute), until the claim gets a class
+    # without a cap.
+    kc apply -f - >/dev/null <<EOF
+apiVersion: storage.k8s.io/v1
+kind: VolumeAttributesClass
+metadata: {name: e2e-transfer-paced}
+driverName: example.csi.k8s.io
+parameters: {transferBandwidth: 1Mi}
+---
+apiVersion: storage.k8s.io/v1
+kind: VolumeAttributesClass
+metadata: {name: e2e-transfer-free}
+driverName: example.csi.k8s.io
+parameters: {transferBandwidth: "0"}
+EOF
+    pvc src-restored 2Gi e2e-xfs Filesystem "  dataSource: {apiGroup: snapshot.storage.k8s.io, kind: VolumeSnapshot, name: src-snap}
+  volumeAttributesClassName: e2e-transfer-paced"
     pvc src-clone 2Gi e2e-xfs Filesystem "  dataSource: {kind: PersistentVolumeClaim, name: src}"
     pod on-b-restored src-restored "$MOVE_READ" "$(on_node "$b")"
     pod on-b-clone src-clone "$MOVE_READ" "$(on_node "$b")"
+    transfer_paced_then_freed src-restored
     local c source_image; source_image=$(image_of src ssd)
     for c in restored clone; do
         local claim=src-$c p=on-b-$c
@@ -537,6 +555,35 @@ scenario_across_nodes() {
     kc -n "$NS" delete pvc src-restored src-clone --wait=true --timeout=120s >/dev/null
     kc -n "$NS" delete volumesnapshot src-snap --wait=true --timeout=120s >/dev/null
     kc -n "$NS" delete pvc src --wait=true --timeout=120s >/dev/null
+    kc delete volumeattributesclass e2e-transfer-paced e2e-transfer-free --wait=false >/dev/null
+}
+
+# transfer_paced_then_freed CLAIM: the arrival of CLAIM (of the class
+# e2e-transfer-paced, 1 MiB/s) is still running 8 s after it started; the
+# claim given the class e2e-transfer-free (external-resizer, then
+# ControllerModifyVolume through the router to the arriving node), its data
+# is whole well before the cap would have let it be.
+transfer_paced_then_freed() {
+    local claim=$1 state got total
+    eventually 120 "the data of $claim arriving" transfer_in_state "$claim" running || return
+    sleep 8
+    read -r state got total _ <<<"$(transfers_of "$claim" | head -1)"
+    check "its class's 1 MiB/s paces it: still $state after 8 s, $((${got:-0} >> 20)) MiB durable of $((${total:-0} >> 20)) MiB" \
+        test "$state" = running -a "${got:-0}" -lt $((24 << 20))
+    local start=$SECONDS
+    kc -n "$NS" patch pvc "$claim" -p '{"spec":{"volumeAttributesClassName":"e2e-transfer-free"}}' >/dev/null
+    eventually 60 "the claim has the class without a cap" \
+        field_is "pvc/$claim" '{.status.currentVolumeAttributesClassName}' e2e-transfer-free
+    eventually 60 "its data whole" transfer_done_whole "$claim"
+    check "whole $((SECONDS - start)) s after the class changed (at 1 MiB/s the rest needed about a minute)" \
+        test $((SECONDS - start)) -lt 40
+}
+
+# transfer_in_state CLAIM STATE: the claim's arrival is in STATE.
+transfer_in_state() {
+    local state
+    read -r state _ <<<"$(transfers_of "$1" | head -1)"
+    [ "$state" = "$2" ]
 }
 
 # A directory volume's tree: nested folders, random data, a file with holes,
