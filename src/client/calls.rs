@@ -492,7 +492,9 @@ pub(super) async fn transfers(s: &mut Services, a: &Transfers) -> Result<Value, 
     // A handle of the cluster's controller names its node; a node's own
     // list names the volume alone.
     let local = volume.split('@').next().unwrap_or(volume);
-    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(a.timeout);
+    // A timeout past what the clock can count waits without end.
+    let deadline =
+        tokio::time::Instant::now().checked_add(std::time::Duration::from_secs(a.timeout));
     loop {
         let list = agent.list_transfers(ListTransfersRequest {}).await?;
         let mine = list
@@ -508,7 +510,7 @@ pub(super) async fn transfers(s: &mut Services, a: &Transfers) -> Result<Value, 
         if t.state == "done" {
             return Ok(transfer_row(&t));
         }
-        if tokio::time::Instant::now() >= deadline {
+        if deadline.is_some_and(|d| tokio::time::Instant::now() >= d) {
             return Err(Failure::Rpc(tonic::Status::deadline_exceeded(format!(
                 "volume {volume} did not arrive in {} s: {}",
                 a.timeout,
