@@ -19,7 +19,7 @@ use crate::data::remove_data;
 use crate::error::{Context, Result};
 use crate::model::{Backing, RecordState, VolumeRecord};
 use crate::pool::Pool;
-use crate::settings::attr_name;
+use crate::settings::{attr_name, carried_by_data};
 use crate::store::Barrier;
 
 /// The attribute holding the creation time of the record an image was made for.
@@ -37,9 +37,8 @@ pub(crate) fn is_fresh_image(rec: &VolumeRecord) -> bool {
 /// The attributes a new image of `rec` carries: its mutable parameters and the
 /// stamp of its record.
 pub(crate) fn attributes(rec: &VolumeRecord) -> Vec<(String, Vec<u8>)> {
-    rec.mutable_parameters
+    carried_by_data(&rec.mutable_parameters)
         .iter()
-        .filter(|(k, _)| k.as_str() != crate::TRANSFER_BANDWIDTH)
         .map(|(k, v)| (attr_name(k), v.as_bytes().to_vec()))
         .chain(std::iter::once((
             attr_name(MADE_FOR),

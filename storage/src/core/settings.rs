@@ -24,6 +24,16 @@ pub(crate) fn attr_name(key: &str) -> String {
     format!("example-csi.{key}")
 }
 
+/// The mutable parameters a volume's data carries (as attributes of its image
+/// or directory, or a subvolume's property): all but `transferBandwidth`, which
+/// only its record keeps.
+pub(crate) fn carried_by_data(m: &BTreeMap<String, String>) -> BTreeMap<String, String> {
+    m.iter()
+        .filter(|(k, _)| k.as_str() != crate::TRANSFER_BANDWIDTH)
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect()
+}
+
 pub fn parse_settings(values: &BTreeMap<String, String>) -> Result<LoopSettings> {
     let direct_io = match values.get(DIRECT_IO).map(String::as_str) {
         None => None,

@@ -20,7 +20,7 @@ use crate::error::{Context, Error, Result};
 use crate::ids::VolumeId;
 use crate::model::*;
 use crate::pool::DEFAULT_POOL;
-use crate::settings::attr_name;
+use crate::settings::{attr_name, carried_by_data};
 use crate::Controller;
 
 mod content;
@@ -90,16 +90,6 @@ pub fn parse_parameters(p: &BTreeMap<String, String>) -> Result<VolumeParams> {
         kind,
         transfer_bandwidth,
     })
-}
-
-/// The mutable parameters a volume's data carries (as attributes of its image
-/// or directory, or a subvolume's property): all but `transferBandwidth`, which
-/// only its record keeps.
-pub(crate) fn carried_by_data(m: &BTreeMap<String, String>) -> BTreeMap<String, String> {
-    m.iter()
-        .filter(|(k, _)| k.as_str() != crate::TRANSFER_BANDWIDTH)
-        .map(|(k, v)| (k.clone(), v.clone()))
-        .collect()
 }
 
 /// Bytes per second a transfer of the data of `rec` from another node reads at

@@ -94,7 +94,7 @@ impl Controller {
         let pool = self.pool(&rec.pool)?.clone();
         let path = pool.volume_path(id, rec.backing, false);
         // What the data carries changes there first; the record keeps all.
-        let on_data = super::carried_by_data(m);
+        let on_data = crate::settings::carried_by_data(m);
         let undo = match rec.backing {
             _ if on_data.is_empty() => None,
             Backing::Image => {
