@@ -203,17 +203,21 @@ async fn snapshot_with_data(cl: &Cluster, tag: &str, size: i64, mib: u32) -> csi
     .await
 }
 
-/// What is left in a node's pool of transfers: images of holds not kept as a
-/// base, and arrival records.
-fn held_images(pool: &Pool) -> Vec<String> {
-    let dir = pool.path.join(".holds");
-    std::fs::read_dir(&dir)
+/// The names in folder `dir` of a node's pool.
+fn listed(pool: &Pool, dir: &str) -> Vec<String> {
+    std::fs::read_dir(pool.path.join(dir))
         .map(|r| {
             r.flatten()
                 .map(|e| e.file_name().to_string_lossy().into_owned())
                 .collect()
         })
         .unwrap_or_default()
+}
+
+/// What is left in a node's pool of transfers: images of holds not kept as a
+/// base, and arrival records.
+fn held_images(pool: &Pool) -> Vec<String> {
+    listed(pool, ".holds")
 }
 
 /// The answer of node A's agent at `port` to a Read of transfer `id` by
@@ -431,6 +435,24 @@ async fn root_a_live_volume_cloned_to_another_node_twice_sends_only_the_change_t
     .await;
     let t2 = arrived(&cl.b.driver, &c2.volume_id, 180).await;
     assert!(t2.incremental, "{t2:?}");
+    // What the second transfer replaced, the first one's base on A and its
+    // replica on B, goes soon after it: one of each is kept (an image and
+    // its description).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let (holds, replicas) = (
+            listed(&cl.a.pool, ".holds"),
+            listed(&cl.b.pool, ".replicas"),
+        );
+        if holds.len() == 2 && replicas.len() == 2 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "kept: {holds:?} {replicas:?}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
     // 4 MiB of file data changed: what differs (file data, the filesystem's
     // metadata and log) travels as patches of its cells, not whole cells.
     assert!(
@@ -446,15 +468,7 @@ async fn root_a_live_volume_cloned_to_another_node_twice_sends_only_the_change_t
 
     // What the transfers kept for the next move goes with the volumes: the
     // replica on B with the last copy, the base on A with the source.
-    let kept = |pool: &Pool, dir: &str| -> Vec<String> {
-        std::fs::read_dir(pool.path.join(dir))
-            .map(|r| {
-                r.flatten()
-                    .map(|e| e.file_name().to_string_lossy().into_owned())
-                    .collect()
-            })
-            .unwrap_or_default()
-    };
+    let kept = listed;
     assert!(!kept(&cl.a.pool, ".holds").is_empty(), "no base kept on A");
     assert!(
         !kept(&cl.b.pool, ".replicas").is_empty(),

@@ -417,6 +417,74 @@ fn a_second_transfer_of_a_volume_sends_only_what_changed() {
     }
 }
 
+/// The names in folder `dir` of `c`'s pools, sorted.
+fn names_in(c: &Controller, dir: &str) -> Vec<String> {
+    let mut out: Vec<String> = c
+        .pools
+        .values()
+        .flat_map(|p| std::fs::read_dir(p.root.join(dir)).into_iter().flatten())
+        .flatten()
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .collect();
+    out.sort();
+    out
+}
+
+#[test]
+fn what_the_next_transfer_replaces_goes_after_it_and_a_crash_leftover_at_start() {
+    let p = pair();
+    let (vol, src) = volume_with_data(&p, "pvc-src");
+    let mut last = None;
+    for (i, name) in ["pvc-1", "pvc-2", "pvc-3"].into_iter().enumerate() {
+        write_at(&src, (i as u64) * CELL + 5, name.as_bytes());
+        last = Some(p.send(&vol, &format!("t{}@node-2", 20 + i), name));
+        assert!(p.settle(Duration::from_secs(20)).is_empty());
+    }
+    same_bytes(&src, &p.b.image(&last.unwrap().id.to_string()));
+    // The base and replica each transfer replaced are removed on a thread
+    // of their own once it is done: one base (image and description) is
+    // left on the source, one replica on the target (where it reflinks).
+    let reflink = p.cb().pools.values().all(|p| p.reflink);
+    let replicas_kept = if reflink { 2 } else { 0 };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (holds, replicas) = (names_in(&p.ca(), ".holds"), names_in(&p.cb(), ".replicas"));
+        if holds.len() == 2 && replicas.len() == replicas_kept {
+            break;
+        }
+        assert!(Instant::now() < deadline, "left: {holds:?} {replicas:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let holds = p.ca().holds();
+    assert_eq!(holds.len(), 1, "{holds:?}");
+    assert!(holds[0].base && holds[0].transfer_id == "t22@node-2");
+    // A replica set aside and not yet removed by a crash, an image whose
+    // description a crash never wrote and a temporary file go at the next
+    // start; the replica kept stays, and the next transfer still starts
+    // from it.
+    let dir = p.cb().pools.values().next().unwrap().root.join(".replicas");
+    std::fs::create_dir_all(&dir).unwrap();
+    for stray in [
+        "gone-0123456789abcdef.img",
+        "0123456789abcdef.img",
+        ".x.json.tmp",
+    ] {
+        std::fs::write(dir.join(stray), b"left by a crash").unwrap();
+    }
+    p.cb().recover_arrivals();
+    assert_eq!(names_in(&p.cb(), ".replicas").len(), replicas_kept);
+    if !reflink {
+        return;
+    }
+    write_at(&src, 5, b"changed once more");
+    p.seen.data_bytes.store(0, Ordering::Relaxed);
+    let next = p.send(&vol, "t30@node-2", "pvc-4");
+    assert!(p.settle(Duration::from_secs(20)).is_empty());
+    same_bytes(&src, &p.b.image(&next.id.to_string()));
+    assert!(p.seen.incremental.load(Ordering::Relaxed));
+    assert!(p.seen.data_bytes.load(Ordering::Relaxed) <= 2 * 4096);
+}
+
 /// The replicas kept in `c`'s pools.
 fn replicas(c: &Controller) -> usize {
     c.pools

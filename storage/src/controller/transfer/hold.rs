@@ -339,17 +339,21 @@ impl Controller {
         if !keep_as_base || !self.volumes.contains(info.source_volume) {
             return remove_hold(pool, transfer_id).context(at);
         }
-        for (old, p) in self.holds_with_pools() {
-            let same =
-                old.source_volume == info.source_volume && old.target_node == info.target_node;
-            if old.base && same && old.transfer_id != transfer_id {
-                remove_hold(p, &old.transfer_id).context(at)?;
-            }
-        }
         if !info.base {
             info.base = true;
             let json = serde_json::to_vec(&info).map_err(|e| Error::internal(e.to_string()))?;
             file::write_atomic(&info_path(pool, transfer_id), &json).context(at)?;
+        }
+        // The base kept before goes: its description now, its image once
+        // this call has answered (it shares its extents with the volume's
+        // snapshots, and freeing them takes a while the target need not wait).
+        for (old, p) in self.holds_with_pools() {
+            let same =
+                old.source_volume == info.source_volume && old.target_node == info.target_node;
+            if old.base && same && old.transfer_id != transfer_id {
+                file::remove_file_if_exists(&info_path(p, &old.transfer_id)).context(at)?;
+                super::remove_later(image_path(p, &old.transfer_id));
+            }
         }
         Ok(())
     }

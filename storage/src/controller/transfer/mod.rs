@@ -30,6 +30,7 @@ mod pieces;
 mod replica;
 mod target;
 
+use std::path::PathBuf;
 use std::sync::atomic::AtomicBool;
 
 pub(crate) use arrive::Arrivals;
@@ -65,4 +66,23 @@ pub trait Source: Send {
     /// The target is done with the hold: it is removed, or kept as the base
     /// of the next transfer.
     fn release(&mut self, keep_as_base: bool) -> Result<()>;
+}
+
+/// Removes an image that nothing describes any more on a thread of its own:
+/// freeing the extents it shares with other images takes tens of
+/// milliseconds a GiB, which the transfer that replaced it does not wait
+/// for. A crash before leaves an orphan, which the next start removes.
+pub(crate) fn remove_later(image: PathBuf) {
+    let remove = |image: &std::path::Path| {
+        if let Err(e) = csi_sys::file::remove_file_if_exists(image) {
+            tracing::warn!(error = %e, "cannot remove an image no longer needed; the next start does");
+        }
+    };
+    let path = image.clone();
+    let spawned = std::thread::Builder::new()
+        .name("remove-image".into())
+        .spawn(move || remove(&path));
+    if spawned.is_err() {
+        remove(&image);
+    }
 }

@@ -26,6 +26,9 @@ pub(super) struct Replica {
     pub volume: Option<VolumeId>,
 }
 
+/// How a replica set aside for removal is named.
+const GONE: &str = "gone-";
+
 impl Controller {
     fn replicas_dir(pool: &crate::pool::Pool) -> PathBuf {
         pool.root.join(".replicas")
@@ -70,13 +73,26 @@ impl Controller {
             created: Timestamp::now(),
             volume: Some(rec.volume),
         };
+        // The replica before is set aside under a name no description has,
+        // and removed once this transfer is done with (see `remove_later`).
+        let aside = dir.join(format!("{GONE}{}.img", uuid::Uuid::new_v4().simple()));
+        let mut set_aside = false;
         let kept = file::mkdir_p_mode(&dir, 0o700)
             .and_then(|()| file::remove_file_if_exists(&desc).map(drop))
-            .and_then(|()| file::remove_file_if_exists(&img).map(drop))
+            .and_then(|()| {
+                set_aside = dir::is_file(&img);
+                match set_aside {
+                    true => dir::rename_durably(&img, &aside),
+                    false => Ok(()),
+                }
+            })
             .and_then(|()| file::reflink(image, &img))
             .and_then(|()| file::write_atomic(&desc, &serde_json::to_vec(&r).unwrap_or_default()));
         if let Err(e) = kept {
             tracing::info!(error = %e, "no replica kept of an arrived volume");
+        }
+        if set_aside {
+            super::remove_later(aside);
         }
     }
 
@@ -115,6 +131,23 @@ impl Controller {
                     || r.volume.is_some_and(|v| !self.volumes.contains(v))
             })
         });
+        // Images no description names: set aside, or kept by a crash
+        // before (or without) their description.
+        for pool in self.pools.values() {
+            let dir_path = Self::replicas_dir(pool);
+            let entries = dir::list_if_exists(&dir_path).unwrap_or_default();
+            for e in &entries {
+                let described = e
+                    .name
+                    .strip_suffix(".img")
+                    .is_some_and(|stem| entries.iter().any(|d| d.name == format!("{stem}.json")));
+                if !e.name.ends_with(".json") && !described {
+                    if let Err(e) = file::remove_file_if_exists(&dir_path.join(&e.name)) {
+                        tracing::warn!(error = %e, "cannot remove what is left of a replica");
+                    }
+                }
+            }
+        }
     }
 
     /// The replica kept of `volume`'s arrival, which is deleted. Best effort:
