@@ -119,7 +119,8 @@ move() {
   moved=$(client "$work/router.sock" create-volume "$name" --size "$(( size_mib + 256 ))Mi" \
     --node node-b --fs xfs --source-snapshot "$snap" | grep -o '"volume_id": *"[^"]*"' | cut -d'"' -f4)
   made=$(date +%s.%N)
-  # One client that asks node-b every 20 ms on one connection: a process
+  # One client that asks node-b on one connection (every 1 ms at first,
+  # then less often, down to every 20 ms): a process
   # started per look would take the CPU the transfer needs.
   local arrived
   arrived=$(client "$work/b/csi.sock" transfers --wait "${moved%%@*}" --timeout 3600)

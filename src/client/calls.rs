@@ -495,6 +495,9 @@ pub(super) async fn transfers(s: &mut Services, a: &Transfers) -> Result<Value, 
     // A timeout past what the clock can count waits without end.
     let deadline =
         tokio::time::Instant::now().checked_add(std::time::Duration::from_secs(a.timeout));
+    // Asked again soon at first, so that a short transfer is seen done when
+    // it is, then less and less often, down to once every 20 ms.
+    let mut pause = std::time::Duration::from_millis(1);
     loop {
         let list = agent.list_transfers(ListTransfersRequest {}).await?;
         let mine = list
@@ -517,7 +520,8 @@ pub(super) async fn transfers(s: &mut Services, a: &Transfers) -> Result<Value, 
                 transfer_row(&t)
             ))));
         }
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        tokio::time::sleep(pause).await;
+        pause = (pause * 5 / 4).min(std::time::Duration::from_millis(20));
     }
 }
 
