@@ -10,25 +10,23 @@
 //! and the ledger before it moves the record on.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 use csi_sys::file::AppendFile;
-use csi_sys::image_io::ImageWriter;
 use csi_sys::{dir, file};
 use serde::{Deserialize, Serialize};
 
-use super::pieces::Checker;
-use super::target::{write_piece, LedgerFile, Meter};
-use super::{Received, Source, Trailer};
+use super::Source;
 use crate::core::arrival;
 use crate::error::{Context, Error, Result};
 use crate::ids::VolumeId;
 use crate::locks::LockKey;
 use crate::model::*;
 use crate::state::Domain;
+use crate::volumes::create::Plan;
 use crate::volumes::CreateVolume;
 use crate::Controller;
 
@@ -40,24 +38,10 @@ pub type Sources = Arc<dyn Fn(&str, &str, &str) -> Box<dyn Source> + Send + Sync
 /// The hidden folder of a pool where directories' packed trees arrive.
 const ARRIVING: &str = ".arriving";
 
-fn packed_path(pool: &crate::pool::Pool, id: VolumeId) -> PathBuf {
+pub(super) fn packed_path(pool: &crate::pool::Pool, id: VolumeId) -> PathBuf {
     pool.root.join(ARRIVING).join(format!("{id}.tree"))
 }
 
-/// Bytes written between two checkpoints, at most.
-const CHECKPOINT_BYTES: u64 = 64 << 20;
-/// Time between two checkpoints, at most.
-const CHECKPOINT_EVERY: Duration = Duration::from_secs(2);
-/// Checkpoints due while one is under way before the transfer waits for it.
-const CHECKPOINTS_BEHIND: u64 = 4;
-/// The thread of a transfer's checkpoints ended before answering.
-fn gone() -> Error {
-    Error::internal("the transfer's checkpoint thread ended")
-}
-
-/// Time between two looks at the volume's cap (ControllerModifyVolume may
-/// change it while its data arrives).
-const CAP_LOOK_EVERY: Duration = Duration::from_millis(500);
 /// The longest wait between two tries of a transfer that failed.
 const MAX_BACKOFF: Duration = Duration::from_secs(30);
 
@@ -90,22 +74,22 @@ pub(super) struct ArrivalRecord {
     pub(super) transfer_id: String,
     pub(super) source_node: String,
     pub(super) source_volume: String,
-    size: u64,
+    pub(super) size: u64,
     /// Everything before this offset is durable here.
-    progress: u64,
+    pub(super) progress: u64,
     /// Ledger entries durable, for the pieces before `progress`.
-    entries: u64,
+    pub(super) entries: u64,
     /// The transfer whose data the image started from (a replica kept here).
-    base: Option<String>,
-    started: Timestamp,
-    resumed: u32,
-    claim: Option<(String, String)>,
+    pub(super) base: Option<String>,
+    pub(super) started: Timestamp,
+    pub(super) resumed: u32,
+    pub(super) claim: Option<(String, String)>,
     /// Empty in records made before holds had tokens.
     #[serde(default)]
-    read_token: String,
+    pub(super) read_token: String,
     /// The data is a packed tree, unpacked into the volume at the end.
     #[serde(default)]
-    tree: bool,
+    pub(super) tree: bool,
 }
 
 /// A transfer as `ListTransfers` shows it.
@@ -132,8 +116,8 @@ pub struct TransferStatus {
 }
 
 /// A running arrival.
-struct Job {
-    stop: AtomicBool,
+pub(super) struct Job {
+    pub(super) stop: AtomicBool,
     /// Stopped because its volume is deleted (else by the process's end).
     deleted: AtomicBool,
     status: Mutex<TransferStatus>,
@@ -141,7 +125,7 @@ struct Job {
 }
 
 impl Job {
-    fn set(&self, f: impl FnOnce(&mut TransferStatus)) {
+    pub(super) fn set(&self, f: impl FnOnce(&mut TransferStatus)) {
         f(&mut self.status.lock().unwrap_or_else(|p| p.into_inner()));
     }
 
@@ -174,7 +158,7 @@ impl Job {
 #[derive(Default)]
 pub(crate) struct Arrivals {
     jobs: Mutex<BTreeMap<VolumeId, Arc<Job>>>,
-    sources: OnceLock<Sources>,
+    pub(super) sources: OnceLock<Sources>,
     /// Arrivals running now, of at most `cfg.max_transfers`.
     running: (Mutex<usize>, Condvar),
     /// The last arrivals that ended whole, newest last, so that a look at
@@ -222,7 +206,7 @@ impl Arrivals {
     /// Holds `job` back until `n` more bytes fit under `cap` bytes per
     /// second, counted together with every other arrival's: each piece books
     /// the time it costs after those booked before it.
-    fn pace(&self, cap: u64, n: u64, job: &Job) {
+    pub(super) fn pace(&self, cap: u64, n: u64, job: &Job) {
         if cap == 0 {
             return;
         }
@@ -245,6 +229,30 @@ impl Arrivals {
     }
 }
 
+/// Whether a volume planned as `plan` can take the data `from` sends: of
+/// its kind, of the filesystem it asks for if it names one (it takes the
+/// source's).
+fn fits_source(plan: &mut Plan, from: &ArrivingFrom) -> Result<()> {
+    match (from.tree.is_some(), plan.backing == Backing::Image) {
+        (true, true) => Err(Error::invalid(
+            "the content source is a directory: its copy is one too (kind=dir)",
+        )),
+        (false, false) => Err(Error::invalid(
+            "the content source is an image: its copy is one too (kind=image)",
+        )),
+        _ => Ok(()),
+    }?;
+    if let (Some(want), Some(have)) = (&plan.fs_type, &from.fs_type) {
+        if want != have && plan.fs_named {
+            return Err(Error::invalid(format!(
+                "the content source holds {have}, not the requested {want}"
+            )));
+        }
+    }
+    plan.fs_type = from.fs_type.clone();
+    Ok(())
+}
+
 impl Controller {
     fn transfers_dir(&self) -> PathBuf {
         self.state.domain(Domain::Controller).join("transfers")
@@ -254,11 +262,11 @@ impl Controller {
         self.transfers_dir().join(format!("{id}.json"))
     }
 
-    fn ledger_path(&self, id: VolumeId) -> PathBuf {
+    pub(super) fn ledger_path(&self, id: VolumeId) -> PathBuf {
         self.transfers_dir().join(format!("{id}.ledger"))
     }
 
-    fn write_arrival(&self, rec: &ArrivalRecord) -> Result<()> {
+    pub(super) fn write_arrival(&self, rec: &ArrivalRecord) -> Result<()> {
         let json = serde_json::to_vec(rec).map_err(|e| Error::internal(e.to_string()))?;
         file::write_atomic(&self.record_path(rec.volume), &json)
             .context(|| format!("recording the arrival of volume {}", rec.volume))
@@ -268,7 +276,7 @@ impl Controller {
         serde_json::from_slice(&file::read(&self.record_path(id)).ok()?).ok()
     }
 
-    fn remove_arrival(&self, id: VolumeId) -> Result<()> {
+    pub(super) fn remove_arrival(&self, id: VolumeId) -> Result<()> {
         let at = || format!("removing the arrival record of volume {id}");
         file::remove_file_if_exists(&self.ledger_path(id)).context(at)?;
         for p in self.pools.values() {
@@ -314,27 +322,7 @@ impl Controller {
         from: ArrivingFrom,
     ) -> Result<VolumeRecord> {
         let mut plan = self.plan_volume(&req)?;
-        match (from.tree.is_some(), plan.backing == Backing::Image) {
-            (true, true) => {
-                return Err(Error::invalid(
-                    "the content source is a directory: its copy is one too (kind=dir)",
-                ))
-            }
-            (false, false) => {
-                return Err(Error::invalid(
-                    "the content source is an image: its copy is one too (kind=image)",
-                ))
-            }
-            _ => {}
-        }
-        if let (Some(want), Some(have)) = (&plan.fs_type, &from.fs_type) {
-            if want != have && plan.fs_named {
-                return Err(Error::invalid(format!(
-                    "the content source holds {have}, not the requested {want}"
-                )));
-            }
-        }
-        plan.fs_type = from.fs_type.clone();
+        fits_source(&mut plan, &from)?;
         let id = VolumeId::for_name(&req.name);
         let _guard = self.locks.try_lock([LockKey::Volume(id)])?;
         if let Some(existing) = self.volumes.get(id) {
@@ -375,10 +363,22 @@ impl Controller {
                 .requested
                 .or(requested_below(req.capacity.required, size)),
         };
+        self.make_arriving_volume(record, &plan.pool, &from)
+    }
+
+    /// The volume of `record`, made arriving from `from`, its transfer
+    /// started; nothing of it left when it cannot be.
+    fn make_arriving_volume(
+        self: &Arc<Self>,
+        record: VolumeRecord,
+        pool: &crate::pool::Pool,
+        from: &ArrivingFrom,
+    ) -> Result<VolumeRecord> {
+        let id = record.id;
         let volume = self.state.lock_volume(id)?;
         self.remove_volume_data(id, false)?;
         self.remove_arrival(id)?;
-        let made = self.make_arriving(&record, &plan.pool, &from);
+        let made = self.make_arriving(&record, pool, from);
         let arrival = match made {
             Ok(a) => a,
             Err(e) => {
@@ -564,289 +564,6 @@ impl Controller {
             }
         }
         self.arrivals.jobs().remove(&id);
-    }
-
-    /// One try of a transfer, from its last checkpoint: Ok(true) once the
-    /// volume is whole, Ok(false) when stopped.
-    fn arrive_once(&self, job: &Job, rec: &mut ArrivalRecord) -> Result<bool> {
-        let mut source = self.source_of(rec)?;
-        let vol = self
-            .volumes
-            .get(rec.volume)
-            .ok_or_else(|| Error::not_found(format!("volume {} is gone", rec.volume)))?;
-        let pool = self.pool(&vol.pool)?;
-        // A directory's packed tree arrives beside it.
-        let image = match rec.tree {
-            true => packed_path(pool, vol.id),
-            false => pool.volume_path(vol.id, Backing::Image, false),
-        };
-        let at = || format!("writing the arriving volume {}", vol.id);
-        let writer = ImageWriter::open(&image).context(at)?;
-        let ledger = LedgerFile::open(&self.ledger_path(rec.volume), rec.entries)?;
-        job.set(|s| {
-            s.state = "running".into();
-            s.message.clear();
-            s.resumed = rec.resumed;
-        });
-        // A fresh image holds holes where zeros come: nothing to punch.
-        let fresh = rec.base.is_none();
-        // A target that starts from its base takes patches of cells.
-        let mut checker = Checker::new(rec.progress, vol.size.max(rec.size), !fresh);
-        // The cell the last pieces patched, and the ledger's length before
-        // its first patch: until the cell is done, a checkpoint records the
-        // transfer at the cell's start (a resumed read sends all of its
-        // patches again).
-        let mut open_cell: Option<(u64, u64)> = None;
-        let mut unsynced = 0u64;
-        let mut last_sync = Instant::now();
-        // The volume's class or attributes may cap this transfer (a change
-        // counts from the next look at the record); the node caps all of them.
-        let mut meter = Meter::new(crate::volumes::transfer_cap(&vol));
-        let mut cap_seen = Instant::now();
-        let stream = source.read(rec.progress, rec.base.as_deref(), &job.stop)?;
-        // Checkpoints are made on a thread of their own while the next
-        // pieces are written: the writes never wait for the disk's flushes.
-        let trailer = std::thread::scope(|scope| -> Result<Option<Trailer>> {
-            let (ask, asked) = std::sync::mpsc::sync_channel::<ArrivalRecord>(1);
-            let (tell, told) = std::sync::mpsc::channel::<Result<()>>();
-            let (writer, ledger) = (&writer, &ledger);
-            scope.spawn(move || {
-                for mut at in asked {
-                    let (progress, entries) = (at.progress, at.entries);
-                    let made = self.checkpoint(writer, ledger, &mut at, progress, entries);
-                    if made.is_ok() {
-                        // What the status calls done is durable: a crash
-                        // now goes on from here, never from below.
-                        job.set(|s| s.bytes_done = progress);
-                    }
-                    if tell.send(made).is_err() {
-                        break;
-                    }
-                }
-            });
-            let mut in_flight = false;
-            for item in stream {
-                if job.stop.load(Ordering::Relaxed) {
-                    return Ok(None);
-                }
-                let p = match item? {
-                    Received::Piece(p) => p,
-                    Received::Trailer(t) => {
-                        if in_flight {
-                            told.recv().map_err(|_| gone())??;
-                        }
-                        return Ok(Some(t));
-                    }
-                };
-                checker.check(&p)?;
-                write_piece(writer, &p, fresh).context(at)?;
-                let (cell, cell_end) = p.cells();
-                if open_cell.is_none_or(|(c, _)| c != cell) {
-                    open_cell = Some((cell, ledger.len()));
-                }
-                ledger.append(&p.entry())?;
-                let end = p.offset() + p.length();
-                let (progress, entries) = match open_cell {
-                    Some((c, before)) if p.is_patch() && end < cell_end.min(rec.size) => {
-                        (c, before)
-                    }
-                    _ => (cell_end, ledger.len()),
-                };
-                if progress < cell_end {
-                    // Between two patches of one cell: a test holds the
-                    // transfer here past a checkpoint's time, or breaks it
-                    // here.
-                    crate::failpoint::hit("transfer.inside-a-patched-cell");
-                    crate::failpoint::fail("transfer.inside-a-patched-cell")
-                        .map_err(|e| Error::Aborted(e.to_string()))?;
-                }
-                let progress = progress.min(rec.size).max(rec.progress);
-                unsynced += progress - rec.progress;
-                meter.note(p.data_len());
-                job.set(|s| s.rate = meter.rate());
-                rec.progress = progress;
-                rec.entries = entries;
-                if unsynced >= CHECKPOINT_BYTES || last_sync.elapsed() >= CHECKPOINT_EVERY {
-                    // One checkpoint at a time: a due one waits for the one
-                    // under way, past a few of them for good.
-                    let wait = unsynced >= CHECKPOINT_BYTES * CHECKPOINTS_BEHIND;
-                    let ready = match in_flight {
-                        false => true,
-                        true if wait => {
-                            told.recv().map_err(|_| gone())??;
-                            true
-                        }
-                        true => match told.try_recv() {
-                            Ok(made) => {
-                                made?;
-                                true
-                            }
-                            Err(std::sync::mpsc::TryRecvError::Empty) => false,
-                            Err(std::sync::mpsc::TryRecvError::Disconnected) => return Err(gone()),
-                        },
-                    };
-                    if ready {
-                        ask.send(rec.clone()).map_err(|_| gone())?;
-                        in_flight = true;
-                        unsynced = 0;
-                        last_sync = Instant::now();
-                    }
-                }
-                if cap_seen.elapsed() >= CAP_LOOK_EVERY {
-                    cap_seen = Instant::now();
-                    if let Some(v) = self.volumes.get(rec.volume) {
-                        meter.set_cap(crate::volumes::transfer_cap(&v));
-                    }
-                }
-                meter.wait(&job.stop);
-                self.arrivals
-                    .pace(self.cfg.transfer_bandwidth, p.data_len(), job);
-            }
-            if in_flight {
-                told.recv().map_err(|_| gone())??;
-            }
-            Ok(None)
-        })?;
-        if job.stop.load(Ordering::Relaxed) {
-            return Ok(false);
-        }
-        if let Some(t) = trailer {
-            tracing::debug!(volume.id = %rec.volume, transfer = %rec.transfer_id,
-                "the last piece arrived; the volume is made durable and checked");
-            self.checkpoint(&writer, &ledger, rec, rec.size, ledger.len())?;
-            self.finish(&image, rec, &t, &ledger, source.as_mut())?;
-            job.set(|s| {
-                s.state = "done".into();
-                s.bytes_done = rec.size;
-                s.incremental = t.incremental;
-                s.data_bytes = t.data_bytes;
-            });
-            return Ok(true);
-        }
-        Err(Error::Aborted(format!(
-            "node {} stopped sending before the end of transfer {}",
-            rec.source_node, rec.transfer_id
-        )))
-    }
-
-    /// The source node of an arrival, as the mesh reaches it.
-    fn source_of(&self, rec: &ArrivalRecord) -> Result<Box<dyn Source>> {
-        let sources = self
-            .arrivals
-            .sources
-            .get()
-            .ok_or_else(|| Error::internal("no mesh to reach the source through"))?;
-        Ok(sources(&rec.source_node, &rec.transfer_id, &rec.read_token))
-    }
-
-    /// Makes everything written durable, then moves the record on.
-    fn checkpoint(
-        &self,
-        writer: &ImageWriter,
-        ledger: &LedgerFile,
-        rec: &mut ArrivalRecord,
-        progress: u64,
-        entries: u64,
-    ) -> Result<()> {
-        writer
-            .sync_data()
-            .context(|| format!("syncing the arriving volume {}", rec.volume))?;
-        ledger.sync()?;
-        rec.progress = progress;
-        rec.entries = entries;
-        crate::failpoint::hit("transfer.after-checkpoint-data");
-        self.write_arrival(rec)?;
-        crate::failpoint::hit("transfer.after-checkpoint");
-        Ok(())
-    }
-
-    /// The end of a transfer: its ledger checked whole against the source's,
-    /// the mark cleared, a replica kept for the next transfer of the volume,
-    /// the source's hold kept there as that transfer's base.
-    fn finish(
-        &self,
-        image: &Path,
-        rec: &mut ArrivalRecord,
-        trailer: &Trailer,
-        ledger: &LedgerFile,
-        source: &mut dyn Source,
-    ) -> Result<()> {
-        let ours = ledger.digest()?;
-        if ours.0 != trailer.digest || ours.1 != trailer.pieces {
-            // Something was lost or doubled on the way: start over.
-            rec.progress = 0;
-            rec.entries = 0;
-            ledger.truncate()?;
-            self.write_arrival(rec)?;
-            return Err(Error::internal(format!(
-                "transfer {} arrived with {} pieces against the {} node {} sent, or with \
-                 other digests; it starts over",
-                rec.transfer_id, ours.1, trailer.pieces, rec.source_node
-            )));
-        }
-        if rec.tree {
-            return self.finish_tree(image, rec, trailer, source);
-        }
-        crate::failpoint::hit("transfer.before-unmark");
-        arrival::clear(image)?;
-        let vol = self.volumes.get(rec.volume);
-        if let Some(pool) = vol.and_then(|v| self.pool(&v.pool).ok().cloned()) {
-            self.keep_replica(&pool, image, rec);
-        }
-        self.remove_arrival(rec.volume)?;
-        if let Err(e) = source.release(true) {
-            tracing::info!(transfer = %rec.transfer_id, error = %e,
-                "the source's hold could not be kept as a base; the next transfer sends all");
-        }
-        tracing::info!(volume.id = %rec.volume, transfer = %rec.transfer_id,
-            pieces = trailer.pieces, bytes = trailer.data_bytes,
-            incremental = trailer.incremental, resumed = rec.resumed,
-            "all of the volume's data arrived and is durable");
-        Ok(())
-    }
-
-    /// The end of a directory's transfer, its packed tree whole and durable:
-    /// unpacked into the volume (emptied first: a crash may have cut an
-    /// earlier unpack short), then the mark cleared. A volume no longer
-    /// marked was unpacked already, and may be in use: it is left alone.
-    fn finish_tree(
-        &self,
-        packed: &Path,
-        rec: &mut ArrivalRecord,
-        trailer: &Trailer,
-        source: &mut dyn Source,
-    ) -> Result<()> {
-        let vol = self
-            .volumes
-            .get(rec.volume)
-            .ok_or_else(|| Error::not_found(format!("volume {} is gone", rec.volume)))?;
-        let path = self
-            .pool(&vol.pool)?
-            .volume_path(vol.id, vol.backing, false);
-        let at = || format!("unpacking the arrived directory of volume {}", vol.id);
-        if arrival::arriving_from(&path)?.is_some() {
-            for e in dir::list(&path).context(at)? {
-                file::remove_tree(&path.join(&e.name)).context(at)?;
-            }
-            crate::failpoint::hit("transfer.before-unpack");
-            // Its data fits what the source sent, which fits the stream.
-            let report = self
-                .heavy(|| csi_sys::tree::unpack_tree(packed, &path, rec.size))?
-                .context(at)?;
-            tracing::debug!(volume.id = %vol.id, entries = report.entries, "directory unpacked");
-            crate::failpoint::hit("transfer.before-unmark");
-            arrival::clear(&path)?;
-        }
-        self.remove_arrival(rec.volume)?;
-        // A packed tree is no base for the next transfer: it goes.
-        if let Err(e) = source.release(false) {
-            tracing::info!(transfer = %rec.transfer_id, error = %e,
-                "the source's hold could not be released; it expires there");
-        }
-        tracing::info!(volume.id = %rec.volume, transfer = %rec.transfer_id,
-            pieces = trailer.pieces, bytes = trailer.data_bytes, resumed = rec.resumed,
-            "all of the directory's data arrived and is durable");
-        Ok(())
     }
 
     /// DeleteVolume of a volume still arriving: its transfer is stopped (the

@@ -27,6 +27,7 @@
 mod arrive;
 mod hold;
 mod pieces;
+mod receive;
 mod replica;
 mod target;
 
