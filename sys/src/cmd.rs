@@ -121,21 +121,11 @@ pub fn command_error<S: AsRef<OsStr>>(program: &str, args: &[S], out: &Output) -
     }
 }
 
-/// Run `program args...` like [`run`] but return its output whatever its exit
-/// status. Errors only when it cannot be started or does not finish in time.
-pub fn run_unchecked<S: AsRef<OsStr>>(
-    program: &str,
-    args: &[S],
-    timeout: Duration,
-) -> Result<Output> {
-    let line = display(program, args);
-    let exe = which(program).ok_or_else(|| SysError::NotFound {
-        what: format!(
-            "command {program} (searched {})",
-            search_path().to_string_lossy()
-        ),
-    })?;
-    let mut cmd = Command::new(&exe);
+/// The command that runs `exe` with `args`: a known PATH and locale, no
+/// input, its output piped, in a process group of its own, dying with the
+/// driver.
+fn command<S: AsRef<OsStr>>(exe: &Path, args: &[S]) -> Command {
+    let mut cmd = Command::new(exe);
     cmd.args(args)
         .env("PATH", search_path())
         .env("LC_ALL", "C")
@@ -168,6 +158,24 @@ pub fn run_unchecked<S: AsRef<OsStr>>(
             Ok(())
         });
     }
+    cmd
+}
+
+/// Run `program args...` like [`run`] but return its output whatever its exit
+/// status. Errors only when it cannot be started or does not finish in time.
+pub fn run_unchecked<S: AsRef<OsStr>>(
+    program: &str,
+    args: &[S],
+    timeout: Duration,
+) -> Result<Output> {
+    let line = display(program, args);
+    let exe = which(program).ok_or_else(|| SysError::NotFound {
+        what: format!(
+            "command {program} (searched {})",
+            search_path().to_string_lossy()
+        ),
+    })?;
+    let mut cmd = command(&exe, args);
     tracing::debug!(command = %line, "running");
     let started = Instant::now();
     let mut child = cmd.spawn().map_err(|e| SysError::io("spawn", &exe, e))?;

@@ -334,51 +334,13 @@ pub fn unpack_tree(archive: &Path, dst_dir: &Path, max_data: u64) -> Result<Walk
                 let (name, meta, path) = r.head(&at, FileType::RegularFile)?;
                 r.file(dir, &name, &meta, &path)?;
             }
-            LINK => {
-                let (name, meta, path) = r.head(&at, FileType::Symlink)?;
-                let target = r.name(MAX_LINK)?;
-                rustix::fs::symlinkat(target.as_c_str(), dir, &name)
-                    .map_err(|e| SysError::io("create symlink", &path, e.into()))?;
-                note(|| FsOp::Other {
-                    what: "a symlink",
-                    path: path.clone(),
-                });
-                apply_metadata_at(dir, &name, &meta, &path)?;
-            }
-            NODE => {
-                let (name, meta, path) = r.node_head(&at)?;
-                let rdev = u64::from_le_bytes(r.array()?);
-                rustix::fs::mknodat(dir, &name, meta.kind(), meta.permissions(), rdev as _)
-                    .map_err(|e| SysError::io("mknod", &path, e.into()))?;
-                note(|| FsOp::Other {
-                    what: "a device node",
-                    path: path.clone(),
-                });
-                apply_metadata_at(dir, &name, &meta, &path)?;
-            }
+            LINK => r.link(dir, &at)?,
+            NODE => r.node(dir, &at)?,
             END => {
                 if !stack.is_empty() {
                     return Err(r.damaged("it ends inside a directory"));
                 }
-                let meta = r.meta()?;
-                if meta.kind() != FileType::Directory {
-                    return Err(r.damaged("its root is not a directory"));
-                }
-                let entries = u64::from_le_bytes(r.array()?);
-                if entries != report.entries {
-                    return Err(r.damaged(&format!(
-                        "it says {entries} entries and holds {}",
-                        report.entries
-                    )));
-                }
-                let mut more = [0u8; 1];
-                if r.src
-                    .read(&mut more)
-                    .map_err(|e| SysError::io("read", archive, e))?
-                    != 0
-                {
-                    return Err(r.damaged("it goes on after its end"));
-                }
+                let meta = r.end(report.entries)?;
                 apply_metadata_fd(root.fd.as_fd(), &meta, dst_dir)?;
                 break;
             }
@@ -399,6 +361,55 @@ struct Reader<'a> {
 }
 
 impl Reader<'_> {
+    /// A symbolic link's record: the link made in `dir` (the folder `at`).
+    fn link(&mut self, dir: BorrowedFd, at: &Path) -> Result<()> {
+        let (name, meta, path) = self.head(at, FileType::Symlink)?;
+        let target = self.name(MAX_LINK)?;
+        rustix::fs::symlinkat(target.as_c_str(), dir, &name)
+            .map_err(|e| SysError::io("create symlink", &path, e.into()))?;
+        note(|| FsOp::Other {
+            what: "a symlink",
+            path: path.clone(),
+        });
+        apply_metadata_at(dir, &name, &meta, &path)
+    }
+
+    /// A device node's or fifo's record: the node made in `dir`.
+    fn node(&mut self, dir: BorrowedFd, at: &Path) -> Result<()> {
+        let (name, meta, path) = self.node_head(at)?;
+        let rdev = u64::from_le_bytes(self.array()?);
+        rustix::fs::mknodat(dir, &name, meta.kind(), meta.permissions(), rdev as _)
+            .map_err(|e| SysError::io("mknod", &path, e.into()))?;
+        note(|| FsOp::Other {
+            what: "a device node",
+            path: path.clone(),
+        });
+        apply_metadata_at(dir, &name, &meta, &path)
+    }
+
+    /// The end record, after `entries` entries: the root's meta, once the
+    /// count agrees and nothing follows.
+    fn end(&mut self, entries: u64) -> Result<Meta> {
+        let meta = self.meta()?;
+        if meta.kind() != FileType::Directory {
+            return Err(self.damaged("its root is not a directory"));
+        }
+        let said = u64::from_le_bytes(self.array()?);
+        if said != entries {
+            return Err(self.damaged(&format!("it says {said} entries and holds {entries}")));
+        }
+        let mut more = [0u8; 1];
+        if self
+            .src
+            .read(&mut more)
+            .map_err(|e| SysError::io("read", self.path, e))?
+            != 0
+        {
+            return Err(self.damaged("it goes on after its end"));
+        }
+        Ok(meta)
+    }
+
     fn damaged(&self, why: &str) -> SysError {
         SysError::InvalidArgument {
             what: format!("the packed tree {} is refused: {why}", self.path.display()),
