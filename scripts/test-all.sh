@@ -54,6 +54,12 @@ step "format and lints"
 cargo fmt --all -- --check
 cargo clippy --workspace --all-targets --quiet -- -D warnings
 
+step "sizes: no production function over 80 lines, no file over 800"
+cargo clippy --workspace --lib --bins --quiet -- -D warnings -W clippy::too_many_lines
+long=$(git ls-files '*.rs' | grep -v -e '^tests/' -e '/tests/' -e 'tests\.rs$' -e '^deny/' |
+    xargs wc -l | awk '$2 != "total" && $1 > 800')
+[ -z "$long" ] || { echo "production files over 800 lines:"; echo "$long"; exit 1; }
+
 step "dependencies: advisories, licenses, bans, sources (cargo deny)"
 scripts/deny.sh
 
