@@ -32,6 +32,8 @@ struct Faults {
     no_trailer: bool,
     /// Waits this long before each piece.
     delay: Option<Duration>,
+    /// Releases that fail (the source down), before one lands.
+    release_failures: usize,
 }
 
 /// What the sources of a test saw.
@@ -118,6 +120,12 @@ impl Source for TestSource {
 
     fn release(&mut self, keep_as_base: bool) -> Result<()> {
         self.seen.released.lock().unwrap().push(keep_as_base);
+        let mut f = self.faults.lock().unwrap();
+        if f.release_failures > 0 {
+            f.release_failures -= 1;
+            return Err(Error::Aborted("node node-1 is down".into()));
+        }
+        drop(f);
         self.from.release_hold(&self.transfer, keep_as_base)
     }
 }
@@ -377,6 +385,65 @@ fn a_hostile_source_is_refused_and_a_delete_stops_the_transfer() {
     }
     assert!(p.ca().holds().is_empty(), "{:?}", p.ca().holds());
     assert!(p.b.pool_files("volumes").is_empty());
+}
+
+/// Waits up to `secs` for `done`.
+fn eventually(secs: u64, done: impl Fn() -> bool) -> bool {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    while !done() {
+        if Instant::now() > deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    true
+}
+
+#[test]
+fn a_release_the_source_missed_is_noted_and_retried_until_it_lands() {
+    let p = pair();
+    let (vol, src) = volume_with_data(&p, "pvc-src");
+    let notes = p.b.state_dir().join("controller/releases");
+    // The source is down as the transfer ends, and at the first retry.
+    p.faults.lock().unwrap().release_failures = 2;
+    let rec = p.send(&vol, "t40@node-2", "pvc-copy");
+    assert!(p.settle(Duration::from_secs(20)).is_empty());
+    same_bytes(&src, &p.b.image(&rec.id.to_string()));
+    let hold = || {
+        p.ca()
+            .holds()
+            .into_iter()
+            .find(|h| h.transfer_id == "t40@node-2")
+    };
+    assert!(
+        hold().is_some_and(|h| !h.base),
+        "not yet released: {:?}",
+        hold()
+    );
+    assert_eq!(
+        std::fs::read_dir(&notes).unwrap().count(),
+        1,
+        "the release is noted"
+    );
+    // Retried after 1 s, then 2 s: kept as the base, the note gone.
+    assert!(
+        eventually(10, || hold().is_some_and(|h| h.base)),
+        "{:?}",
+        hold()
+    );
+    assert!(eventually(2, || std::fs::read_dir(&notes).unwrap().count() == 0));
+    assert_eq!(*p.seen.released.lock().unwrap(), vec![true, true, true]);
+
+    // A volume deleted while its data arrives, the source down then: its
+    // hold goes once the source is back.
+    p.faults.lock().unwrap().delay = Some(Duration::from_millis(300));
+    p.faults.lock().unwrap().release_failures = 1;
+    let copy = p.send(&vol, "t41@node-2", "pvc-copy-2");
+    std::thread::sleep(Duration::from_millis(400));
+    p.cb().delete_volume(&copy.id.to_string()).unwrap();
+    let gone = || !p.ca().holds().iter().any(|h| h.transfer_id == "t41@node-2");
+    assert!(eventually(10, gone), "{:?}", p.ca().holds());
+    assert!(eventually(2, || std::fs::read_dir(&notes).unwrap().count() == 0));
 }
 
 #[test]

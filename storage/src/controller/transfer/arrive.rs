@@ -298,6 +298,7 @@ impl Controller {
         if self.arrivals.sources.set(sources).is_err() {
             return;
         }
+        self.retry_noted_releases();
         for e in dir::list_if_exists(&self.transfers_dir()).unwrap_or_default() {
             let Some(id) = e.name.strip_suffix(".json").and_then(VolumeId::parse) else {
                 continue;
@@ -552,15 +553,12 @@ impl Controller {
             self.arrivals.give_slot();
         }
         if job.deleted.load(Ordering::Relaxed) {
-            // Stopped by a delete of the volume: the source may let its hold go.
-            let sources = self.arrivals.sources.get().cloned();
-            if let Some(sources) = sources {
-                if let Err(e) =
-                    sources(&rec.source_node, &rec.transfer_id, &rec.read_token).release(false)
-                {
-                    tracing::info!(transfer = %rec.transfer_id, error = %e,
-                        "the source's hold could not be released; it expires there");
-                }
+            // Stopped by a delete of the volume: the source may let its hold
+            // go (noted first: the delete removes the record next).
+            match self.note_release(&rec, false) {
+                Ok(note) => self.tell_release(note, None),
+                Err(e) => tracing::warn!(transfer = %rec.transfer_id, error = %e,
+                    "the source's hold could not be released; it expires there"),
             }
         }
         self.arrivals.jobs().remove(&id);

@@ -26,7 +26,7 @@ use crate::Controller;
 
 const HOLDS: &str = ".holds";
 /// How long a hold waits for its transfer to end.
-const HOLD_AGE: Duration = Duration::from_secs(24 * 3600);
+pub(super) const HOLD_AGE: Duration = Duration::from_secs(24 * 3600);
 /// How long a base waits for the next transfer of its volume.
 const BASE_AGE: Duration = Duration::from_secs(7 * 24 * 3600);
 /// Longest transfer id taken (a handle: an id and a node name).
@@ -127,7 +127,7 @@ fn read_info(path: &Path) -> Option<HoldInfo> {
     serde_json::from_slice(&bytes).ok()
 }
 
-fn age(t: Timestamp) -> Duration {
+pub(super) fn age(t: Timestamp) -> Duration {
     let now = Timestamp::now();
     Duration::from_secs(now.seconds.saturating_sub(t.seconds).max(0) as u64)
 }

@@ -28,6 +28,7 @@ mod arrive;
 mod hold;
 mod pieces;
 mod receive;
+mod releases;
 mod replica;
 mod target;
 

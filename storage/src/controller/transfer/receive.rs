@@ -347,11 +347,9 @@ impl Controller {
         if let Some(pool) = vol.and_then(|v| self.pool(&v.pool).ok().cloned()) {
             self.keep_replica(&pool, image, rec);
         }
+        let note = self.note_release(rec, true)?;
         self.remove_arrival(rec.volume)?;
-        if let Err(e) = source.release(true) {
-            tracing::info!(transfer = %rec.transfer_id, error = %e,
-                "the source's hold could not be kept as a base; the next transfer sends all");
-        }
+        self.tell_release(note, Some(source));
         tracing::info!(volume.id = %rec.volume, transfer = %rec.transfer_id,
             pieces = trailer.pieces, bytes = trailer.data_bytes,
             incremental = trailer.incremental, resumed = rec.resumed,
@@ -391,12 +389,10 @@ impl Controller {
             crate::failpoint::hit("transfer.before-unmark");
             arrival::clear(&path)?;
         }
-        self.remove_arrival(rec.volume)?;
         // A packed tree is no base for the next transfer: it goes.
-        if let Err(e) = source.release(false) {
-            tracing::info!(transfer = %rec.transfer_id, error = %e,
-                "the source's hold could not be released; it expires there");
-        }
+        let note = self.note_release(rec, false)?;
+        self.remove_arrival(rec.volume)?;
+        self.tell_release(note, Some(source));
         tracing::info!(volume.id = %rec.volume, transfer = %rec.transfer_id,
             pieces = trailer.pieces, bytes = trailer.data_bytes, resumed = rec.resumed,
             "all of the directory's data arrived and is durable");
