@@ -261,12 +261,11 @@ impl Soak {
             // A process killed while the data is on the way.
             tokio::time::sleep(Duration::from_millis(self.rng.random_range(0..200))).await;
             self.maybe_kill(0.3, &[src.node, target, "router"]);
-            let what = match arrival_over(self.node(target), &item.id).await {
-                Some(t) if t.incremental => "moved, incremental",
-                Some(_) => "moved, whole",
-                None => "moved, its node restarted since",
-            };
-            self.count(what);
+            let t = arrival_over(self.node(target), &item.id).await;
+            self.count(match t.incremental {
+                true => "moved, incremental",
+                false => "moved, whole",
+            });
         } else {
             self.count("copied on its node");
         }
@@ -331,9 +330,10 @@ impl Soak {
 }
 
 /// Waits until the data of `volume` has arrived on `node`: its status once
-/// done, or None when the node restarted since (a status lives in memory)
-/// and the volume's arrival record is gone.
-async fn arrival_over(node: &Node, volume: &str) -> Option<csi_proto::mesh::TransferStatus> {
+/// done. A node keeps the statuses of the arrivals that ended across its
+/// restarts, and an arrival's record until then: one neither listed nor
+/// recorded is lost.
+async fn arrival_over(node: &Node, volume: &str) -> csi_proto::mesh::TransferStatus {
     let id = csi_glue::handle::parse(volume).id;
     let record = node
         .driver
@@ -348,8 +348,11 @@ async fn arrival_over(node: &Node, volume: &str) -> Option<csi_proto::mesh::Tran
             .iter()
             .find(|t| t.role == "arriving" && t.volume_id == id);
         match mine {
-            Some(t) if t.state == "done" => return Some(t.clone()),
-            None if !record.exists() => return None,
+            Some(t) if t.state == "done" => return t.clone(),
+            None if !record.exists() => panic!(
+                "the arrival of {volume} is neither listed nor recorded: {now:?}\n{}",
+                tail(&node.driver.log_text())
+            ),
             _ => {}
         }
         assert!(

@@ -1005,6 +1005,16 @@ async fn root_a_directory_volume_restored_and_cloned_on_another_node_arrives_equ
     assert!(done.data_bytes < 4 * MIB as u64, "{done:?}");
     no_transfer_left(&cl.b.pool);
     no_transfer_left(&cl.a.pool);
+    // A CO's retry of the call after the data arrived (its answer lost):
+    // the same volume, and the hold the source makes again for it goes
+    // with the call, nothing reading it.
+    let again = must_create(
+        &mut r.controller,
+        dir_from("pvc-dir-restored", snapshot_source(&snap.snapshot_id)),
+    )
+    .await;
+    assert_eq!(again.volume_id, restored.volume_id);
+    no_transfer_left(&cl.a.pool);
     let m = mount(&cl.b, &restored.volume_id, "restored").await;
     assert_eq!(std::fs::read(m.target.join("a/small")).unwrap(), b"hi\n");
     unmount(&cl.b, &m).await;

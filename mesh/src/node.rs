@@ -235,6 +235,7 @@ impl Transfer for TransferService {
             kind: if h.tree.is_some() { "dir" } else { "image" }.into(),
             read_token: h.read_token,
             volume_size: h.tree.unwrap_or(h.size),
+            base: h.base,
         }))
     }
 
@@ -350,6 +351,7 @@ pub fn status_message(s: TransferStatus) -> mesh::TransferStatus {
         claim_name,
         resumed: s.resumed,
         data_bytes: s.data_bytes,
+        ended_seconds: s.ended_seconds,
     }
 }
 
@@ -506,10 +508,16 @@ impl Agent for AgentService {
             tree,
         };
         let c = self.controller.clone();
-        let v = blocking(move || c.create_arriving_volume(create, from)).await?;
+        let (v, data_whole) = blocking(move || {
+            let v = c.create_arriving_volume(create, from)?;
+            let whole = !c.is_arriving(v.id);
+            Ok((v, whole))
+        })
+        .await?;
         let volume = csi_glue::volume_of(&self.controller, &v.view());
         Ok(Response::new(mesh::CreateArrivingVolumeResponse {
             volume: volume.encode_to_vec(),
+            data_whole,
         }))
     }
 

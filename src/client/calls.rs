@@ -544,6 +544,9 @@ fn transfer_row(t: &csi_proto::mesh::TransferStatus) -> Value {
     if t.data_bytes > 0 {
         row["data_bytes"] = json!(t.data_bytes);
     }
+    if t.ended_seconds > 0 {
+        row["ended_seconds"] = json!(t.ended_seconds);
+    }
     if !t.claim_name.is_empty() {
         row["claim"] = json!(format!("{}/{}", t.claim_namespace, t.claim_name));
     }

@@ -5,7 +5,7 @@
 //! and the claims told, through Events, when a transfer starts, ends or
 //! stalls.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -69,6 +69,7 @@ impl Router {
             .await
             .map_err(|s| from_node(&source.node, s))?
             .into_inner();
+        let hold_was_base = hold.base;
         // The target pulls from the source at once: it must know where the
         // source listens before the periodic word reaches it.
         self.tell_peers_to(target).await;
@@ -89,12 +90,24 @@ impl Router {
             Ok(m) => m.into_inner(),
             Err(s) => {
                 if refused_as_asked(s.code()) {
-                    self.release_refused_hold(dl, &source.node, &transfer_id)
+                    self.release_unread_hold(dl, &source.node, &transfer_id, "refused the volume")
                         .await;
                 }
                 return Err(from_node(target, s));
             }
         };
+        // A retry after the transfer ended: the hold this call made again
+        // (the first went with the transfer's end) is read by nobody. One
+        // kept as the base of the next transfer is the first one: it stays.
+        if made.data_whole && !hold_was_base {
+            self.release_unread_hold(
+                dl,
+                &source.node,
+                &transfer_id,
+                "had all of its data already",
+            )
+            .await;
+        }
         let mut v = csi::Volume::decode(made.volume.as_slice())
             .map_err(|e| Status::internal(format!("node {target} answered a volume: {e}")))?;
         qualify_volume(&mut v, target);
@@ -105,10 +118,16 @@ impl Router {
         Ok(v)
     }
 
-    /// Lets the source drop a hold whose target refused the volume: nothing
-    /// reads it, and a retry of the call makes it again. A failure is logged
-    /// (the hold then goes at the source's next start, past its age).
-    async fn release_refused_hold(&self, dl: Option<Duration>, node: &str, transfer_id: &str) {
+    /// Lets the source drop a hold that nothing will read, its target having
+    /// `why` (a retry of the call makes it again). A failure is logged (the
+    /// hold then goes at the source's next start, past its age).
+    async fn release_unread_hold(
+        &self,
+        dl: Option<Duration>,
+        node: &str,
+        transfer_id: &str,
+        why: &str,
+    ) {
         let req = mesh::ReleaseRequest {
             transfer_id: transfer_id.to_string(),
             keep_as_base: false,
@@ -122,10 +141,12 @@ impl Router {
             Ok(()) => tracing::info!(
                 node,
                 transfer = transfer_id,
-                "the target refused the volume; the source let its hold go"
+                reason = why,
+                "the source let go a hold no target reads"
             ),
-            Err(e) => tracing::warn!(node, transfer = transfer_id, error = %e.message(),
-                "the target refused the volume; the source's hold stays until it ages out"),
+            Err(e) => tracing::warn!(node, transfer = transfer_id, reason = why,
+                error = %e.message(),
+                "a hold no target reads stays on the source until it ages out"),
         }
     }
 
@@ -157,7 +178,15 @@ impl Router {
 
     /// The transfers of every node that answers.
     pub async fn transfers(&self) -> Vec<(String, mesh::TransferStatus)> {
+        self.transfers_and_who_answered().await.0
+    }
+
+    /// The transfers of every node that answers, and those nodes.
+    pub async fn transfers_and_who_answered(
+        &self,
+    ) -> (Vec<(String, mesh::TransferStatus)>, BTreeSet<String>) {
         let mut out = Vec::new();
+        let mut answered = BTreeSet::new();
         for node in self.agents.nodes() {
             let listed = match self.agent_client(&node).await {
                 Ok(mut c) => c
@@ -171,31 +200,70 @@ impl Router {
                 Err(e) => Err(e),
             };
             match listed {
-                Ok(ts) => out.extend(ts.into_iter().map(|t| (node.clone(), t))),
+                Ok(ts) => {
+                    out.extend(ts.into_iter().map(|t| (node.clone(), t)));
+                    answered.insert(node);
+                }
                 Err(e) => tracing::debug!(node, error = %e.message(), "no transfers from a node"),
             }
         }
-        out
+        (out, answered)
     }
 }
 
 /// What the router last told of each transfer, so that each change makes one
 /// Event on its claim.
-#[derive(Default)]
 pub struct Announcer {
-    told: Mutex<BTreeMap<String, String>>,
-    /// Whether a look was made: arrivals found done at the first one ended
-    /// before this process (their Events were made then).
+    /// Of each transfer: its node, and its state and resumptions as told.
+    told: Mutex<BTreeMap<String, (String, String)>>,
+    /// Whether a look was made: arrivals found done at the first one, from
+    /// nodes that do not say when they ended, ended before this process
+    /// (their Events were made then).
     looked: std::sync::atomic::AtomicBool,
+    /// When this process started, in seconds since the Unix epoch.
+    since: i64,
+}
+
+impl Default for Announcer {
+    fn default() -> Self {
+        let now = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs() as i64);
+        Announcer::starting_at(now)
+    }
+}
+
+/// How long before this process an arrival may have ended and still be told
+/// done by it: the process before may have died before its next look.
+const TOLD_BEFORE: i64 = 2 * LOOK_EVERY.as_secs() as i64;
+
+impl Announcer {
+    /// An announcer of a process started at `since` (seconds since the Unix
+    /// epoch).
+    pub(super) fn starting_at(since: i64) -> Announcer {
+        Announcer {
+            told: Mutex::default(),
+            looked: Default::default(),
+            since,
+        }
+    }
+
+    /// Whether `t`, seen done for the first time, ended before this process
+    /// and was told by the one before (`primed`: a look was made before).
+    pub(super) fn told_before(&self, t: &mesh::TransferStatus, primed: bool) -> bool {
+        match t.ended_seconds {
+            0 => !primed,
+            ended => ended + TOLD_BEFORE < self.since,
+        }
+    }
 }
 
 impl Announcer {
     /// Looks at every node's arrivals and records an Event on the claim of
     /// each that started, resumed, stalled or ended since the last look.
     pub async fn look(&self, router: &Router, client: &kube::Client) {
-        let now: BTreeMap<String, (String, mesh::TransferStatus)> = router
-            .transfers()
-            .await
+        let (listed, answered) = router.transfers_and_who_answered().await;
+        let now: BTreeMap<String, (String, mesh::TransferStatus)> = listed
             .into_iter()
             .filter(|(_, t)| t.role == "arriving")
             .map(|(n, t)| (t.transfer_id.clone(), (n, t)))
@@ -206,11 +274,11 @@ impl Announcer {
             let mut told = self.told.lock().unwrap_or_else(|p| p.into_inner());
             for (id, (node, t)) in &now {
                 let key = format!("{}/{}", t.state, t.resumed);
-                if told.get(id) == Some(&key) {
+                if told.get(id).is_some_and(|(_, k)| *k == key) {
                     continue;
                 }
-                let before = told.insert(id.clone(), key);
-                if before.is_none() && t.state == "done" && !primed {
+                let before = told.insert(id.clone(), (node.clone(), key)).map(|(_, k)| k);
+                if before.is_none() && t.state == "done" && self.told_before(t, primed) {
                     continue;
                 }
                 // A resumption between two looks that the state no longer
@@ -228,11 +296,12 @@ impl Announcer {
                 }
                 events.push((event_of(node, t, before.is_none()), t.clone()));
             }
-            // Gone from every node: deleted, or done long ago.
+            // Gone from a node that answered: deleted, or done long ago (a
+            // node that did not answer still has its transfers).
             let ended: Vec<String> = told
-                .keys()
-                .filter(|id| !now.contains_key(*id))
-                .cloned()
+                .iter()
+                .filter(|(id, (node, _))| !now.contains_key(*id) && answered.contains(node))
+                .map(|(id, _)| id.clone())
                 .collect();
             for id in ended {
                 told.remove(&id);
@@ -281,12 +350,15 @@ fn event_of(node: &str, t: &mesh::TransferStatus, first: bool) -> (bool, &'stati
     }
 }
 
+/// Time between two looks at the transfers.
+const LOOK_EVERY: Duration = Duration::from_secs(5);
+
 /// Looks at the transfers every few seconds, for as long as the process runs.
 pub async fn announce(router: Arc<Router>, client: kube::Client) {
     let a = Announcer::default();
     loop {
         a.look(&router, &client).await;
-        tokio::time::sleep(Duration::from_secs(5)).await;
+        tokio::time::sleep(LOOK_EVERY).await;
     }
 }
 

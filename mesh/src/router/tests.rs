@@ -385,3 +385,21 @@ fn the_parts_of_a_group_across_nodes_make_one_group() {
     let e = super::across::combine(vec![]).unwrap_err();
     assert_eq!(e.code(), tonic::Code::NotFound);
 }
+
+#[test]
+fn an_arrival_done_before_the_router_started_is_told_again_only_if_it_may_have_been_missed() {
+    let a = moves::Announcer::starting_at(1_000);
+    let done = |ended| csi_proto::mesh::TransferStatus {
+        state: "done".into(),
+        ended_seconds: ended,
+        ..Default::default()
+    };
+    // Long before this process: the one before told it.
+    assert!(a.told_before(&done(900), false));
+    // Just before: the process before may have died before its next look.
+    assert!(!a.told_before(&done(995), false));
+    assert!(!a.told_before(&done(1_005), true));
+    // A node that does not say when: done at the first look means before.
+    assert!(a.told_before(&done(0), false));
+    assert!(!a.told_before(&done(0), true));
+}

@@ -324,6 +324,19 @@ fn a_restarted_target_finds_its_arrival_and_ends_it() {
     assert!(p.settle(Duration::from_secs(30)).is_empty());
     assert!(!arriving(&img));
     same_bytes(&src, &img);
+    // Once ended, it is still listed done after another restart.
+    let listed = |p: &Pair| {
+        p.cb()
+            .transfers()
+            .into_iter()
+            .find(|t| t.transfer_id == "t3@node-2" && t.role == "arriving")
+    };
+    let done = listed(&p).unwrap();
+    assert_eq!(done.state, "done");
+    assert!(done.ended_seconds > 0 && done.resumed == 1, "{done:?}");
+    p.b.reopen_with(|cfg| cfg.node_id = "node-2".into());
+    p.connect();
+    assert_eq!(listed(&p), Some(done));
 }
 
 #[test]

@@ -93,7 +93,8 @@ pub(super) struct ArrivalRecord {
 }
 
 /// A transfer as `ListTransfers` shows it.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
 pub struct TransferStatus {
     pub transfer_id: String,
     /// "arriving" or "hold".
@@ -113,6 +114,8 @@ pub struct TransferStatus {
     pub resumed: u32,
     /// Once done: the bytes of data the source sent.
     pub data_bytes: u64,
+    /// Once done: when, in seconds since the Unix epoch.
+    pub ended_seconds: i64,
 }
 
 /// A running arrival.
@@ -125,6 +128,13 @@ pub(super) struct Job {
 }
 
 impl Job {
+    pub(super) fn status(&self) -> TransferStatus {
+        self.status
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
     pub(super) fn set(&self, f: impl FnOnce(&mut TransferStatus)) {
         f(&mut self.status.lock().unwrap_or_else(|p| p.into_inner()));
     }
@@ -194,13 +204,16 @@ impl Arrivals {
         true
     }
 
-    fn remember(&self, done: TransferStatus) {
+    /// Keeps `done` in the list of arrivals that ended; the list as it is
+    /// then.
+    fn remember(&self, done: TransferStatus) -> Vec<TransferStatus> {
         let mut f = self.finished.lock().unwrap_or_else(|p| p.into_inner());
         f.retain(|s| s.transfer_id != done.transfer_id);
         f.push_back(done);
         while f.len() > FINISHED_KEPT {
             f.pop_front();
         }
+        f.iter().cloned().collect()
     }
 
     /// Holds `job` back until `n` more bytes fit under `cap` bytes per
@@ -274,6 +287,34 @@ impl Controller {
 
     fn read_arrival(&self, id: VolumeId) -> Option<ArrivalRecord> {
         serde_json::from_slice(&file::read(&self.record_path(id)).ok()?).ok()
+    }
+
+    /// Where the last arrivals that ended are listed, so that a look at the
+    /// transfers after a restart still sees them done.
+    fn arrived_path(&self) -> PathBuf {
+        self.state.domain(Domain::Controller).join("arrived.json")
+    }
+
+    /// Keeps `done` among the arrivals that ended, here and on disk (best
+    /// effort: the volume is whole whatever becomes of the list).
+    pub(super) fn remember_arrival(&self, done: TransferStatus) {
+        let list = self.arrivals.remember(done);
+        let json = serde_json::to_vec(&list).unwrap_or_default();
+        if let Err(e) = file::write_atomic(&self.arrived_path(), &json) {
+            tracing::info!(error = %e, "the list of arrivals that ended is not kept on disk");
+        }
+    }
+
+    /// At start: the arrivals that ended before, as the last process left
+    /// the list.
+    fn recall_arrivals(&self) {
+        let list: Vec<TransferStatus> = file::read(&self.arrived_path())
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok())
+            .unwrap_or_default();
+        for done in list {
+            self.arrivals.remember(done);
+        }
     }
 
     pub(super) fn remove_arrival(&self, id: VolumeId) -> Result<()> {
@@ -530,11 +571,7 @@ impl Controller {
                 }))
                 .unwrap_or_else(|_| Err(Error::internal("the transfer's thread panicked")));
                 match once {
-                    Ok(true) => {
-                        let done = job.status.lock().unwrap_or_else(|p| p.into_inner()).clone();
-                        self.arrivals.remember(done);
-                        break;
-                    }
+                    Ok(true) => break,
                     Ok(false) => {}
                     Err(e) => {
                         tracing::warn!(volume.id = %id, transfer = %rec.transfer_id,
@@ -562,6 +599,12 @@ impl Controller {
             }
         }
         self.arrivals.jobs().remove(&id);
+    }
+
+    /// Whether the data of volume `id` is still on its way here: its
+    /// transfer runs, or waits to.
+    pub fn is_arriving(&self, id: VolumeId) -> bool {
+        self.arrivals.jobs().contains_key(&id) || self.read_arrival(id).is_some()
     }
 
     /// DeleteVolume of a volume still arriving: its transfer is stopped (the
@@ -596,6 +639,7 @@ impl Controller {
     /// At start: arrivals whose volume a crash left unmade are removed, and
     /// replicas past their age.
     pub(crate) fn recover_arrivals(&self) {
+        self.recall_arrivals();
         for e in dir::list_if_exists(&self.transfers_dir()).unwrap_or_default() {
             let Some(id) = e.name.strip_suffix(".json").and_then(VolumeId::parse) else {
                 continue;
@@ -623,12 +667,8 @@ impl Controller {
 
     /// The transfers of this node: arrivals and holds.
     pub fn transfers(&self) -> Vec<TransferStatus> {
-        let mut out: Vec<TransferStatus> = self
-            .arrivals
-            .jobs()
-            .values()
-            .map(|j| j.status.lock().unwrap_or_else(|p| p.into_inner()).clone())
-            .collect();
+        let mut out: Vec<TransferStatus> =
+            self.arrivals.jobs().values().map(|j| j.status()).collect();
         for e in dir::list_if_exists(&self.transfers_dir()).unwrap_or_default() {
             let Some(rec) = e
                 .name

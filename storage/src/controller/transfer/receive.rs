@@ -273,14 +273,22 @@ impl Controller {
         tracing::debug!(volume.id = %rec.volume, transfer = %rec.transfer_id,
             "the last piece arrived; the volume is made durable and checked");
         self.checkpoint(&writer, &ledger, rec, rec.size, ledger.len())?;
-        self.finish(&image, rec, &t, &ledger, source.as_mut())?;
+        self.finish(&image, rec, &t, &ledger, source.as_mut(), job)?;
+        Ok(true)
+    }
+
+    /// The arrival is done, its data whole and durable: so its status says,
+    /// here and in the list of arrivals that ended, before its record goes
+    /// (a restart in between ends it again).
+    fn done(&self, job: &Job, rec: &ArrivalRecord, t: &Trailer) {
         job.set(|s| {
             s.state = "done".into();
             s.bytes_done = rec.size;
             s.incremental = t.incremental;
             s.data_bytes = t.data_bytes;
+            s.ended_seconds = crate::model::Timestamp::now().seconds;
         });
-        Ok(true)
+        self.remember_arrival(job.status());
     }
 
     /// The source node of an arrival, as the mesh reaches it.
@@ -324,6 +332,7 @@ impl Controller {
         trailer: &Trailer,
         ledger: &LedgerFile,
         source: &mut dyn Source,
+        job: &Job,
     ) -> Result<()> {
         let ours = ledger.digest()?;
         if ours.0 != trailer.digest || ours.1 != trailer.pieces {
@@ -339,7 +348,7 @@ impl Controller {
             )));
         }
         if rec.tree {
-            return self.finish_tree(image, rec, trailer, source);
+            return self.finish_tree(image, rec, trailer, source, job);
         }
         crate::failpoint::hit("transfer.before-unmark");
         arrival::clear(image)?;
@@ -347,6 +356,7 @@ impl Controller {
         if let Some(pool) = vol.and_then(|v| self.pool(&v.pool).ok().cloned()) {
             self.keep_replica(&pool, image, rec);
         }
+        self.done(job, rec, trailer);
         let note = self.note_release(rec, true)?;
         self.remove_arrival(rec.volume)?;
         self.tell_release(note, Some(source));
@@ -367,6 +377,7 @@ impl Controller {
         rec: &mut ArrivalRecord,
         trailer: &Trailer,
         source: &mut dyn Source,
+        job: &Job,
     ) -> Result<()> {
         let vol = self
             .volumes
@@ -389,6 +400,7 @@ impl Controller {
             crate::failpoint::hit("transfer.before-unmark");
             arrival::clear(&path)?;
         }
+        self.done(job, rec, trailer);
         // A packed tree is no base for the next transfer: it goes.
         let note = self.note_release(rec, false)?;
         self.remove_arrival(rec.volume)?;
