@@ -14,6 +14,8 @@
 #   FUZZ_SECONDS=600 [FUZZ_SEED=n] [FUZZ_SAVE=1: add inputs with new answers to fuzz/corpus/]
 #   HOSTILE_RUNS=20 (the hostile table, run that many times in a row)
 #   MESH_SOAK_OPS=300 MESH_SOAK_KILLS=60 [MESH_SOAK_SEED=n] (volumes moving between nodes)
+#   RUNS=1 (the parts, that many times in a row; the sizes of CI's run, 20 times:
+#   RUNS=20 SOAK_OPS=2000 SOAK_CLIENTS=8 SOAK_KILLS=5 SOAK_REBOOTS=1 scripts/reliability.sh faults soak)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 # shellcheck source=scripts/preamble.sh
@@ -29,9 +31,11 @@ out=$(mktemp -d /tmp/example-csi-reliability.XXXXXX)
 echo "logs in $out"
 cargo build --tests --quiet --test faults --test hostile --test soak --test mesh_soak --test fuzz
 failed=0
+runs="${RUNS:-1}"
+for run in $(seq "$runs"); do
 for p in "${parts[@]}"; do
     echo
-    echo "==== $p"
+    echo "==== $p$([ "$runs" = 1 ] || echo " (run $run of $runs)")"
     start=$(date +%s)
     set +e
     case "$p" in
@@ -41,13 +45,15 @@ for p in "${parts[@]}"; do
         mesh)    cargo test --quiet --test mesh_soak -- --include-ignored --nocapture ;;
         fuzz)    cargo test --quiet --test fuzz -- --include-ignored --nocapture ;;
         *) echo "unknown part $p (faults, hostile, soak, mesh, fuzz)"; false ;;
-    esac > "$out/$p.log" 2>&1
+    esac > "$out/$p-$run.log" 2>&1
     rc=$?
     set -e
-    grep -E "^(soak figures|mesh soak figures|fuzz figures|soak: (LEAK|LEFT|unexpected)|hostile run|test result:)" "$out/$p.log" || true
-    echo "$p: $([ $rc = 0 ] && echo PASSED || echo FAILED) in $(( $(date +%s) - start )) s (log: $out/$p.log)"
-    [ $rc = 0 ] || failed=1
+    grep -E "^(soak figures|mesh soak figures|fuzz figures|soak: (LEAK|LEFT|unexpected)|hostile run|test result:)" "$out/$p-$run.log" || true
+    echo "$p: $([ $rc = 0 ] && echo PASSED || echo FAILED) in $(( $(date +%s) - start )) s (log: $out/$p-$run.log)"
+    [ $rc = 0 ] || failed=$((failed + 1))
 done
+done
+[ "$runs" = 1 ] || echo "$failed of $(( runs * ${#parts[@]} )) part runs failed"
 echo
 echo "leftovers: $(losetup -a | grep -c example-csi-test || true) loop devices, $(grep -c example-csi-test /proc/self/mountinfo || true) mounts of test dirs"
-exit $failed
+[ "$failed" = 0 ]
