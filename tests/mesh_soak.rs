@@ -1,14 +1,16 @@
-//! A soak of volumes moving between two nodes. Volumes are written on their
-//! node, snapshotted, restored and cloned on the other node (or the same)
-//! through the cluster's controller, written again and moved again (then
-//! only what changed travels), deleted, some while their data is still on
-//! the way. Meanwhile either node's agent or the controller is killed at a
+//! A soak of volumes moving between two nodes. Volumes (images, and
+//! directories one time in four) are written on their node, snapshotted,
+//! restored and cloned on the other node (or the same) through the
+//! cluster's controller, written again and moved again (then only what
+//! changed travels, for an image), deleted, some while their data is still
+//! on the way. Meanwhile either node's agent or the controller is killed at a
 //! random moment of a call or of a transfer, stays down a while and starts
 //! again; every call that failed for it is retried until it succeeds, as a
 //! CO would. Each volume that arrived is compared byte for byte with the
-//! image it was made from, and at the end, everything deleted, nothing is
-//! left on either node: no image, hold, replica, arrival record, release
-//! not yet told, packed tree, loop device or mount.
+//! image it was made from (a directory entry by entry: kind, mode, owner,
+//! length, link, times and digest), and at the end, everything deleted,
+//! nothing is left on either node: no image, hold, replica, arrival record,
+//! release not yet told, packed tree, loop device or mount.
 //!
 //! Parameters (environment): MESH_SOAK_OPS (40), MESH_SOAK_KILLS (10, at
 //! most), MESH_SOAK_SEED (random; printed, and repeats the run's choices).
@@ -45,6 +47,8 @@ fn env_or(name: &str, default: u64) -> u64 {
 struct Item {
     id: String,
     node: &'static str,
+    /// A `kind: dir` volume, or a snapshot of one (else an image's).
+    dir: bool,
 }
 
 /// Codes a CO retries when a process of the driver died under its call.
@@ -161,29 +165,43 @@ impl Soak {
     }
 
     /// A new volume on a node of its own, with random data written there.
+    /// A new volume on a node of its own (a directory one time in four),
+    /// with random data written there.
     async fn create(&mut self) {
         let node = [NODE_A, NODE_B][self.rng.random_range(0..2)];
+        let dir = self.rng.random_bool(0.25);
         let name = self.name("vol");
-        let req = sized_on(&name, node, SIZE);
+        let mut req = sized_on(&name, node, SIZE);
+        if dir {
+            req.parameters.insert("kind".into(), "dir".into());
+        }
         let v = self.create_volume(req).await;
         assert_eq!(node_of(&v.volume_id), node);
         let item = Item {
             id: v.volume_id,
             node,
+            dir,
         };
         self.write(&item).await;
         self.vols.push(item);
-        self.count("volumes");
+        self.count(if dir { "volumes, dir" } else { "volumes" });
     }
 
-    /// Random data written to a volume on its node.
+    /// Random data written to a volume on its node: through a mount of an
+    /// image, or into a directory volume as a pod's bind mount would.
     async fn write(&mut self, v: &Item) {
         let tag = self.name("mount");
         let mib = self.rng.random_range(1..=6);
         let node = self.node(v.node);
-        let m = mount(node, &v.id, &tag).await;
-        write_random(&m.target, &tag, mib);
-        unmount(node, &m).await;
+        if v.dir {
+            let sub = dir_volume(&node.pool, &v.id).join(&tag);
+            std::fs::create_dir_all(&sub).unwrap();
+            write_random(&sub, "data", mib);
+        } else {
+            let m = mount(node, &v.id, &tag).await;
+            write_random(&m.target, &tag, mib);
+            unmount(node, &m).await;
+        }
         self.count("writes");
     }
 
@@ -203,6 +221,7 @@ impl Soak {
         self.snaps.push(Item {
             id: s.snapshot_id,
             node: v.node,
+            dir: v.dir,
         });
         self.count("snapshots");
     }
@@ -213,14 +232,22 @@ impl Soak {
     /// With `abandon`, it is deleted at once instead, its data on the way.
     async fn copy(&mut self, abandon: bool) {
         let from_snapshot = !self.snaps.is_empty() && self.rng.random_bool(0.5);
-        let (src, source, src_image) = if from_snapshot {
+        let (src, source, src_data) = if from_snapshot {
             let s = self.snaps[self.rng.random_range(0..self.snaps.len())].clone();
-            let image = snapshot_image(&self.node(s.node).pool, &s.id);
-            (s.clone(), snapshot_source(&s.id), image)
+            let pool = &self.node(s.node).pool;
+            let data = match s.dir {
+                true => dir_snapshot(pool, &s.id),
+                false => snapshot_image(pool, &s.id),
+            };
+            (s.clone(), snapshot_source(&s.id), data)
         } else {
             let v = self.vols[self.rng.random_range(0..self.vols.len())].clone();
-            let image = volume_image(&self.node(v.node).pool, &v.id);
-            (v.clone(), volume_source(&v.id), image)
+            let pool = &self.node(v.node).pool;
+            let data = match v.dir {
+                true => dir_volume(pool, &v.id),
+                false => volume_image(pool, &v.id),
+            };
+            (v.clone(), volume_source(&v.id), data)
         };
         let other = if src.node == NODE_A { NODE_B } else { NODE_A };
         let target = if self.rng.random_bool(0.8) {
@@ -229,7 +256,10 @@ impl Soak {
             src.node
         };
         let name = self.name(if from_snapshot { "restore" } else { "clone" });
-        let req = create_from(&name, target, SIZE, source);
+        let mut req = create_from(&name, target, SIZE, source);
+        if src.dir {
+            req.parameters.insert("kind".into(), "dir".into());
+        }
 
         // The call, with a process killed at a random moment of it.
         let first = {
@@ -251,6 +281,7 @@ impl Soak {
         let item = Item {
             id: made.volume_id.clone(),
             node: target,
+            dir: src.dir,
         };
         if abandon {
             self.count("deleted while arriving");
@@ -269,8 +300,17 @@ impl Soak {
         } else {
             self.count("copied on its node");
         }
-        let arrived_image = volume_image(&self.node(target).pool, &item.id);
-        if let Some(at) = first_difference(&src_image, &arrived_image) {
+        let pool = &self.node(target).pool;
+        if src.dir {
+            let (want, got) = (tree_of(&src_data), tree_of(&dir_volume(pool, &item.id)));
+            assert!(
+                want == got,
+                "{} made from {} differs:\n{want}\n---\n{got}\n{}",
+                item.id,
+                src.id,
+                self.logs()
+            );
+        } else if let Some(at) = first_difference(&src_data, &volume_image(pool, &item.id)) {
             panic!(
                 "{} made from {} differs at byte {at}\n{}",
                 item.id,

@@ -12,7 +12,7 @@ mod common;
 #[path = "common/moving.rs"]
 mod moving;
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use cluster::*;
@@ -902,29 +902,6 @@ async fn root_a_snapshot_says_truthfully_where_it_can_be_restored() {
 }
 
 /// A directory volume's folder in a node's pool.
-fn dir_volume(pool: &Pool, handle: &str) -> PathBuf {
-    pool.path.join("volumes").join(local(handle))
-}
-
-/// What a directory holds, for comparison: its own mode and owner, then each
-/// entry's kind, mode, owner, length or link target, mtime, and each file's
-/// sha256.
-fn tree_of(dir: &Path) -> String {
-    sh(
-        "sh",
-        &[
-            "-c",
-            &format!(
-                "cd '{}' && stat -c '%a %u:%g' . && \
-                 find . -mindepth 1 \\( -type d -printf '%P %y %m %U:%G %T@\\n' \\) \
-                   -o -printf '%P %y %m %U:%G %s %l %T@\\n' | sort && \
-                 find . -type f -exec sha256sum {{}} + | sort",
-                dir.display()
-            ),
-        ],
-    )
-}
-
 /// Fills a directory with one of each kind of entry: nested folders, a
 /// random file, a 64 MiB sparse file with one island of data, links (one
 /// pointing outside), a fifo, other owners, setuid and setgid modes.

@@ -171,3 +171,30 @@ pub async fn unmount(node: &Node, m: &Mounted) {
     let mut c = node.driver.clients().await;
     c.unpublish_and_unstage(&m.id, &m.target, &m.staging).await;
 }
+
+pub fn dir_volume(pool: &Pool, handle: &str) -> PathBuf {
+    pool.path.join("volumes").join(local(handle))
+}
+
+/// What a directory holds, for comparison: its own mode and owner, then each
+/// entry's kind, mode, owner, length or link target, mtime, and each file's
+/// sha256.
+pub fn tree_of(dir: &Path) -> String {
+    sh(
+        "sh",
+        &[
+            "-c",
+            &format!(
+                "cd '{}' && stat -c '%a %u:%g' . && \
+                 find . -mindepth 1 \\( -type d -printf '%P %y %m %U:%G %T@\\n' \\) \
+                   -o -printf '%P %y %m %U:%G %s %l %T@\\n' | sort && \
+                 find . -type f -exec sha256sum {{}} + | sort",
+                dir.display()
+            ),
+        ],
+    )
+}
+
+pub fn dir_snapshot(pool: &Pool, handle: &str) -> PathBuf {
+    pool.path.join("snapshots").join(local(handle))
+}
