@@ -174,6 +174,9 @@ pub(crate) struct Arrivals {
     /// The last arrivals that ended whole, newest last, so that a look at
     /// the transfers after the end still sees it done.
     finished: Mutex<std::collections::VecDeque<TransferStatus>>,
+    /// Held while the list of finished arrivals is written to disk, so that
+    /// the last list is the one written last.
+    finished_written: Mutex<()>,
     /// When the bytes the arrivals read so far are paid for under the
     /// node's bandwidth (`cfg.transfer_bandwidth`, shared by all of them).
     paid_until: Mutex<Option<Instant>>,
@@ -298,6 +301,11 @@ impl Controller {
     /// Keeps `done` among the arrivals that ended, here and on disk (best
     /// effort: the volume is whole whatever becomes of the list).
     pub(super) fn remember_arrival(&self, done: TransferStatus) {
+        let _writing = self
+            .arrivals
+            .finished_written
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
         let list = self.arrivals.remember(done);
         let json = serde_json::to_vec(&list).unwrap_or_default();
         if let Err(e) = file::write_atomic(&self.arrived_path(), &json) {

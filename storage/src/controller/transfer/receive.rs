@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use csi_sys::image_io::ImageWriter;
 use csi_sys::{dir, file};
 
-use super::arrive::{packed_path, ArrivalRecord, Job};
+use super::arrive::{packed_path, ArrivalRecord, Job, TransferStatus};
 use super::pieces::Checker;
 use super::target::{write_piece, LedgerFile, Meter};
 use super::{Piece, Received, Source, Trailer};
@@ -277,18 +277,19 @@ impl Controller {
         Ok(true)
     }
 
-    /// The arrival is done, its data whole and durable: so its status says,
-    /// here and in the list of arrivals that ended, before its record goes
-    /// (a restart in between ends it again).
-    fn done(&self, job: &Job, rec: &ArrivalRecord, t: &Trailer) {
-        job.set(|s| {
-            s.state = "done".into();
-            s.bytes_done = rec.size;
-            s.incremental = t.incremental;
-            s.data_bytes = t.data_bytes;
-            s.ended_seconds = crate::model::Timestamp::now().seconds;
-        });
-        self.remember_arrival(job.status());
+    /// The arrival is done, its data whole and durable: so the list of
+    /// arrivals that ended says, on disk, before its record goes (a restart
+    /// in between ends it again). Its own status says so once the source is
+    /// told (`shown`).
+    fn done(&self, job: &Job, rec: &ArrivalRecord, t: &Trailer) -> TransferStatus {
+        let mut s = job.status();
+        s.state = "done".into();
+        s.bytes_done = rec.size;
+        s.incremental = t.incremental;
+        s.data_bytes = t.data_bytes;
+        s.ended_seconds = crate::model::Timestamp::now().seconds;
+        self.remember_arrival(s.clone());
+        s
     }
 
     /// The source node of an arrival, as the mesh reaches it.
@@ -356,10 +357,11 @@ impl Controller {
         if let Some(pool) = vol.and_then(|v| self.pool(&v.pool).ok().cloned()) {
             self.keep_replica(&pool, image, rec);
         }
-        self.done(job, rec, trailer);
+        let done = self.done(job, rec, trailer);
         let note = self.note_release(rec, true)?;
         self.remove_arrival(rec.volume)?;
         self.tell_release(note, Some(source));
+        job.set(|s| *s = done);
         tracing::info!(volume.id = %rec.volume, transfer = %rec.transfer_id,
             pieces = trailer.pieces, bytes = trailer.data_bytes,
             incremental = trailer.incremental, resumed = rec.resumed,
@@ -400,11 +402,12 @@ impl Controller {
             crate::failpoint::hit("transfer.before-unmark");
             arrival::clear(&path)?;
         }
-        self.done(job, rec, trailer);
+        let done = self.done(job, rec, trailer);
         // A packed tree is no base for the next transfer: it goes.
         let note = self.note_release(rec, false)?;
         self.remove_arrival(rec.volume)?;
         self.tell_release(note, Some(source));
+        job.set(|s| *s = done);
         tracing::info!(volume.id = %rec.volume, transfer = %rec.transfer_id,
             pieces = trailer.pieces, bytes = trailer.data_bytes, resumed = rec.resumed,
             "all of the directory's data arrived and is durable");
