@@ -728,7 +728,10 @@ async fn root_a_hold_is_read_by_its_target_alone_and_a_delete_mid_transfer_leave
     assert_eq!(read(&controller, Role::Controller, &token).await, denied);
     assert_eq!(read(&nodes, Role::Controller, &token).await, denied);
     assert_eq!(read(&nodes, Role::Node(NODE_B.into()), "").await, denied);
-    let forged = format!("{}0", &token[..token.len() - 1]);
+    // The real token with its last character changed (never to itself).
+    let last = if token.ends_with('0') { '1' } else { '0' };
+    let forged = format!("{}{last}", &token[..token.len() - 1]);
+    assert_ne!(forged, token);
     assert_eq!(
         read(&nodes, Role::Node(NODE_B.into()), &forged).await,
         denied
