@@ -357,11 +357,7 @@ impl Controller {
         if let Some(pool) = vol.and_then(|v| self.pool(&v.pool).ok().cloned()) {
             self.keep_replica(&pool, image, rec);
         }
-        let done = self.done(job, rec, trailer);
-        let note = self.note_release(rec, true)?;
-        self.remove_arrival(rec.volume)?;
-        self.tell_release(note, Some(source));
-        job.set(|s| *s = done);
+        self.hand_over(rec, trailer, source, job, true)?;
         tracing::info!(volume.id = %rec.volume, transfer = %rec.transfer_id,
             pieces = trailer.pieces, bytes = trailer.data_bytes,
             incremental = trailer.incremental, resumed = rec.resumed,
@@ -402,15 +398,32 @@ impl Controller {
             crate::failpoint::hit("transfer.before-unmark");
             arrival::clear(&path)?;
         }
-        let done = self.done(job, rec, trailer);
         // A packed tree is no base for the next transfer: it goes.
-        let note = self.note_release(rec, false)?;
-        self.remove_arrival(rec.volume)?;
-        self.tell_release(note, Some(source));
-        job.set(|s| *s = done);
+        self.hand_over(rec, trailer, source, job, false)?;
         tracing::info!(volume.id = %rec.volume, transfer = %rec.transfer_id,
             pieces = trailer.pieces, bytes = trailer.data_bytes, resumed = rec.resumed,
             "all of the directory's data arrived and is durable");
+        Ok(())
+    }
+
+    /// The last steps of every arrival, in the order a crash between any two
+    /// needs: the ended arrival on disk and the source's release noted before
+    /// the record goes (a restart ends it again, or retries the release); the
+    /// source told; the status done only then. `keep_as_base`: the source keeps
+    /// what it sent as the base of the volume's next transfer.
+    fn hand_over(
+        &self,
+        rec: &ArrivalRecord,
+        trailer: &Trailer,
+        source: &mut dyn Source,
+        job: &Job,
+        keep_as_base: bool,
+    ) -> Result<()> {
+        let done = self.done(job, rec, trailer);
+        let note = self.note_release(rec, keep_as_base)?;
+        self.remove_arrival(rec.volume)?;
+        self.tell_release(note, Some(source));
+        job.set(|s| *s = done);
         Ok(())
     }
 }
