@@ -5,16 +5,20 @@ Usage:
   check_manifests.py [--k8s-version 1.35 --k8s-version 1.37]
                      [--rendered NAME=FILE ...] [--examples DIR]
                      [--check-binary PATH]
-      Validate the rendered overlays (kustomize build output) and the
-      examples: every object against the Kubernetes API schemas of each
-      version (kubernetes-validate, strict) or, for the CRD-based kinds,
-      against the JSON schemas in deploy/schemas/; the security posture;
-      the wiring of sockets, ports, flags and RBAC inside each overlay.
+      Validate the renderings of the Helm chart deploy/helm/example-csi (the
+      source of the manifests) and the examples: every object against the
+      Kubernetes API schemas of each version (kubernetes-validate, strict)
+      or, for the CRD-based kinds, against the JSON schemas in
+      deploy/schemas/; the security posture; the wiring of sockets, ports,
+      flags and RBAC inside each rendering.
       With --check-binary, also run `PATH --help` and require every flag
       the manifests pass to the driver to appear in it.
-      Without --rendered, the overlays are rendered here, each alone and
-      with each component of deploy/components/, with kustomize (KUSTOMIZE,
-      kustomize on PATH or in $(go env GOPATH)/bin, or `kubectl kustomize`).
+      Without --rendered, the chart is rendered here for each flavor, alone
+      and with each component it takes, as deploy/generate.py renders it
+      for the kustomize tree (helm: HELM, helm on PATH or in
+      $(go env GOPATH)/bin). Without helm, the kustomize tree written from
+      those renderings is built instead (KUSTOMIZE, kustomize on PATH or in
+      $(go env GOPATH)/bin, or `kubectl kustomize`).
 
   check_manifests.py --driver-flags
       Print, one a line and once each, the name of every flag (--name) the
@@ -35,6 +39,8 @@ import sys
 from pathlib import Path
 
 import yaml
+
+import generate
 
 DEPLOY = Path(__file__).resolve().parent
 REPO = DEPLOY.parent
@@ -190,6 +196,21 @@ def render(overlay, kustomize, component=None):
         what = f"{overlay} with {component}" if component else overlay
         raise RuntimeError(f"kustomize failed for {what}: {out.stderr.strip()}")
     return [d for d in yaml.safe_load_all(out.stdout) if d]
+
+
+def render_all():
+    """Each flavor, alone and with each component it takes: the chart's
+    renderings, or without helm the kustomize tree written from them (None
+    without either)."""
+    names = [(o, c) for o in OVERLAYS for c in [None] + [c for c in COMPONENTS if o in COMPONENT_OVERLAYS[c]]]
+    helm = generate.find_tool(None, "HELM", "helm")
+    if helm:
+        return {f"{o}+{c}" if c else o: [d for _, d in generate.render_tree(helm, o, [c] if c else [])[1]]
+                for o, c in names}
+    kustomize = find_kustomize()
+    if kustomize is None:
+        return None
+    return {f"{o}+{c}" if c else o: render(o, kustomize, c) for o, c in names}
 
 
 def load_file(path):
@@ -1189,15 +1210,11 @@ def main():
                 n, _, f = item.partition("=")
                 rendered[n] = load_file(f)
         else:
-            kustomize = find_kustomize()
-            if kustomize is None:
-                print("no kustomize found (set KUSTOMIZE, or run deploy/validate.sh once)", file=sys.stderr)
+            rendered = render_all()
+            if rendered is None:
+                print("no helm or kustomize found (set HELM or KUSTOMIZE, or run deploy/validate.sh once)",
+                      file=sys.stderr)
                 return 2
-            for o in OVERLAYS:
-                rendered[o] = render(o, kustomize)
-                for comp in COMPONENTS:
-                    if o in COMPONENT_OVERLAYS[comp]:
-                        rendered[f"{o}+{comp}"] = render(o, kustomize, comp)
     except (OSError, RuntimeError, yaml.YAMLError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
 # Validates deploy/ without a cluster:
-#   1. renders every overlay with kustomize, alone and with each component
-#      of deploy/components/,
+#   1. checks that the kustomize tree (base/, overlays/, components/) is
+#      what deploy/generate.py writes from the Helm chart
+#      deploy/helm/example-csi, the one source of the manifests, and that
+#      kustomize builds what the chart renders for every flavor, alone and
+#      with each component,
 #   2. lints the YAML sources with yamllint (deploy/.yamllint),
-#   3. runs deploy/check_manifests.py on the rendered overlays and the
-#      examples: Kubernetes API schemas (kubernetes-validate, strict) for
-#      each version in K8S_VERSIONS, deploy/schemas/ for the CRD kinds,
-#      security posture, socket/port/flag wiring, RBAC, examples,
-#   4. checks the Helm chart deploy/helm/example-csi with
-#      deploy/check_chart.py: helm lint --strict, the chart rendered for
-#      each overlay (and component) equal to the overlay, its version equal
-#      to the crate's, bad values rejected; its renderings then go through
-#      check_manifests.py like the overlays,
+#   3. checks the chart's values with deploy/check_values.py: helm lint
+#      --strict, its version equal to the crate's, the defaults and the
+#      example classes, non-default values reaching their objects, bad
+#      values rejected,
+#   4. runs deploy/check_manifests.py on the chart's renderings (those of
+#      step 1 and of step 3), each overlay with its images pinned by digest,
+#      and the examples: Kubernetes API schemas (kubernetes-validate,
+#      strict) for each version in K8S_VERSIONS, deploy/schemas/ for the CRD
+#      kinds, security posture, socket/port/flag wiring, RBAC, examples,
 #   5. checks that the Dockerfile pins its base images and installs the
 #      tools the driver calls.
 # It installs what it needs (pip packages, kustomize and helm with
@@ -38,10 +41,9 @@ HELM_VERSION="v3.19.0"
 KUBERNETES_VALIDATE_VERSION="1.37.0"
 YAMLLINT_VERSION="1.38.0"
 OVERLAYS=(central central-attach distributed cluster)
-# Each overlay is also validated with each component it takes.
+# Each overlay is also validated with each component it takes (generate.py
+# says which).
 COMPONENTS=(builtin-sidecars inline-ephemeral snapshot-metadata)
-declare -A COMPONENT_OVERLAYS=([builtin-sidecars]="${OVERLAYS[*]}" [inline-ephemeral]="${OVERLAYS[*]}"
-                              [snapshot-metadata]="central central-attach")
 PYTHON="${PYTHON:-python3}"
 
 step() { printf '\n### %s\n' "$*"; }
@@ -102,33 +104,21 @@ if [[ -z "$helm" ]]; then
 fi
 echo "helm: $helm ($("$helm" version --short 2>/dev/null || true))"
 
-# ------------------------------------------------------------ render
-step "render overlays"
+# ------------------------------------------------------------ tree
+step "the kustomize tree, written from the chart by deploy/generate.py"
 # The snapshot-metadata component's TLS material (made once, not in git).
 "$DEPLOY/components/snapshot-metadata/make-certs.sh" >/dev/null || die "make-certs.sh failed"
 out="$(mktemp -d)"
 trap 'rm -rf "$out"' EXIT
+mkdir -p "$out/chart" "$out/values"
+"$PYTHON" "$DEPLOY/generate.py" --check --helm "$helm" --kustomize "${kustomize_cmd[0]}" --renders "$out/chart" \
+  || die "the kustomize tree is not what the chart makes: run python3 deploy/generate.py and commit what it writes"
 rendered=()
-for o in "${OVERLAYS[@]}"; do
-  "${kustomize_cmd[@]}" "$DEPLOY/overlays/$o" >"$out/$o.yaml" || die "kustomize build overlays/$o failed"
-  printf '  %-16s %3d objects: %s\n' "$o" "$(grep -c '^kind: ' "$out/$o.yaml")" \
-    "$(grep '^kind: ' "$out/$o.yaml" | cut -d' ' -f2 | sort | uniq -c | awk '{printf "%s%s×%s", (NR>1?", ":""), $2, $1}')"
-  rendered+=(--rendered "$o=$out/$o.yaml")
-done
-# Each overlay with each component, through a kustomization that names both by
-# relative path (kustomize refuses absolute ones).
-for o in "${OVERLAYS[@]}"; do
-  for c in "${COMPONENTS[@]}"; do
-    [[ " ${COMPONENT_OVERLAYS[$c]} " == *" $o "* ]] || continue
-    k="$out/$o+$c"
-    mkdir -p "$k"
-    rel="$(realpath --relative-to="$k" "$DEPLOY")"
-    printf 'apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources:\n  - %s\ncomponents:\n  - %s\n' \
-      "$rel/overlays/$o" "$rel/components/$c" >"$k/kustomization.yaml"
-    "${kustomize_cmd[@]}" "$k" >"$k.yaml" || die "kustomize build of overlays/$o with components/$c failed"
-    printf '  %-34s %3d objects\n' "$o + $c" "$(grep -c '^kind: ' "$k.yaml")"
-    rendered+=(--rendered "$o+$c=$k.yaml")
-  done
+for f in "$out"/chart/*.yaml; do
+  n="$(basename "$f" .yaml)"
+  printf '  %-34s %3d objects: %s\n' "$n" "$(grep -c '^kind: ' "$f")" \
+    "$(grep '^kind: ' "$f" | cut -d' ' -f2 | sort | uniq -c | awk '{printf "%s%s×%s", (NR>1?", ":""), $2, $1}')"
+  rendered+=(--rendered "$n=$f")
 done
 
 # ------------------------------------------------------------ yamllint
@@ -136,12 +126,10 @@ step "yamllint (deploy/.yamllint, strict)"
 (cd "$DEPLOY" && "$PYTHON" -m yamllint -c .yamllint -s .) || die "yamllint found problems"
 echo "  $(cd "$DEPLOY" && find . -name '*.yaml' -not -path './schemas/*' -not -path './helm/*/templates/*' | wc -l) YAML files clean"
 
-# ------------------------------------------------------------ chart
-step "check_chart.py (deploy/helm/example-csi against the overlays)"
-mkdir -p "$out/chart"
-"$PYTHON" "$DEPLOY/check_chart.py" --helm "$helm" --out "$out/chart" "${rendered[@]}" \
-  || die "chart checks failed"
-for f in "$out"/chart/chart-*.yaml; do
+# ------------------------------------------------------------ chart values
+step "check_values.py (the values of deploy/helm/example-csi)"
+"$PYTHON" "$DEPLOY/check_values.py" --helm "$helm" --out "$out/values" || die "chart checks failed"
+for f in "$out"/values/chart-*.yaml; do
   n="$(basename "$f" .yaml)"
   rendered+=(--rendered "$n=$f")
 done
@@ -156,7 +144,7 @@ for o in "${OVERLAYS[@]}"; do
   rel="$(realpath --relative-to="$k" "$DEPLOY")"
   {
     printf 'apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nresources:\n  - %s\nimages:\n' "$rel/overlays/$o"
-    grep -oE 'image: [^[:space:]]+' "$out/$o.yaml" | sort -u | while read -r _ image; do
+    grep -oE 'image: [^[:space:]]+' "$out/chart/$o.yaml" | sort -u | while read -r _ image; do
       printf '  - name: %s\n    newTag: %s\n    digest: sha256:%s\n' "${image%:*}" "${image##*:}" \
         "$(printf '%s' "$image" | sha256sum | cut -c1-64)"
     done
@@ -166,7 +154,7 @@ for o in "${OVERLAYS[@]}"; do
 done
 
 # ------------------------------------------------------------ checks
-step "check_manifests.py (the overlays, with image digests, and the chart's renderings)"
+step "check_manifests.py (the chart's renderings, the overlays with image digests)"
 versions=()
 for v in $K8S_VERSIONS; do versions+=(--k8s-version "$v"); done
 binary=()
@@ -224,5 +212,5 @@ else
 fi
 [[ $fail -eq 0 ]] || die "Dockerfile checks failed"
 
-printf '\nvalidate.sh: deploy/ is valid (overlays: %s; each also with: %s; the Helm chart; Kubernetes %s)\n' \
+printf '\nvalidate.sh: deploy/ is valid (the Helm chart, and the kustomize tree written from it: overlays %s; each also with: %s; Kubernetes %s)\n' \
   "${OVERLAYS[*]}" "${COMPONENTS[*]}" "$K8S_VERSIONS"

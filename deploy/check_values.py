@@ -1,32 +1,25 @@
 #!/usr/bin/env python3
-"""Checks that the Helm chart and the kustomize overlays say the same thing.
+"""Checks the Helm chart's options: what its values do, and what they refuse.
+
+The chart deploy/helm/example-csi is the source of the manifests; the
+kustomize tree is written from it by deploy/generate.py, which also checks
+that the tree builds what the chart renders. This checks the rest.
 
 Usage:
-  check_chart.py [--helm PATH] [--rendered NAME=FILE ...] [--out DIR] [-v]
-      For each flavor (central, central-attach, distributed, cluster), alone
-      and with each component of deploy/components/ it takes (builtin-sidecars
-      and inline-ephemeral for every flavor; snapshot-metadata for the central
-      flavors), render the chart with `helm template` (values:
-      flavor=<flavor>, and builtinSidecars=true, the inlineEphemeral values or
-      snapshotMetadata.enabled=true with the chart's CRDs for the components)
-      and compare it with the overlay rendered by kustomize (--rendered
-      NAME=FILE, as validate.sh passes them, NAME being the overlay or
-      overlay+component; rendered here when not given). The TLS material of
-      snapshot-metadata is made anew by each side: it is compared as
-      consistent (the SnapshotMetadataService names the secret's CA), not
-      as equal. Every object of the overlay must be
-      rendered by the chart, field for field, and the chart must render
-      nothing else but the example StorageClass and VolumeSnapshotClass of
-      deploy/examples/, equal to those files; without values, the chart
-      renders the cluster overlay (the default flavor). Also: the chart's
-      version and appVersion are the crate version; `helm lint --strict`
-      passes for every flavor; values.schema.json rejects bad values with a clear
-      message; the optional objects (ServiceMonitor, snapshot classes)
-      appear only where their API exists; non-default values reach the
-      objects they are for; and the comparison itself finds a changed
-      argument, field or object (a test of this test).
-      With --out, the chart's renderings are kept in DIR as
-      chart-<name>.yaml, for deploy/check_manifests.py (--rendered).
+  check_values.py [--helm PATH] [--out DIR] [-v]
+      The chart's version and appVersion are the crate version; `helm lint
+      --strict` passes for every flavor; without values the chart renders
+      the cluster flavor (the default) and the example StorageClass and
+      VolumeSnapshotClass of deploy/examples/, equal to those files;
+      values.schema.json and the chart's own checks reject bad values with a
+      message that names them; the optional objects (ServiceMonitor,
+      snapshot classes) appear only where their API exists; non-default
+      values reach the objects they are for (pools, data directory, socket
+      group, logging, mutable parameters, volume limit, metrics port,
+      scheduling, classes, another kubelet root, image digests).
+      With --out, the renderings with non-default values are kept in DIR as
+      chart-custom-<flavor>[+builtin-sidecars].yaml, for
+      deploy/check_manifests.py (--rendered).
 
 Exit status: 0 when every check passed, 1 otherwise, 2 on a usage error.
 """
@@ -34,8 +27,6 @@ Exit status: 0 when every check passed, 1 otherwise, 2 on a usage error.
 import argparse
 import copy
 import hashlib
-import json
-import os
 import re
 import shutil
 import subprocess
@@ -47,13 +38,11 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import check_manifests as cm  # noqa: E402  (the shared loaders and Report)
+import generate as gen  # noqa: E402  (helm template, as the kustomize tree is made)
+from generate import (CHART, KUBE_VERSION, NAMESPACE, RELEASE,  # noqa: E402
+                      helm_template, render_chart, values_args)
 
 DEPLOY = cm.DEPLOY
-CHART = DEPLOY / "helm" / "example-csi"
-RELEASE = "example-csi"
-NAMESPACE = "example-csi"
-# The oldest Kubernetes the manifests are validated for.
-KUBE_VERSION = "1.35.0"
 SNAPSHOT_API = "snapshot.storage.k8s.io/v1/VolumeSnapshotClass"
 GROUP_SNAPSHOT_API = "groupsnapshot.storage.k8s.io/v1/VolumeGroupSnapshotClass"
 MONITORING_API = "monitoring.coreos.com/v1/ServiceMonitor"
@@ -61,17 +50,6 @@ MONITORING_API = "monitoring.coreos.com/v1/ServiceMonitor"
 # deploy/README.md say so).
 DEFAULT_FLAVOR = "cluster"
 
-# Labels Helm charts put on their objects; the overlays do not have them.
-HELM_LABELS = {"helm.sh/chart", "app.kubernetes.io/managed-by", "app.kubernetes.io/instance",
-               "app.kubernetes.io/version"}
-# Lists whose items Kubernetes identifies by name (or by port) and whose
-# order carries no meaning: compared as maps by name (a container that a
-# kustomize patch adds lands first in the list). env and volumeMounts are
-# compared in order: a variable may refer to an earlier one, and a mount may
-# lie inside another.
-KEYED_LISTS = {"containers", "initContainers", "volumes", "ports"}
-# The chart does not own the namespace (it goes into the release's).
-OVERLAY_ONLY_KINDS = {"Namespace"}
 # Example objects the chart renders with its default values, and the label
 # it adds to them as to everything else.
 EXAMPLES = {"StorageClass": "storageclass.yaml", "VolumeSnapshotClass": "volumesnapshotclass.yaml"}
@@ -79,47 +57,6 @@ PART_OF = {"app.kubernetes.io/part-of": "example-csi"}
 
 
 # ---------------------------------------------------------------- tools
-
-def find_helm(given):
-    if given:
-        return given
-    if os.environ.get("HELM"):
-        return os.environ["HELM"]
-    path = shutil.which("helm")
-    if path:
-        return path
-    try:
-        gopath = subprocess.run(["go", "env", "GOPATH"], capture_output=True,
-                                text=True, check=True).stdout.strip()
-        cand = Path(gopath) / "bin" / "helm"
-        if cand.exists():
-            return str(cand)
-    except (OSError, subprocess.CalledProcessError):
-        pass
-    return None
-
-
-def values_args(values):
-    """--set-json for each value: exact types, no --set string guessing."""
-    out = []
-    for k, v in values.items():
-        out += ["--set-json", f"{k}={json.dumps(v)}"]
-    return out
-
-
-def helm_template(helm, values=None, api_versions=(), values_file=None, crds=False):
-    """(returncode, stdout, stderr) of helm template with these values (and
-    the chart's crds/ with crds)."""
-    cmd = [helm, "template", RELEASE, str(CHART), "--namespace", NAMESPACE,
-           "--kube-version", KUBE_VERSION] + (["--include-crds"] if crds else [])
-    for a in api_versions:
-        cmd += ["--api-versions", a]
-    if values_file:
-        cmd += ["--values", str(values_file)]
-    cmd += values_args(values or {})
-    out = subprocess.run(cmd, capture_output=True, text=True)
-    return out.returncode, out.stdout, out.stderr
-
 
 def render_notes(helm, values, api_versions=()):
     """NOTES.txt as helm install would print it. helm template does not render
@@ -142,160 +79,6 @@ def render_notes(helm, values, api_versions=()):
     return yaml.safe_load(out.stdout)["data"]["notes"]
 
 
-def render_chart(helm, values=None, api_versions=(), values_file=None, crds=False):
-    rc, out, err = helm_template(helm, values, api_versions, values_file, crds)
-    if rc != 0:
-        raise RuntimeError(f"helm template {values or ''} failed: {err.strip()}")
-    return out, [d for d in yaml.safe_load_all(out) if d]
-
-
-# ---------------------------------------------------------------- comparison
-
-def key(d):
-    m = d.get("metadata") or {}
-    return (d.get("kind"), m.get("namespace"), m.get("name"))
-
-
-def show(k):
-    kind, ns, name = k
-    return f"{kind}/{ns + '/' if ns else ''}{name}"
-
-
-def list_key(item):
-    """What names an item of a keyed list: its name, or a port (a container's
-    or a NetworkPolicy's) by number and protocol."""
-    if "name" in item:
-        return item["name"]
-    return f"{item.get('containerPort', item.get('port'))}/{item.get('protocol', 'TCP')}"
-
-
-def normalize(o, problems, path="", parent=None):
-    """A copy of o with Helm's labels dropped and the keyed lists as maps by name."""
-    if isinstance(o, dict):
-        out = {}
-        for k, v in o.items():
-            if k == "labels" and parent == "metadata" and isinstance(v, dict):
-                v = {lk: lv for lk, lv in v.items() if lk not in HELM_LABELS}
-            out[k] = normalize(v, problems, f"{path}.{k}" if path else k, k)
-        return out
-    if isinstance(o, list):
-        if parent in KEYED_LISTS and all(isinstance(i, dict) for i in o):
-            byname = {}
-            for i in o:
-                n = list_key(i)
-                if n in byname:
-                    problems.append(f"{path}: {n} appears twice")
-                byname[n] = normalize(i, problems, f"{path}[{n}]", None)
-            return byname
-        return [normalize(i, problems, f"{path}[{n}]", None) for n, i in enumerate(o)]
-    return o
-
-
-def differences(a, b, path=""):
-    """The paths where a (the chart) and b (the expected) differ, with both values."""
-    if isinstance(a, dict) and isinstance(b, dict):
-        out = []
-        for k in list(b) + [k for k in a if k not in b]:
-            p = f"{path}.{k}" if path else str(k)
-            if k not in a:
-                out.append(f"{p}: missing in the chart (expected {short(b[k])})")
-            elif k not in b:
-                out.append(f"{p}: only in the chart ({short(a[k])})")
-            else:
-                out += differences(a[k], b[k], p)
-        return out
-    if isinstance(a, list) and isinstance(b, list):
-        out = []
-        for i in range(max(len(a), len(b))):
-            p = f"{path}[{i}]"
-            if i >= len(a):
-                out.append(f"{p}: missing in the chart (expected {short(b[i])})")
-            elif i >= len(b):
-                out.append(f"{p}: only in the chart ({short(a[i])})")
-            else:
-                out += differences(a[i], b[i], p)
-        return out
-    if a != b or type(a) is not type(b):
-        return [f"{path}: chart {short(a)} != expected {short(b)}"]
-    return []
-
-
-def short(v):
-    s = yaml.safe_dump(v, default_flow_style=True, width=1000).strip()
-    if s.endswith("\n..."):
-        s = s[:-4]
-    return s if len(s) <= 100 else s[:97] + "..."
-
-
-def expected_objects(overlay_docs, examples):
-    """What the chart must render: the overlay's objects (not its Namespace) and the examples."""
-    exp = {}
-    for d in overlay_docs:
-        if d["kind"] not in OVERLAY_ONLY_KINDS:
-            exp[key(d)] = d
-    for d in examples:
-        d = copy.deepcopy(d)
-        d.setdefault("metadata", {}).setdefault("labels", {}).update(PART_OF)
-        exp[key(d)] = d
-    return exp
-
-
-# The TLS material of snapshot-metadata, made anew by each rendering:
-# (kind, name, path to the value).
-TLS_SECRET = "example-csi-snapshot-metadata-tls"
-TLS_FIELDS = [("Secret", TLS_SECRET, ("data", "ca.crt")), ("Secret", TLS_SECRET, ("data", "tls.crt")),
-              ("Secret", TLS_SECRET, ("data", "tls.key")),
-              ("SnapshotMetadataService", cm.DRIVER_NAME, ("spec", "caCert"))]
-
-
-def without_tls(docs):
-    """The documents with the TLS material replaced by a mark, and the
-    problems of that material: each field there, and the CA the
-    SnapshotMetadataService gives clients the one of the secret."""
-    out, problems, found = [], [], {}
-    for d in docs:
-        d = copy.deepcopy(d)
-        for kind, name, path in TLS_FIELDS:
-            if d.get("kind") == kind and d["metadata"].get("name") == name:
-                parent = d
-                for p in path[:-1]:
-                    parent = parent.get(p) or {}
-                value = parent.get(path[-1])
-                found[(kind, path)] = "".join(str(value or "").split())
-                if not found[(kind, path)]:
-                    problems.append(f"{kind}/{name}: no {'.'.join(path)}")
-                parent[path[-1]] = "<made by each rendering>"
-        out.append(d)
-    if found and found.get(("Secret", ("data", "ca.crt"))) != found.get(("SnapshotMetadataService", ("spec", "caCert"))):
-        problems.append(f"SnapshotMetadataService/{cm.DRIVER_NAME}: spec.caCert is not the CA of Secret {TLS_SECRET}")
-    return out, problems
-
-
-def compare(chart_docs, expected):
-    """Every difference between the chart's objects and the expected ones, one a line."""
-    chart_docs, problems = without_tls(chart_docs)
-    expected_docs, expected_problems = without_tls(expected.values())
-    expected = {key(d): d for d in expected_docs}
-    problems += [f"(overlay) {p}" for p in expected_problems]
-    chart = {}
-    for d in chart_docs:
-        if key(d) in chart:
-            problems.append(f"{show(key(d))}: rendered twice by the chart")
-        chart[key(d)] = d
-    for k in expected:
-        if k not in chart:
-            problems.append(f"{show(k)}: not rendered by the chart")
-    for k in chart:
-        if k not in expected:
-            problems.append(f"{show(k)}: rendered by the chart only")
-    for k in expected:
-        if k in chart:
-            a = normalize(chart[k], problems, show(k))
-            b = normalize(expected[k], problems, show(k))
-            problems += [f"{show(k)}: {d}" for d in differences(a, b)]
-    return problems
-
-
 # ---------------------------------------------------------------- checks
 
 def check_versions(r, crate=None):
@@ -307,12 +90,11 @@ def check_versions(r, crate=None):
                    f"Chart.yaml appVersion {chart.get('appVersion')} is the crate version {crate}") and ok
 
 
-# The chart's values that stand for each component of deploy/components/.
-COMPONENT_VALUES = {
-    "builtin-sidecars": {"builtinSidecars": True},
-    "inline-ephemeral": {"inlineEphemeral": {"pools": ["default"], "maxSize": "1Gi"}},
-    "snapshot-metadata": {"snapshotMetadata": {"enabled": True}},
-}
+def check_versions_self_test(r):
+    q = cm.QuietReport()
+    check_versions(q, crate="9.9.9")
+    r.check(len(q.failed) == 2, "self-test: a chart version other than the crate's fails the version check",
+            "; ".join(q.failed))
 
 
 def check_lint(helm, r):
@@ -326,106 +108,19 @@ def check_lint(helm, r):
                     (out.stdout + out.stderr).strip().replace("\n", " | "))
 
 
-def check_drift(helm, overlays, examples, r, out_dir):
-    """The chart against each overlay, alone and with each component."""
-    renderings = {}
-    for flavor in cm.OVERLAYS:
-        for comp in [None] + [c for c in cm.COMPONENTS if flavor in cm.COMPONENT_OVERLAYS[c]]:
-            name = f"{flavor}+{comp}" if comp else flavor
-            values = {"flavor": flavor, **COMPONENT_VALUES.get(comp, {})}
-            text, docs = render_chart(helm, values, api_versions=[SNAPSHOT_API],
-                                      crds=comp == "snapshot-metadata")
-            renderings[name] = docs
-            if out_dir:
-                (Path(out_dir) / f"chart-{name}.yaml").write_text(text)
-            problems = compare(docs, expected_objects(overlays[name], examples))
-            for p in problems:
-                r.fail(f"chart with {values} != overlay {name} + examples: {p}")
-            r.check(not problems, f"chart with {values} renders overlay {name} and the example classes, "
-                    f"{len(docs)} objects, field for field")
+def check_defaults(helm, r):
+    """Without values: the default flavor, and the example classes of
+    deploy/examples/ (with the label the chart puts on everything)."""
     _, docs = render_chart(helm, api_versions=[SNAPSHOT_API])
-    problems = compare(docs, expected_objects(overlays[DEFAULT_FLAVOR], examples))
-    r.check(not problems, f"the chart without values renders overlay {DEFAULT_FLAVOR}, the default flavor",
-            "; ".join(problems[:5]))
-    return renderings
-
-
-def check_self_test(renderings, r):
-    """The comparison finds a changed argument, a changed field, a lost object
-    in a copy of a rendering (compared with the rendering itself, so that
-    this tests the comparison alone, whatever the chart renders)."""
-    docs = renderings["central"]
-    exp = {key(d): copy.deepcopy(d) for d in docs}
-    r.check(not compare(docs, exp), "self-test: an unchanged copy compares equal")
-
-    def mutated(change):
-        m = copy.deepcopy(docs)
-        change(m)
-        return compare(m, exp)
-
-    def find(m, kind, name):
-        return next(d for d in m if d["kind"] == kind and d["metadata"]["name"] == name)
-
-    def container(m, name):
-        spec = find(m, "Deployment", "example-csi-controller")["spec"]["template"]["spec"]
-        return next(c for c in spec["containers"] if c["name"] == name)
-
-    def arg(m):
-        c = container(m, "csi-provisioner")
-        c["args"][2] += "0"
-    found = mutated(arg)
-    r.check(len(found) == 1 and "containers.csi-provisioner.args[2]" in found[0] and "0 != " in found[0],
-            "self-test: one changed argument is reported where it is", "; ".join(found) or "not found")
-
-    def verb(m):
-        find(m, "ClusterRole", "example-csi-controller")["rules"][0]["verbs"].append("deletecollection")
-    found = mutated(verb)
-    r.check(len(found) == 1 and "rules[0].verbs" in found[0],
-            "self-test: a verb added to a rule is reported", "; ".join(found) or "not found")
-
-    def mount(m):
-        container(m, "csi-driver")["volumeMounts"][1]["mountPropagation"] = "Bidirectional"
-    found = mutated(mount)
-    r.check(len(found) == 1 and "volumeMounts[1].mountPropagation" in found[0],
-            "self-test: a changed mount propagation is reported", "; ".join(found) or "not found")
-
-    def lost(m):
-        m.remove(find(m, "RoleBinding", "example-csi-controller-leases"))
-    found = mutated(lost)
-    r.check(found == ["RoleBinding/example-csi/example-csi-controller-leases: not rendered by the chart"],
-            "self-test: an object the chart lost is reported", "; ".join(found) or "not found")
-
-    def extra_container(m):
-        spec = find(m, "DaemonSet", "example-csi-node")["spec"]["template"]["spec"]
-        spec["containers"].append(dict(spec["containers"][-1], name="extra"))
-    found = mutated(extra_container)
-    r.check(len(found) == 1 and "containers.extra: only in the chart" in found[0],
-            "self-test: an added container is reported", "; ".join(found) or "not found")
-
-    def reordered(m):
-        spec = find(m, "Deployment", "example-csi-controller")["spec"]["template"]["spec"]
-        spec["containers"].reverse()
-        spec["volumes"].reverse()
-    r.check(not mutated(reordered), "self-test: the order of containers and volumes is not a difference")
-
-    # NetworkPolicy ports have no names: they are keyed by port and protocol.
-    cluster = copy.deepcopy(renderings["cluster"])
-    find(cluster, "NetworkPolicy", "example-csi-agent")["spec"]["ingress"][0]["ports"][0]["port"] = 9821
-    found = compare(cluster, {key(d): d for d in renderings["cluster"]})
-    r.check(any("9820/TCP: missing in the chart" in f for f in found)
-            and any("9821/TCP: only in the chart" in f for f in found),
-            "self-test: a changed NetworkPolicy port is reported", "; ".join(found) or "not found")
-
-    def env_order(m):
-        container(m, "csi-driver")["env"].reverse()
-    found = mutated(env_order)
-    r.check(found and all("containers.csi-driver.env[" in f for f in found),
-            "self-test: the order of env is a difference", "; ".join(found) or "not found")
-
-    q = cm.QuietReport()
-    check_versions(q, crate="9.9.9")
-    r.check(len(q.failed) == 2, "self-test: a chart version other than the crate's fails the version check",
-            "; ".join(q.failed))
+    _, flavor = render_chart(helm, {"flavor": DEFAULT_FLAVOR}, api_versions=[SNAPSHOT_API])
+    r.check(docs == flavor, f"the chart without values renders the flavor {DEFAULT_FLAVOR}, the default")
+    for kind, fname in EXAMPLES.items():
+        want = [copy.deepcopy(d) for d in cm.load_file(DEPLOY / "examples" / fname) if d["kind"] == kind]
+        for d in want:
+            d.setdefault("metadata", {}).setdefault("labels", {}).update(PART_OF)
+        got = [gen.without_helm_labels(d) for d in docs if d["kind"] == kind]
+        r.check(got == want, f"the chart's {kind} is the one of deploy/examples/{fname}, field for field",
+                f"chart {got} != {want}")
 
 
 # Values that are not the defaults, and where each must show.
@@ -723,35 +418,13 @@ def check_rejections(helm, r):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--helm", help="helm binary (default: HELM, helm on PATH, or $(go env GOPATH)/bin/helm)")
-    ap.add_argument("--rendered", action="append", default=[], metavar="NAME=FILE",
-                    help="an overlay rendered by kustomize (NAME: overlay or overlay+component)")
-    ap.add_argument("--out", metavar="DIR", help="keep the chart's renderings here")
+    ap.add_argument("--out", metavar="DIR", help="keep the renderings with non-default values here")
     ap.add_argument("-v", "--verbose", action="store_true", help="print every check, not only failures")
     args = ap.parse_args()
 
-    helm = find_helm(args.helm)
+    helm = gen.find_tool(args.helm, "HELM", "helm")
     if helm is None:
         print("no helm found (give --helm, or run deploy/validate.sh once)", file=sys.stderr)
-        return 2
-    overlays = {}
-    try:
-        for item in args.rendered:
-            n, _, f = item.partition("=")
-            overlays[n] = cm.load_file(f)
-        kustomize = None
-        for o in cm.OVERLAYS:
-            for comp in [None] + [c for c in cm.COMPONENTS if o in cm.COMPONENT_OVERLAYS[c]]:
-                name = f"{o}+{comp}" if comp else o
-                if name not in overlays:
-                    kustomize = kustomize or cm.find_kustomize()
-                    if kustomize is None:
-                        print("no kustomize found (set KUSTOMIZE, or give --rendered)", file=sys.stderr)
-                        return 2
-                    overlays[name] = cm.render(o, kustomize, comp)
-        examples = [d for kind, f in EXAMPLES.items() for d in cm.load_file(DEPLOY / "examples" / f)
-                    if d["kind"] == kind]
-    except (OSError, RuntimeError, yaml.YAMLError) as e:
-        print(f"error: {e}", file=sys.stderr)
         return 2
     version = subprocess.run([helm, "version", "--short"], capture_output=True, text=True).stdout.strip()
     print(f"helm {version}; chart {CHART.relative_to(DEPLOY.parent)}")
@@ -760,18 +433,12 @@ def main():
     try:
         r.section("version", "Chart.yaml version and appVersion are the crate version of Cargo.toml")
         check_versions(r)
+        check_versions_self_test(r)
         r.section("helm lint --strict", "every flavor, with and without builtinSidecars")
         check_lint(helm, r)
-        r.section("chart = overlays",
-                  "helm template with flavor=<overlay> (and builtinSidecars=true for +builtin-sidecars, "
-                  "snapshotMetadata.enabled=true and the chart's CRDs for +snapshot-metadata) "
-                  "renders every object of `kustomize build` of the overlay but its Namespace, and the "
-                  "example StorageClass and VolumeSnapshotClass, field for field",
-                  "ignored: Helm's own labels; the order of containers, volumes and ports")
-        renderings = check_drift(helm, overlays, examples, r, args.out)
-        r.section("self-test of the comparison",
-                  "a changed argument, rule, mount or object in a copy of a rendering is reported")
-        check_self_test(renderings, r)
+        r.section("defaults", f"without values: the flavor {DEFAULT_FLAVOR} and the example StorageClass "
+                  "and VolumeSnapshotClass of deploy/examples/")
+        check_defaults(helm, r)
         r.section("values", "non-default values reach the objects they are for")
         check_custom(helm, r, args.out)
         r.section("optional objects", "ServiceMonitor and snapshot classes only where their API exists")
@@ -784,7 +451,7 @@ def main():
         check_rejections(helm, r)
     except RuntimeError as e:
         r.fail(str(e))
-    return r.summary("check_chart")
+    return r.summary("check_values")
 
 
 if __name__ == "__main__":
