@@ -132,7 +132,7 @@ CUSTOM_VALUES = {
                "maxVolumesPerNode": 16, "defaultFsType": "xfs", "expediteFreeze": False,
                "image": {"repository": "example-csi/csi-driver", "tag": "", "pullPolicy": "Always"}},
     "metrics": {"port": 9911},
-    "sidecars": {"logLevel": 5},
+    "sidecars": {"logLevel": 5, "kubeApi": {"qps": 30, "burst": 60}},
     "imagePullSecrets": [{"name": "regcred"}],
     "node": {"nodeSelector": {"example-csi/storage": "yes"},
              "resources": {"requests": {"cpu": "20m", "memory": "64Mi"},
@@ -141,6 +141,10 @@ CUSTOM_VALUES = {
                         "reclaimPolicy": "Retain", "allowVolumeExpansion": False,
                         "mountOptions": ["noatime"]}],
 }
+
+
+# The sidecars that call the API server at a rate of their own.
+API_SIDECARS = ("csi-provisioner", "csi-snapshotter", "csi-resizer", "csi-attacher")
 
 
 ROUTER_VALUES = {"replicas": 2, "resources": {"requests": {"cpu": "20m", "memory": "24Mi"},
@@ -207,6 +211,12 @@ def check_custom_rendering(name, flavor, docs, r):
         for c in spec["containers"]:
             if c is not drv and c["name"] != "liveness-probe":
                 r.check(cm.flag(c, "--v") == "5", f"{w}/{c['name']}: sidecar --v=5")
+            # The controller's sidecars that write to the API server go at the
+            # values' rate; those of the node DaemonSet at their own default.
+            if c["name"] in API_SIDECARS:
+                rate = (cm.flag(c, "--kube-api-qps"), cm.flag(c, "--kube-api-burst"))
+                want = (None, None) if d["kind"] == "DaemonSet" else ("30", "60")
+                r.check(rate == want, f"{w}/{c['name']}: API rate {want}", str(rate))
         r.check(cm.flag(drv, "--socket-group") == "2000", f"{w}: the driver gives its socket to socketGroup 2000",
                 str(cm.flag(drv, "--socket-group")))
         for c in spec["containers"]:

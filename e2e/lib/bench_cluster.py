@@ -22,6 +22,7 @@ Rows, for each driver given, in alternating order round after round:
   bench_cluster.py --config FILE --out DIR [--rounds N] [--singles N]
                    [--bursts 50,200] [--snapshot-mib 1024] [--hold-pods 100]
                    [--hold-seconds 180] [--rows single,burst,snapshot,hold]
+                   [--drivers NAME,...]
 
 FILE (JSON): {"server", "ca", "cert", "key", "namespace", "node", "image",
  "drivers": [{"name", "class", "snapshot_class", "pods_namespace",
@@ -579,9 +580,16 @@ def main():
     p.add_argument("--hold-pods", type=int, default=100)
     p.add_argument("--hold-seconds", type=int, default=180)
     p.add_argument("--rows", default="single,burst,snapshot,hold")
+    p.add_argument("--drivers", default="",
+                   help="comma-separated names (or their beginnings) of the config's drivers to measure; all when empty")
     args = p.parse_args()
     with open(args.config) as f:
         cfg = json.load(f)
+    if args.drivers:
+        wanted = [w.strip() for w in args.drivers.split(",") if w.strip()]
+        cfg["drivers"] = [d for d in cfg["drivers"] if any(d["name"].startswith(w) for w in wanted)]
+        if not cfg["drivers"]:
+            p.error(f"--drivers {args.drivers!r} names none of the config's drivers")
     bench = Bench(cfg, args)
     try:
         bench.run()

@@ -226,6 +226,12 @@ resources:
       fieldPath: metadata.namespace
 {{- end }}
 
+{{/* How fast a controller sidecar may call the API server (root context). */}}
+{{- define "example-csi.kubeApiArgs" -}}
+- --kube-api-qps={{ .Values.sidecars.kubeApi.qps }}
+- --kube-api-burst={{ .Values.sidecars.kubeApi.burst }}
+{{- end }}
+
 {{- define "example-csi.leaderElectionArgs" -}}
 - --leader-election
 - --leader-election-namespace=$(NAMESPACE)
@@ -240,6 +246,7 @@ resources:
     - --v={{ .ctx.Values.sidecars.logLevel }}
     - --timeout=60s
     {{- include "example-csi.leaderElectionArgs" . | nindent 4 }}
+    {{- include "example-csi.kubeApiArgs" .ctx | nindent 4 }}
   env:
     {{- include "example-csi.namespaceEnv" . | nindent 4 }}
   volumeMounts:
@@ -258,6 +265,7 @@ leader-elected, publishing CSIStorageCapacity owned by the Deployment.
     - --timeout=60s
     - --extra-create-metadata
     {{- include "example-csi.leaderElectionArgs" . | nindent 4 }}
+    {{- include "example-csi.kubeApiArgs" .ctx | nindent 4 }}
     {{- if .strictTopology }}
     # The node the scheduler chose is the one node a volume may
     # go to: the router makes it there (and a copy of another
@@ -291,6 +299,7 @@ volume group snapshots. */}}
     - --timeout=300s
     - --extra-create-metadata
     {{- include "example-csi.leaderElectionArgs" . | nindent 4 }}
+    {{- include "example-csi.kubeApiArgs" . | nindent 4 }}
     # GA and on by default since v8.7.0; said here so that an
     # older snapshotter put in its place still makes them.
     - --feature-gates=CSIVolumeGroupSnapshot=true
