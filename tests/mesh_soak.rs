@@ -51,6 +51,19 @@ struct Item {
     dir: bool,
 }
 
+impl Item {
+    /// Where its data lies in `pool`: an image or a directory, of a
+    /// snapshot or of a volume.
+    fn data(&self, pool: &Pool, snapshot: bool) -> PathBuf {
+        match (self.dir, snapshot) {
+            (true, true) => dir_snapshot(pool, &self.id),
+            (false, true) => snapshot_image(pool, &self.id),
+            (true, false) => dir_volume(pool, &self.id),
+            (false, false) => volume_image(pool, &self.id),
+        }
+    }
+}
+
 /// Codes a CO retries when a process of the driver died under its call.
 fn retryable(code: tonic::Code) -> bool {
     use tonic::Code::*;
@@ -164,7 +177,6 @@ impl Soak {
         eprintln!("mesh soak: killed {who}, down {down:?}");
     }
 
-    /// A new volume on a node of its own, with random data written there.
     /// A new volume on a node of its own (a directory one time in four),
     /// with random data written there.
     async fn create(&mut self) {
@@ -234,19 +246,11 @@ impl Soak {
         let from_snapshot = !self.snaps.is_empty() && self.rng.random_bool(0.5);
         let (src, source, src_data) = if from_snapshot {
             let s = self.snaps[self.rng.random_range(0..self.snaps.len())].clone();
-            let pool = &self.node(s.node).pool;
-            let data = match s.dir {
-                true => dir_snapshot(pool, &s.id),
-                false => snapshot_image(pool, &s.id),
-            };
+            let data = s.data(&self.node(s.node).pool, true);
             (s.clone(), snapshot_source(&s.id), data)
         } else {
             let v = self.vols[self.rng.random_range(0..self.vols.len())].clone();
-            let pool = &self.node(v.node).pool;
-            let data = match v.dir {
-                true => dir_volume(pool, &v.id),
-                false => volume_image(pool, &v.id),
-            };
+            let data = v.data(&self.node(v.node).pool, false);
             (v.clone(), volume_source(&v.id), data)
         };
         let other = if src.node == NODE_A { NODE_B } else { NODE_A };
@@ -302,7 +306,7 @@ impl Soak {
         }
         let pool = &self.node(target).pool;
         if src.dir {
-            let (want, got) = (tree_of(&src_data), tree_of(&dir_volume(pool, &item.id)));
+            let (want, got) = (tree_of(&src_data), tree_of(&item.data(pool, false)));
             assert!(
                 want == got,
                 "{} made from {} differs:\n{want}\n---\n{got}\n{}",
@@ -310,7 +314,7 @@ impl Soak {
                 src.id,
                 self.logs()
             );
-        } else if let Some(at) = first_difference(&src_data, &volume_image(pool, &item.id)) {
+        } else if let Some(at) = first_difference(&src_data, &item.data(pool, false)) {
             panic!(
                 "{} made from {} differs at byte {at}\n{}",
                 item.id,

@@ -904,7 +904,6 @@ async fn root_a_snapshot_says_truthfully_where_it_can_be_restored() {
     assert!(topo_of(&dir_snap.snapshot_id).is_empty());
 }
 
-/// A directory volume's folder in a node's pool.
 /// Fills a directory with one of each kind of entry: nested folders, a
 /// random file, a 64 MiB sparse file with one island of data, links (one
 /// pointing outside), a fifo, other owners, setuid and setgid modes.

@@ -172,6 +172,7 @@ pub async fn unmount(node: &Node, m: &Mounted) {
     c.unpublish_and_unstage(&m.id, &m.target, &m.staging).await;
 }
 
+/// A directory volume's folder in a node's pool.
 pub fn dir_volume(pool: &Pool, handle: &str) -> PathBuf {
     pool.path.join("volumes").join(local(handle))
 }
@@ -195,6 +196,7 @@ pub fn tree_of(dir: &Path) -> String {
     )
 }
 
+/// A directory snapshot's folder in a node's pool.
 pub fn dir_snapshot(pool: &Pool, handle: &str) -> PathBuf {
     pool.path.join("snapshots").join(local(handle))
 }

@@ -280,7 +280,7 @@ impl Controller {
     /// The arrival is done, its data whole and durable: so the list of
     /// arrivals that ended says, on disk, before its record goes (a restart
     /// in between ends it again). Its own status says so once the source is
-    /// told (`shown`).
+    /// told ([`Self::hand_over`]).
     fn done(&self, job: &Job, rec: &ArrivalRecord, t: &Trailer) -> TransferStatus {
         let mut s = job.status();
         s.state = "done".into();
