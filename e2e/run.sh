@@ -9,7 +9,8 @@
 #              [--suite | --suite-only] [--suite-flavor central|cluster]
 #              [--single-node] [--builtin-sidecars]
 #              [--keep] [--scenario NAME]...
-#   e2e/run.sh --bench OUT [--flavor F] [--stress] [-- bench_cluster.py options]
+#   e2e/run.sh --bench OUT [--flavor F] [--stress] [--single-node]
+#              [-- bench_cluster.py options]
 #
 # It builds or reuses (e2e/build.sh, cache in ~/.cache/example-csi-e2e) the
 # Kubernetes binaries, etcd, containerd and the sidecars deploy/ pins; builds
@@ -71,14 +72,22 @@
 # JSON at the end.
 #
 # --bench OUT runs no scenario: it deploys the flavor (cluster unless named)
-# on one node beside the reference driver (csi-driver-host-path, built from its
-# released source, with the same sidecars) and measures both through the
-# Kubernetes API (e2e/lib/bench.sh, e2e/lib/bench_cluster.py): claim created
-# to pod Running and its phases, bursts of claims with pods, a snapshot of
-# written data and its restore, the containers' CPU and memory. The report is
+# beside the reference driver (csi-driver-host-path, built from its released
+# source, with the same sidecars, a pod on every node) and measures both
+# through the Kubernetes API (e2e/lib/bench.sh, e2e/lib/bench_cluster.py):
+# claim created to pod Running and where that time goes (the scheduler's
+# choice of node, the provisioner's queue, provisioning, binding, the pod's
+# placement, the kubelet's mount and the start, each claim's moments as the
+# watches deliver them), bursts of claims with pods on one node and spread
+# over both (burst2n), a snapshot of written data and its restore, the
+# containers' CPU and memory. The flavors of more than one node run on both
+# kubelets, node2 started before the flavor is deployed with pools of its
+# own and the reference's data directory; --single-node keeps to one (the
+# burst2n rows are then reported as not measured). The report is
 # OUT/results.md, OUT/results.json and OUT/machine.txt. --stress runs
 # `stress-ng --io 2 --cpu 1` beside it all. The options after -- go to
-# bench_cluster.py (--rounds, --singles, --bursts, --snapshot-mib, --rows).
+# bench_cluster.py (--rounds, --singles, --bursts, --snapshot-mib, --rows,
+# --drivers, --nodes).
 #
 # --suite also runs Kubernetes' own storage e2e suite, "External Storage"
 # (e2e/lib/suite.sh, e2e/testdriver.yaml, skips in e2e/skips.md), against the
@@ -150,8 +159,8 @@ declare -A BUILTIN_IN=()
 declare -A SNAPSHOT_METADATA_IN=([central]=1)
 if [ -n "$BENCH_OUT" ]; then
     [ ${#FLAVORS[@]} -eq 0 ] && FLAVORS=(cluster)
-    SINGLE_NODE=1 SUITE=0
-    # bursts of hundreds of pods on the one node
+    SUITE=0
+    # bursts of hundreds of pods on one node
     KUBELET_MAX_PODS=600
 elif [ -n "$BENCH_STRESS" ] || [ ${#BENCH_ARGS[@]} -gt 0 ]; then
     echo "e2e/run.sh: --stress and -- options go with --bench" >&2; exit 2
