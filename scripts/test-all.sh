@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Runs every test of example-csi: formatting, lints and unused dependencies, the
 # Rust unit and integration tests (real loop devices, mkfs and mounts: run as root), the CSI
-# contract check, csi-sanity in every configuration, the deploy/ validation, and
-# the end-to-end scenarios on a real Kubernetes: the central flavor on one node,
-# then the cluster flavor (the default deployment) on two kubelets.
+# contract check, csi-sanity in every configuration, the deploy/ validation, the
+# cluster benchmark client's own tests, and the end-to-end scenarios on a real
+# Kubernetes: the central flavor on one node, then the cluster flavor (the
+# default deployment) on two kubelets.
 # Installs what is missing first, so it works on a fresh machine.
 #
 # The tests that need root are marked #[ignore = "needs root: ..."], so that a
@@ -69,6 +70,9 @@ cargo machete
 step "shell scripts (shellcheck)"
 # shellcheck disable=SC2046
 shellcheck -S warning $(git ls-files '*.sh')
+
+step "the cluster benchmark's breakdown of a claim's way (Python unittest, no cluster)"
+python3 -m unittest discover -s e2e/lib -p 'test_*.py'
 
 step "build"
 cargo build --workspace --all-targets --quiet
