@@ -385,6 +385,10 @@ def rpc_totals(api, driver):
 
 
 class Bench:
+    # how long the breakdown waits for the moments of a row's claims that
+    # have not come yet (most often an Event) before it counts them missing
+    SETTLE_SECONDS = 2.0
+
     def __init__(self, cfg, args):
         self.cfg, self.args = cfg, args
         self.api = Api(cfg["server"], cfg["ca"], cfg["cert"], cfg["key"])
@@ -430,7 +434,7 @@ class Bench:
         keys = [(kind, c, what) for c in made for kind, what in (
             ("pvc", "selected_node"), ("pvc", "provisioning"), ("pvc", "pv_added"), ("pvc", "Bound"),
             ("pod", "scheduled"), ("pod", "PodReadyToStartContainers"))]
-        seen = self.track.settle(keys, 2.0)
+        seen = self.track.settle(keys, self.SETTLE_SECONDS)
         rows = self.row_breakdown(d, row)
         for c, t0 in made.items():
             moments, from_initialized = claim_moments(seen, c, c)

@@ -10,6 +10,8 @@ import io
 import json
 import os
 import tempfile
+import threading
+import time
 import unittest
 
 from bench_cluster import Bench, Tracker, figures_table, serves
@@ -253,6 +255,96 @@ class Report(unittest.TestCase):
         self.assertTrue(serves(p("localhost", "DaemonSet"), {"localhost"}))
         self.assertFalse(serves(p("node2", "DaemonSet"), {"localhost"}))
         self.assertTrue(serves(p("node2", "ReplicaSet"), {"localhost"}))
+
+
+class FakeApi:
+    """An API server that answers at once and has the watches deliver a
+    claim's whole way as soon as its pod is made: on the node named in the
+    pod's nodeSelector, its Provisioning Event after its PersistentVolume
+    for every third claim, none for the fifth."""
+
+    def __init__(self, track, registered):
+        self.track, self.registered = track, registered
+        self.made = 0
+        self.lock = threading.Lock()
+
+    def call(self, method, path, body=None, ok=None):
+        if method == "GET" and "/csinodes/" in path:
+            node = path.rsplit("/", 1)[1]
+            return {"kind": "CSINode", "spec": {"drivers": [{"name": n} for n in self.registered.get(node, [])]}}
+        if method == "GET":
+            return {"items": []}
+        name = path.rsplit("/", 1)[1]
+        if method == "POST" and path.endswith("/pods"):
+            with self.lock:
+                self.made += 1
+                i = self.made
+            self.deliver(body["metadata"]["name"], body["spec"]["nodeSelector"]["kubernetes.io/hostname"], i)
+        elif method == "DELETE" and "/pods/" in path:
+            self.track.pod("DELETED", pod(name), time.monotonic())
+        elif method == "DELETE" and "/persistentvolumeclaims/" in path:
+            self.track.pvc("DELETED", pvc(name), time.monotonic())
+            self.track.pv("DELETED", pv(f"pvc-{name}", name), time.monotonic())
+        return {}
+
+    def deliver(self, c, node, i):
+        t = self.track
+        now = time.monotonic
+        t.pvc("MODIFIED", pvc(c, selected=node), now())
+        if i % 3 != 0 and i % 5 != 0:
+            t.event("ADDED", event(c), now())
+        t.pv("ADDED", pv(f"pvc-{c}", c), now())
+        if i % 3 == 0 and i % 5 != 0:
+            t.event("ADDED", event(c), now())
+        t.pvc("MODIFIED", pvc(c, selected=node, phase="Bound", volume=f"pvc-{c}"), now())
+        t.pod("MODIFIED", pod(c, node=node), now())
+        t.pod("MODIFIED", pod(c, node=node, phase="Running", conditions=[
+            ("PodReadyToStartContainers", "True"), ("Initialized", "True")]), now())
+
+
+class RowsAgainstAFakeApi(unittest.TestCase):
+    DRIVER = {"name": "ours", "csi_driver": "ours.csi", "class": "c", "pods_namespace": "d",
+              "pods_selector": "x=y", "driver_containers": ["csi-driver"]}
+
+    def bench(self, nodes, registered):
+        b = Bench.__new__(Bench)  # no watches: the fake API server feeds the tracker
+        b.cfg = {"node": nodes[0], "image": "busybox", "drivers": [self.DRIVER]}
+        b.args = argparse.Namespace(rounds=1)
+        b.ns, b.nodes, b.serial = NS, nodes, 0
+        b.SETTLE_SECONDS = 0.01
+        b.track = Tracker(NS)
+        b.api = FakeApi(b.track, registered)
+        b.results, b.breakdowns, b.not_measured = {"ours": {}}, {"ours": {}}, {"ours": {}}
+        return b
+
+    def test_single_and_bursts_break_down_every_claim(self):
+        b = self.bench(["a", "b"], {"a": ["ours.csi"], "b": ["ours.csi"]})
+        b.single(self.DRIVER)
+        b.burst(self.DRIVER, 6)
+        b.burst_nodes(self.DRIVER, 6)
+        res = b.results["ours"]
+        self.assertEqual(len(res["burst6"]["phase_mount"]), 6)
+        self.assertEqual(len(res["single"]["phase_bind"]), 1)
+        self.assertEqual(res["burst6-2nodes"]["pods_on_a"], [3])
+        self.assertEqual(res["burst6-2nodes"]["pods_on_b"], [3])
+        self.assertNotIn("pods_on_a", res["burst6"])
+        rep = b.breakdowns["ours"]["burst6-2nodes"].report()
+        self.assertEqual(rep["claims"], 6)
+        self.assertGreaterEqual(rep["missing_moments"]["provisioning"], 1)
+        self.assertGreaterEqual(rep["early_moments"]["pv_added"], 1)
+        self.assertEqual(b.not_measured["ours"], {})
+
+    def test_a_driver_missing_on_a_node_is_not_measured_there(self):
+        b = self.bench(["a", "b"], {"a": ["ours.csi"]})
+        with contextlib.redirect_stderr(io.StringIO()):
+            b.burst_nodes(self.DRIVER, 4)
+        self.assertIn("not registered on b", b.not_measured["ours"]["burst4-2nodes"])
+        self.assertEqual(b.results["ours"], {})
+
+    def test_one_node_only(self):
+        b = self.bench(["a"], {"a": ["ours.csi"]})
+        b.burst_nodes(self.DRIVER, 4)
+        self.assertIn("one node", b.not_measured["ours"]["burst4-2nodes"])
 
 
 if __name__ == "__main__":
