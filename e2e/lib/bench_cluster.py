@@ -404,7 +404,8 @@ class Bench:
         self.not_measured = {d["name"]: {} for d in cfg["drivers"]}
         self.serial = 0
         # only the Events the breakdown reads: a burst's pods make many more
-        events = f"/api/v1/namespaces/{self.ns}/events?fieldSelector=" + urllib.parse.quote("reason=Provisioning")
+        events = f"/api/v1/namespaces/{self.ns}/events?fieldSelector=" + urllib.parse.quote(
+            "reason=Provisioning,involvedObject.kind=PersistentVolumeClaim")
         watches = [
             (f"/api/v1/namespaces/{self.ns}/pods", self.track.pod),
             (f"/api/v1/namespaces/{self.ns}/persistentvolumeclaims", self.track.pvc),
