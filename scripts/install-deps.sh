@@ -4,7 +4,7 @@ set -euo pipefail
 # shellcheck source=scripts/preamble.sh
 . "$(dirname "$0")/preamble.sh"
 need=()
-for pair in mkfs.xfs:xfsprogs mkfs.btrfs:btrfs-progs mkfs.ext4:e2fsprogs losetup:mount \
+for pair in mkfs.xfs:xfsprogs mkfs.btrfs:btrfs-progs mkfs.ext4:e2fsprogs losetup:mount gdb:gdb \
             findmnt:util-linux blkid:util-linux bc:bc python3:python3 pip3:python3-pip \
             shellcheck:shellcheck; do
   command -v "${pair%%:*}" >/dev/null 2>&1 || need+=("${pair#*:}")

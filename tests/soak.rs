@@ -208,6 +208,117 @@ fn read_block(dev: &Path) -> Option<Vec<u8>> {
     Some(b)
 }
 
+/// What a hung call leaves to look at: the last lines of each driver process's
+/// log (the HTTP/2 frames left out), the freeze markers, the mounts, where each
+/// thread of the drivers and of this test waits in the kernel when it is not an
+/// idle wait, and (with gdb) the driver's own frames of every driver thread.
+fn hang_report(sh: &Shared) -> String {
+    // One report, by the first client to find its call hung; the others wait
+    // for it (a panic would end the test before the report is out).
+    static REPORTED: Mutex<bool> = Mutex::new(false);
+    let mut reported = REPORTED.lock().unwrap_or_else(|p| p.into_inner());
+    if std::mem::replace(&mut *reported, true) {
+        return "(see the hang report above)".into();
+    }
+    let socket = sh.ctl_socket.trim_start_matches("unix://");
+    let base = Path::new(socket).parent().unwrap_or(Path::new("/"));
+    let mut out = format!("=== hang report ({})\n", base.display());
+    for log in ["driver.log", "node.log"] {
+        let text = std::fs::read_to_string(base.join(log)).unwrap_or_default();
+        let lines: Vec<&str> = text
+            .lines()
+            .filter(|l| !l.contains("h2::") && !l.contains("hyper"))
+            .collect();
+        out += &format!("--- last lines of {log}\n");
+        for l in &lines[lines.len().saturating_sub(60)..] {
+            out += l;
+            out.push('\n');
+        }
+    }
+    for f in std::fs::read_dir(base.join("state/shared/frozen"))
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        let text = std::fs::read_to_string(f.path()).unwrap_or_default();
+        out += &format!("--- freeze marker {}: {text}\n", f.path().display());
+    }
+    out += "--- mounts below the test dir\n";
+    for m in mounts_below(base.parent().unwrap_or(base)) {
+        out += &format!("{}\n", m.display());
+    }
+    let marker = base.display().to_string();
+    let me = std::process::id().to_string();
+    for entry in std::fs::read_dir("/proc").into_iter().flatten().flatten() {
+        let pid = entry.file_name().to_string_lossy().to_string();
+        if !pid.bytes().all(|b| b.is_ascii_digit()) {
+            continue;
+        }
+        let cmd = std::fs::read(entry.path().join("cmdline")).unwrap_or_default();
+        let cmd = String::from_utf8_lossy(&cmd).replace('\0', " ");
+        let driver = cmd.contains(&marker);
+        if !driver && pid != me {
+            continue;
+        }
+        out += &format!(
+            "--- process {pid}: {}\n",
+            cmd.chars().take(120).collect::<String>()
+        );
+        let mut idle = 0;
+        for task in std::fs::read_dir(entry.path().join("task"))
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            let read = |f: &str| std::fs::read_to_string(task.path().join(f)).unwrap_or_default();
+            let wchan = read("wchan");
+            if matches!(wchan.trim(), "0" | "futex_do_wait" | "do_epoll_wait") {
+                idle += 1;
+                continue;
+            }
+            out += &format!(
+                "thread {} {} wchan={}\n{}",
+                task.file_name().to_string_lossy(),
+                read("comm").trim(),
+                wchan.trim(),
+                read("stack")
+            );
+        }
+        out += &format!("({idle} threads in idle waits)\n");
+        if driver {
+            let gdb = std::process::Command::new("timeout")
+                .args([
+                    "60",
+                    "gdb",
+                    "-p",
+                    &pid,
+                    "-batch",
+                    "-ex",
+                    "thread apply all bt",
+                ])
+                .output();
+            match gdb {
+                Ok(o) => {
+                    let text = String::from_utf8_lossy(&o.stdout);
+                    let ours: Vec<&str> = text
+                        .lines()
+                        .filter(|l| l.starts_with("Thread ") || l.contains(" csi_"))
+                        .collect();
+                    if ours.is_empty() {
+                        out += &format!("(gdb: {})\n", String::from_utf8_lossy(&o.stderr).trim());
+                    }
+                    for l in ours {
+                        out += l;
+                        out.push('\n');
+                    }
+                }
+                Err(e) => out += &format!("(no gdb: {e})\n"),
+            }
+        }
+    }
+    out
+}
+
 fn is_transient(s: &Status) -> bool {
     matches!(
         s.code(),
@@ -306,7 +417,10 @@ impl Client {
                         self.reconnect().await;
                     }
                 }
-                Err(_) => panic!("soak client {}: {what} hung for 120 s", self.k),
+                Err(_) => {
+                    eprintln!("{}", hang_report(&self.sh));
+                    panic!("soak client {}: {what} hung for 120 s", self.k)
+                }
             }
             assert!(
                 attempt < 200,
