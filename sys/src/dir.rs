@@ -192,6 +192,19 @@ pub fn list(dir: &Path) -> Result<Vec<Entry>> {
     Ok(out)
 }
 
+/// The names of `dir`'s entries, in no order, read as they are asked for: a
+/// folder of many entries is walked without a list of them all (and without a
+/// path for each) in memory. A missing `dir` is an error that
+/// [`SysError::is_not_found`] recognises; so is each entry that cannot be read.
+pub fn names(dir: &Path) -> Result<impl Iterator<Item = Result<String>> + '_> {
+    let entries = fs::read_dir(dir).map_err(|e| SysError::io("list", dir, e))?;
+    Ok(entries.map(move |entry| {
+        entry
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .map_err(|e| SysError::io("list", dir, e))
+    }))
+}
+
 /// The entries of `dir`; none when it is missing.
 pub fn list_if_exists(dir: &Path) -> Result<Vec<Entry>> {
     match list(dir) {
@@ -241,6 +254,19 @@ pub fn remove_empty_dir(path: &Path) -> Result<bool> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn names_stream_every_entry_and_a_missing_folder_is_not_found() {
+        let dir = tempfile::tempdir().unwrap();
+        for n in ["a.img", ".tmp", "b"] {
+            std::fs::write(dir.path().join(n), b"").unwrap();
+        }
+        let mut got: Vec<String> = names(dir.path()).unwrap().map(|n| n.unwrap()).collect();
+        got.sort();
+        assert_eq!(got, [".tmp", "a.img", "b"]);
+        let e = names(&dir.path().join("none")).err().expect("missing");
+        assert!(e.is_not_found(), "{e}");
+    }
 
     #[test]
     fn stat_tells_kinds_and_absence_apart() {

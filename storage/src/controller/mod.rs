@@ -84,10 +84,15 @@ impl Controller {
         c.volumes
             .set_compaction_barrier(crate::core::blank::barrier(dirs));
         c.recover()?;
+        let step = std::time::Instant::now();
         c.volumes.compact_if_due();
         c.snapshots.compact_if_due();
         c.groups.compact_if_due();
         c.start_lock_sweep();
+        tracing::debug!(
+            ms = step.elapsed().as_secs_f64() * 1000.0,
+            "controller's background work started"
+        );
         Ok(c)
     }
 
@@ -111,13 +116,28 @@ impl Controller {
                 }
             }
         }
+        let step = std::time::Instant::now();
         for pool in self.pools.values() {
             self.templates.recover(pool);
         }
+        let templates_ms = step.elapsed().as_secs_f64() * 1000.0;
+        let step = std::time::Instant::now();
         self.recover_volumes()?;
+        let volumes_ms = step.elapsed().as_secs_f64() * 1000.0;
+        let step = std::time::Instant::now();
         self.recover_snapshots()?;
+        let snapshots_ms = step.elapsed().as_secs_f64() * 1000.0;
+        let step = std::time::Instant::now();
         self.recover_holds();
         self.recover_arrivals();
+        let transfers_ms = step.elapsed().as_secs_f64() * 1000.0;
+        tracing::debug!(
+            templates_ms,
+            volumes_ms,
+            snapshots_ms,
+            transfers_ms,
+            "controller state looked over"
+        );
         Ok(())
     }
 

@@ -118,14 +118,16 @@ impl Core {
     /// Removes entries of a pool directory that `known` does not account for, and
     /// every leftover temporary.
     pub(crate) fn remove_orphans(&self, folder: &Path, known: impl Fn(&str) -> bool) -> Result<()> {
-        let Ok(entries) = dir::list(folder) else {
+        // Streamed: a pool of many volumes is walked at every start, and a
+        // path is made only for what is removed.
+        let Ok(names) = dir::names(folder) else {
             return Ok(());
         };
-        for entry in entries {
-            let temp = entry.is_hidden();
-            let (name, path) = (entry.name, entry.path);
+        for name in names.flatten() {
+            let temp = name.starts_with('.');
             let stem = name.strip_suffix(".img").unwrap_or(&name);
             if temp || !known(stem) {
+                let path = folder.join(&name);
                 if !temp && name.ends_with(".img") {
                     // An image still attached is in use by something: leave it and say so.
                     if let Ok(devs) = self.sys.loops.find(&path) {
