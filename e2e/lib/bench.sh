@@ -67,8 +67,18 @@ bench_deploy_reference() {
 }
 
 # bench_classes: this driver's classes for the benchmark, one a filesystem,
-# in the default pool (an xfs like the reference's).
+# in the default pool (an xfs like the reference's), and one of directory
+# volumes, the reference's own kind (a bind mount, no filesystem to mount).
 bench_classes() {
+    kc apply -f - >/dev/null <<EOF
+apiVersion: storage.k8s.io/v1
+kind: StorageClass
+metadata: {name: bench-dir}
+provisioner: example.csi.k8s.io
+parameters: {type: default, kind: dir}
+reclaimPolicy: Delete
+volumeBindingMode: WaitForFirstConsumer
+EOF
     local fs
     for fs in ext4 xfs; do
         kc apply -f - >/dev/null <<EOF
@@ -100,6 +110,7 @@ bench_config() {
  "drivers": [
   {"name": "example-csi ext4", "class": "bench-ext4", $ours},
   {"name": "example-csi xfs", "class": "bench-xfs", $ours},
+  {"name": "example-csi dir", "class": "bench-dir", $ours},
   {"name": "hostpath $HOSTPATH_VERSION", "csi_driver": "hostpath.csi.k8s.io",
    "class": "bench-reference", "snapshot_class": "bench-reference",
    "pods_namespace": "reference-hostpath", "pods_selector": "app.kubernetes.io/name=reference-hostpath",
