@@ -70,23 +70,18 @@ bench_deploy_reference() {
 # in the default pool (an xfs like the reference's), and one of directory
 # volumes, the reference's own kind (a bind mount, no filesystem to mount).
 bench_classes() {
-    kc apply -f - >/dev/null <<EOF
-apiVersion: storage.k8s.io/v1
-kind: StorageClass
-metadata: {name: bench-dir}
-provisioner: example.csi.k8s.io
-parameters: {type: default, kind: dir}
-reclaimPolicy: Delete
-volumeBindingMode: WaitForFirstConsumer
-EOF
-    local fs
-    for fs in ext4 xfs; do
+    local name params
+    for name in ext4 xfs dir; do
+        case $name in
+            dir) params="kind: dir" ;;
+            *) params="csi.storage.k8s.io/fstype: $name" ;;
+        esac
         kc apply -f - >/dev/null <<EOF
 apiVersion: storage.k8s.io/v1
 kind: StorageClass
-metadata: {name: bench-$fs}
+metadata: {name: bench-$name}
 provisioner: example.csi.k8s.io
-parameters: {type: default, csi.storage.k8s.io/fstype: $fs}
+parameters: {type: default, $params}
 reclaimPolicy: Delete
 volumeBindingMode: WaitForFirstConsumer
 EOF

@@ -180,16 +180,14 @@ impl Entry {
 /// The entries of `dir`, in no order. A missing `dir` is an error that
 /// [`SysError::is_not_found`] recognises.
 pub fn list(dir: &Path) -> Result<Vec<Entry>> {
-    let entries = fs::read_dir(dir).map_err(|e| SysError::io("list", dir, e))?;
-    let mut out = Vec::new();
-    for entry in entries {
-        let entry = entry.map_err(|e| SysError::io("list", dir, e))?;
-        out.push(Entry {
-            name: entry.file_name().to_string_lossy().into_owned(),
-            path: entry.path(),
-        });
-    }
-    Ok(out)
+    names(dir)?
+        .map(|name| {
+            name.map(|name| Entry {
+                path: dir.join(&name),
+                name,
+            })
+        })
+        .collect()
 }
 
 /// The names of `dir`'s entries, in no order, read as they are asked for: a

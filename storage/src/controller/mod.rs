@@ -84,15 +84,13 @@ impl Controller {
         c.volumes
             .set_compaction_barrier(crate::core::blank::barrier(dirs));
         c.recover()?;
-        let step = std::time::Instant::now();
-        c.volumes.compact_if_due();
-        c.snapshots.compact_if_due();
-        c.groups.compact_if_due();
-        c.start_lock_sweep();
-        tracing::debug!(
-            ms = step.elapsed().as_secs_f64() * 1000.0,
-            "controller's background work started"
-        );
+        let ((), ms) = timed(|| {
+            c.volumes.compact_if_due();
+            c.snapshots.compact_if_due();
+            c.groups.compact_if_due();
+            c.start_lock_sweep();
+        });
+        tracing::debug!(ms, "controller's background work started");
         Ok(c)
     }
 
@@ -116,21 +114,19 @@ impl Controller {
                 }
             }
         }
-        let step = std::time::Instant::now();
-        for pool in self.pools.values() {
-            self.templates.recover(pool);
-        }
-        let templates_ms = step.elapsed().as_secs_f64() * 1000.0;
-        let step = std::time::Instant::now();
-        self.recover_volumes()?;
-        let volumes_ms = step.elapsed().as_secs_f64() * 1000.0;
-        let step = std::time::Instant::now();
-        self.recover_snapshots()?;
-        let snapshots_ms = step.elapsed().as_secs_f64() * 1000.0;
-        let step = std::time::Instant::now();
-        self.recover_holds();
-        self.recover_arrivals();
-        let transfers_ms = step.elapsed().as_secs_f64() * 1000.0;
+        let ((), templates_ms) = timed(|| {
+            for pool in self.pools.values() {
+                self.templates.recover(pool);
+            }
+        });
+        let (volumes, volumes_ms) = timed(|| self.recover_volumes());
+        volumes?;
+        let (snapshots, snapshots_ms) = timed(|| self.recover_snapshots());
+        snapshots?;
+        let ((), transfers_ms) = timed(|| {
+            self.recover_holds();
+            self.recover_arrivals();
+        });
         tracing::debug!(
             templates_ms,
             volumes_ms,
@@ -193,6 +189,13 @@ impl Controller {
         });
         out
     }
+}
+
+/// What `f` gives, and how long it took in milliseconds (for the start's log).
+fn timed<T>(f: impl FnOnce() -> T) -> (T, f64) {
+    let started = std::time::Instant::now();
+    let out = f();
+    (out, started.elapsed().as_secs_f64() * 1000.0)
 }
 
 fn sweep_volume_locks(core: &Core, volumes: &Store<VolumeRecord>) {
