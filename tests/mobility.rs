@@ -82,6 +82,7 @@ async fn read_hold(
             base_transfer_id: String::new(),
             read_token: token.to_string(),
             patches: false,
+            xxh3: true,
         })
         .await;
     match got {
@@ -745,6 +746,7 @@ async fn root_a_hold_is_read_by_its_target_alone_and_a_delete_mid_transfer_leave
                 base_transfer_id: String::new(),
                 read_token: token.clone(),
                 patches: false,
+                xxh3: true,
             })
             .await
             .unwrap_err();

@@ -14,7 +14,7 @@ use csi_proto::mesh::{
     transfer_server::Transfer,
 };
 use csi_storage::controller::transfer::{
-    ArrivingFrom, HoldSource, Piece, Received, Source, Sources, Trailer, TransferStatus,
+    ArrivingFrom, HoldSource, Piece, Received, Source, Sources, Sum, Trailer, TransferStatus,
 };
 use csi_storage::ids::{SnapshotId, VolumeId};
 use csi_storage::Controller;
@@ -260,6 +260,7 @@ impl Transfer for TransferService {
                 base.as_deref(),
                 r.patches,
             )
+            .map(|s| s.summed(if r.xxh3 { Sum::Xxh3 } else { Sum::Blake3 }))
         })
         .await?;
         // Pieces are read on a blocking thread and sent as the network takes
@@ -631,6 +632,7 @@ impl Source for MeshSource {
             read_token: self.token.clone(),
             // Where this node names a base, it starts from it.
             patches: base.is_some(),
+            xxh3: true,
         };
         let (tx, mut rx) = tokio::sync::mpsc::channel(IN_FLIGHT);
         let node = self.node.clone();

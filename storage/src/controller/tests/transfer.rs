@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use crate::controller::transfer::{
-    ArrivingFrom, HoldSource, Piece, Received, Source, Sources, TransferStatus, CELL,
+    ArrivingFrom, HoldSource, Piece, Received, Source, Sources, Sum, TransferStatus, CELL,
 };
 use crate::error::{Error, Result};
 use crate::ids::VolumeId;
@@ -34,6 +34,9 @@ struct Faults {
     delay: Option<Duration>,
     /// Releases that fail (the source down), before one lands.
     release_failures: usize,
+    /// A source of a release before checksums: its pieces carry BLAKE3
+    /// digests, whatever the target asks.
+    blake3_only: bool,
 }
 
 /// What the sources of a test saw.
@@ -46,6 +49,9 @@ struct Seen {
     incremental: AtomicBool,
     /// Pieces sent as patches of a cell.
     patches: AtomicUsize,
+    /// Pieces of data whose digest is BLAKE3's (XXH3 leaves the last 16
+    /// bytes zero).
+    blake3_digests: AtomicUsize,
 }
 
 struct TestSource {
@@ -65,15 +71,22 @@ impl Source for TestSource {
         _stop: &'a AtomicBool,
     ) -> Result<Box<dyn Iterator<Item = Result<Received>> + 'a>> {
         self.seen.reads_from.lock().unwrap().push(from);
+        let sum = match self.faults.lock().unwrap().blake3_only {
+            true => Sum::Blake3,
+            false => Sum::Xxh3,
+        };
         let peer = self.peer.clone();
-        let stream = self.from.hold_stream(
-            &self.transfer,
-            &move |n: &str| n == peer,
-            &self.token,
-            from,
-            base,
-            base.is_some(),
-        )?;
+        let stream = self
+            .from
+            .hold_stream(
+                &self.transfer,
+                &move |n: &str| n == peer,
+                &self.token,
+                from,
+                base,
+                base.is_some(),
+            )?
+            .summed(sum);
         let faults = self.faults.clone();
         let seen = self.seen.clone();
         let mut sent = 0usize;
@@ -94,7 +107,12 @@ impl Source for TestSource {
                     if p.is_patch() {
                         seen.patches.fetch_add(1, Ordering::Relaxed);
                     }
-                    if let Piece::Data { data, .. } | Piece::Patch { data, .. } = &mut p {
+                    if let Piece::Data { data, digest, .. } | Piece::Patch { data, digest, .. } =
+                        &mut p
+                    {
+                        if digest[16..].iter().any(|b| *b != 0) {
+                            seen.blake3_digests.fetch_add(1, Ordering::Relaxed);
+                        }
                         seen.data_bytes
                             .fetch_add(data.len() as u64, Ordering::Relaxed);
                         if f.corrupt {
@@ -211,6 +229,20 @@ impl Pair {
             .unwrap()
     }
 
+    /// Sends `vol` (whose image is `src`) to `b` as "pvc-copy" and waits until
+    /// it is there, whole and no longer marked arriving; its record and image.
+    fn copy_whole(&self, vol: &str, src: &std::path::Path) -> (VolumeRecord, std::path::PathBuf) {
+        let rec = self.send(vol, "t1@node-2", "pvc-copy");
+        assert!(
+            self.settle(Duration::from_secs(20)).is_empty(),
+            "the transfer ended"
+        );
+        let dst = self.b.image(&rec.id.to_string());
+        assert!(!arriving(&dst), "the mark is cleared");
+        same_bytes(src, &dst);
+        (rec, dst)
+    }
+
     /// Waits until `b` has no transfer running; its statuses at the end.
     fn settle(&self, within: Duration) -> Vec<TransferStatus> {
         let end = Instant::now() + within;
@@ -265,14 +297,7 @@ fn arriving(img: &std::path::Path) -> bool {
 fn a_volume_arrives_whole_and_holes_stay_holes() {
     let p = pair();
     let (vol, src) = volume_with_data(&p, "pvc-src");
-    let rec = p.send(&vol, "t1@node-2", "pvc-copy");
-    assert!(
-        p.settle(Duration::from_secs(20)).is_empty(),
-        "the transfer ended"
-    );
-    let dst = p.b.image(&rec.id.to_string());
-    assert!(!arriving(&dst), "the mark is cleared");
-    same_bytes(&src, &dst);
+    let (rec, dst) = p.copy_whole(&vol, &src);
     // Only the cells with data were sent, and the copy is as sparse as them.
     // (what was written, each cell's part from its first to its last block)
     let written = 8192 + CELL + 100_000u64.next_multiple_of(4096);
@@ -283,12 +308,26 @@ fn a_volume_arrives_whole_and_holes_stay_holes() {
     );
     let allocated = std::fs::metadata(&dst).unwrap().blocks() * 512;
     assert!(allocated < 4 * MIB, "{allocated} bytes allocated");
+    assert_eq!(
+        p.seen.blake3_digests.load(Ordering::Relaxed),
+        0,
+        "XXH3 sums"
+    );
     // The source keeps its hold as the base of the next transfer.
     assert_eq!(*p.seen.released.lock().unwrap(), vec![true]);
     assert!(p.ca().holds().iter().all(|h| h.base));
     // A retry of the create finds the same volume.
     let again = p.send(&vol, "t1@node-2", "pvc-copy");
     assert_eq!(again.id, rec.id);
+}
+
+#[test]
+fn a_source_of_an_earlier_release_sends_blake3_digests_and_its_volume_arrives_whole() {
+    let p = pair();
+    p.faults.lock().unwrap().blake3_only = true;
+    let (vol, src) = volume_with_data(&p, "pvc-src");
+    p.copy_whole(&vol, &src);
+    assert!(p.seen.blake3_digests.load(Ordering::Relaxed) >= 2);
 }
 
 #[test]

@@ -15,7 +15,7 @@ use csi_sys::image_io::{ImageReader, BLOCK};
 use csi_sys::{dir, file};
 use serde::{Deserialize, Serialize};
 
-use super::pieces::{Ledger, CELL};
+use super::pieces::{Ledger, Sum, CELL};
 use super::{Piece, Received, Trailer};
 use crate::error::{Context, Error, Result};
 use crate::ids::{SnapshotId, VolumeId};
@@ -276,7 +276,8 @@ impl Controller {
     /// hold's target node) showing the hold's token, from `from` on: only what
     /// differs from the hold `base` when this node still has it as the base of
     /// the same volume for the same node, as patches where the target takes
-    /// them (`patches`), else as whole cells.
+    /// them (`patches`), else as whole cells. Its pieces carry BLAKE3 digests
+    /// unless [`HoldStream::summed`] says otherwise.
     pub fn hold_stream(
         &self,
         transfer_id: &str,
@@ -460,6 +461,8 @@ pub struct HoldStream {
     ledger: Ledger,
     incremental: bool,
     ended: bool,
+    /// How each piece's data is summed.
+    sum: Sum,
 }
 
 /// How far ahead of the pieces a hold is read.
@@ -512,7 +515,14 @@ impl HoldStream {
             ledger: Ledger::default(),
             incremental,
             ended: false,
+            sum: Sum::Blake3,
         })
+    }
+
+    /// The same stream with its pieces summed as `sum` (what the target asked
+    /// for).
+    pub fn summed(self, sum: Sum) -> HoldStream {
+        HoldStream { sum, ..self }
     }
 
     /// Asks the disk for the data of the next pieces (up to `READ_AHEAD`
@@ -554,7 +564,7 @@ impl HoldStream {
                         length: (start / CELL * CELL + CELL).min(self.reader.len())
                             - start / CELL * CELL,
                     }),
-                    Ok(()) => Ok(Piece::data(start, data)),
+                    Ok(()) => Ok(Piece::data_summed(start, data, self.sum)),
                 }
             }
             Plan::Patch(start, end) => {
@@ -566,7 +576,7 @@ impl HoldStream {
                         offset: start,
                         length: end - start,
                     }),
-                    Ok(()) => Ok(Piece::patch(start, data)),
+                    Ok(()) => Ok(Piece::patch_summed(start, data, self.sum)),
                 }
             }
         })

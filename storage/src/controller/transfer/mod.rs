@@ -38,7 +38,7 @@ use std::sync::atomic::AtomicBool;
 pub(crate) use arrive::Arrivals;
 pub use arrive::{ArrivingFrom, Sources, TransferStatus};
 pub use hold::{HoldInfo, HoldSource, HoldStream};
-pub use pieces::{Entry, Piece, Trailer, CELL};
+pub use pieces::{Entry, Piece, Sum, Trailer, CELL};
 
 use crate::error::Result;
 

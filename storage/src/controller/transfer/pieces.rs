@@ -5,21 +5,46 @@ use bytes::Bytes;
 
 use crate::error::{Error, Result};
 
-/// The checksum of a piece's data: XXH3-128 of the bytes, little-endian, in
-/// the first 16 of the 32 bytes a digest takes (the rest zero: the ledger's
-/// entries and the messages keep their size).
+/// How a source sums a piece's data.
 ///
-/// It checks that what a target writes is what the source read: nothing lost,
-/// moved or changed between the source's disk and the target's, by the
+/// A sum checks that what a target writes is what the source read: nothing
+/// lost, moved or changed between the source's disk and the target's by the
 /// software on the way. It need not be a cryptographic hash. The channel is
 /// mutual TLS, whose AEAD already refuses any byte a stranger changes, and a
 /// source node is trusted for what it sends: no digest could keep it from
 /// sending other data with that data's own digest. The ledger's digest over
 /// every entry (BLAKE3) stays the check of the whole.
-fn checksum(data: &[u8]) -> [u8; 32] {
-    let mut out = [0u8; 32];
-    out[..16].copy_from_slice(&twox_hash::XxHash3_128::oneshot(data).to_le_bytes());
-    out
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Sum {
+    /// XXH3-128 of the bytes, little-endian, in the first 16 of the 32 bytes
+    /// a digest takes, the rest zero (a third of BLAKE3's time). A target asks
+    /// for it.
+    Xxh3,
+    /// BLAKE3 of the bytes: what a target that does not ask gets, as from
+    /// releases that knew no other.
+    Blake3,
+}
+
+impl Sum {
+    pub fn of(self, data: &[u8]) -> [u8; 32] {
+        match self {
+            Sum::Xxh3 => {
+                let mut out = [0u8; 32];
+                out[..16].copy_from_slice(&twox_hash::XxHash3_128::oneshot(data).to_le_bytes());
+                out
+            }
+            Sum::Blake3 => *blake3::hash(data).as_bytes(),
+        }
+    }
+
+    /// The kind of a digest a source sent: its last 16 bytes are zero only
+    /// for XXH3 (for a BLAKE3 digest, once in 2^128).
+    fn of_digest(digest: &[u8; 32]) -> Sum {
+        match digest[16..].iter().all(|b| *b == 0) {
+            true => Sum::Xxh3,
+            false => Sum::Blake3,
+        }
+    }
 }
 
 /// The grid of a transfer: no piece of data crosses a multiple of this.
@@ -63,8 +88,13 @@ impl std::fmt::Debug for Piece {
 impl Piece {
     /// A piece of data, with its digest.
     pub fn data(offset: u64, data: impl Into<Bytes>) -> Piece {
+        Piece::data_summed(offset, data, Sum::Xxh3)
+    }
+
+    /// A piece of data, with its digest of kind `sum`.
+    pub fn data_summed(offset: u64, data: impl Into<Bytes>, sum: Sum) -> Piece {
         let data = data.into();
-        let digest = checksum(&data);
+        let digest = sum.of(&data);
         Piece::Data {
             offset,
             data,
@@ -74,8 +104,13 @@ impl Piece {
 
     /// A patch of data, with its digest.
     pub fn patch(offset: u64, data: impl Into<Bytes>) -> Piece {
+        Piece::patch_summed(offset, data, Sum::Xxh3)
+    }
+
+    /// A patch of data, with its digest of kind `sum`.
+    pub fn patch_summed(offset: u64, data: impl Into<Bytes>, sum: Sum) -> Piece {
         let data = data.into();
-        let digest = checksum(&data);
+        let digest = sum.of(&data);
         Piece::Patch {
             offset,
             data,
@@ -265,7 +300,7 @@ impl Checker {
                 if offset / CELL != (end - 1) / CELL {
                     return bad("data crosses a cell's boundary".into());
                 }
-                if checksum(data) != *digest {
+                if Sum::of_digest(digest).of(data) != *digest {
                     return bad("its digest does not match its data".into());
                 }
             }
@@ -306,6 +341,7 @@ mod tests {
 
     #[test]
     fn a_checksum_takes_every_byte_and_its_place() {
+        let checksum = |d: &[u8]| Sum::Xxh3.of(d);
         let data = vec![7u8; CELL as usize];
         let sum = checksum(&data);
         assert_eq!(sum[16..], [0u8; 16]);
@@ -315,16 +351,30 @@ mod tests {
             changed[at] ^= 1;
             assert_ne!(checksum(&changed), sum, "a byte changed at {at}");
         }
-        let mut swapped = data.clone();
-        swapped[0] = 1;
-        let mut other = data.clone();
-        other[1] = 1;
-        assert_ne!(
-            checksum(&swapped),
-            checksum(&other),
-            "the same byte elsewhere"
-        );
+        let mut here = data.clone();
+        here[0] = 1;
+        let mut there = data.clone();
+        there[1] = 1;
+        assert_ne!(checksum(&here), checksum(&there), "the same byte elsewhere");
         assert_ne!(checksum(&data[1..]), sum, "one byte fewer");
+        assert_ne!(Sum::Blake3.of(&data)[16..], [0u8; 16]);
+    }
+
+    #[test]
+    fn a_target_checks_the_digests_of_a_source_that_knows_no_checksum() {
+        let mut c = Checker::new(0, 4 * CELL, false);
+        c.check(&Piece::data_summed(0, vec![1; 100], Sum::Blake3))
+            .unwrap();
+        c.check(&Piece::data_summed(CELL, vec![2; 100], Sum::Xxh3))
+            .unwrap();
+        for (i, sum) in [Sum::Blake3, Sum::Xxh3].into_iter().enumerate() {
+            let mut forged = Piece::data_summed((2 + i as u64) * CELL, vec![3; 100], sum);
+            if let Piece::Data { data, .. } = &mut forged {
+                *data = flip_first(data);
+            }
+            let e = c.check(&forged).unwrap_err();
+            assert!(e.to_string().contains("does not match"), "{sum:?}: {e}");
+        }
     }
 
     #[test]
