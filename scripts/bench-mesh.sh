@@ -19,6 +19,9 @@
 # Usage (root): scripts/bench-mesh.sh OUT [SIZE_MIB] [COUNT]
 # CSI_DRIVER_BIN and CSI_BENCH_BIN name the binaries (default: target/release,
 # built if missing). MESH_PARTS picks the parts (default: hop,spread,transfer).
+# MESH_THREADS=1 samples every thread's CPU of the three processes during each
+# move (scripts/thread-cpu.py, into OUT/threads-NAME.txt; the sampling costs a
+# little CPU, so the moves' times beside it are not the benchmark's).
 # Everything it makes is torn down on exit.
 set -euo pipefail
 out=${1:?usage: $0 OUT [SIZE_MIB] [COUNT]}
@@ -112,8 +115,13 @@ write_on_a() {
 # there, and prints a line of figures, with a copy of the snapshot's image on
 # one disk beside it.
 move() {
-  local snap=$1 name=$2 label=$3 start made done_at moved sent cstart cdone
+  local snap=$1 name=$2 label=$3 start made done_at moved sent cstart cdone sampler=""
   sync
+  if [ -n "${MESH_THREADS:-}" ]; then
+    "$top/scripts/thread-cpu.py" --until "$work/threads-$name.stop" \
+      "node-a=${pids[0]}" "node-b=${pids[1]}" "router=${pids[2]}" >"$out/threads-$name.txt" &
+    sampler=$!
+  fi
   start=$(date +%s.%N)
   # The answer read by grep, not by a Python started on the transfer's time.
   moved=$(client "$work/router.sock" create-volume "$name" --size "$(( size_mib + 256 ))Mi" \
@@ -125,6 +133,7 @@ move() {
   local arrived
   arrived=$(client "$work/b/csi.sock" transfers --wait "${moved%%@*}" --timeout 3600)
   done_at=$(date +%s.%N)
+  if [ -n "$sampler" ]; then touch "$work/threads-$name.stop"; wait "$sampler"; fi
   sent=$(python3 -c 'import json, sys; print(json.load(sys.stdin).get("data_bytes", 0))' <<<"$arrived")
   cstart=$(date +%s.%N)
   cp --sparse=always --reflink=never "$work/a/pool/snapshots/${snap%%@*}.img" "$work/a/pool/copy.img"
