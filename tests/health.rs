@@ -220,22 +220,22 @@ async fn root_mounts_read_only_or_gone_are_reported() {
         .await;
     // The filesystem turns read-only under a read-write publish (as ext4's
     // errors=remount-ro does).
-    sh("mount", &["-o", "remount,ro", v.staging.to_str().unwrap()]);
+    remount(&v.staging, true);
     let ro = fx.node(&v.id).await;
-    sh("mount", &["-o", "remount,rw", v.staging.to_str().unwrap()]);
+    remount(&v.staging, false);
     assert_eq!(ro, vec![r(H::Degraded, "FilesystemReadOnly")]);
     assert_eq!(fx.node(&v.id).await, vec![], "healthy again once rw");
     // The controller sees nothing of mounts.
     assert_eq!(fx.controller(&v.id).await, vec![]);
 
     // Mounts vanish behind the driver's back.
-    sh("umount", &[v.target.to_str().unwrap()]);
+    umount(&v.target);
     assert_eq!(
         fx.node(&v.id).await,
         vec![r(H::Inaccessible, "PublishMountMissing")]
     );
     // Something else is mounted at the staging path.
-    sh("umount", &[v.staging.to_str().unwrap()]);
+    umount(&v.staging);
     sh(
         "mount",
         &["-t", "tmpfs", "tmpfs", v.staging.to_str().unwrap()],
@@ -247,7 +247,7 @@ async fn root_mounts_read_only_or_gone_are_reported() {
             r(H::Inaccessible, "PublishMountMissing")
         ]
     );
-    sh("umount", &[v.staging.to_str().unwrap()]);
+    umount(&v.staging);
     assert_eq!(
         fx.node(&v.id).await,
         vec![
@@ -543,9 +543,9 @@ async fn root_storage_health_follows_the_pool() {
 
     // Remounted read-only.
     let root = fx.pool.path.to_str().unwrap().to_string();
-    sh("mount", &["-o", "remount,ro", &root]);
+    remount(&fx.pool.path, true);
     let ro = fx.storage().await;
-    sh("mount", &["-o", "remount,rw", &root]);
+    remount(&fx.pool.path, false);
     assert_eq!(ro, vec![s(S::StorageUnreachable, "PoolReadOnly")]);
 
     // Errors recorded by the pool's own ext4.
@@ -565,7 +565,7 @@ async fn root_storage_health_follows_the_pool() {
     assert_eq!(seen, vec![s(S::StorageDegraded, "FilesystemErrors")]);
 
     // Its filesystem unmounted: the pool's directory is empty.
-    sh("umount", &[&root]);
+    umount(&fx.pool.path);
     let gone = fx.storage().await;
     let image = fx.pool.dir.path().join("pool.img");
     sh("mount", &["-o", "loop", image.to_str().unwrap(), &root]);
@@ -661,10 +661,9 @@ async fn root_health_problems_show_in_the_metrics() {
     assert_eq!(value(&text, truncated), Some(1.0), "{text}");
     assert_eq!(value(&text, missing), Some(2.0), "{text}");
 
-    let root = fx.pool.path.to_str().unwrap().to_string();
-    sh("mount", &["-o", "remount,ro", &root]);
+    remount(&fx.pool.path, true);
     let text = scrape(port);
-    sh("mount", &["-o", "remount,rw", &root]);
+    remount(&fx.pool.path, false);
     assert_eq!(value(&text, healthy), Some(0.0), "{text}");
     assert_eq!(value(&text, read_only), Some(1.0), "{text}");
 
@@ -685,7 +684,7 @@ async fn root_health_problems_show_in_the_metrics() {
     let v = fx.in_use("pvc-served", 64 * MIB, cap.clone(), &[]).await;
     let text = scrape(port);
     assert!(!text.contains(served), "{text}");
-    sh("umount", &[v.target.to_str().unwrap()]);
+    umount(&v.target);
     let text = scrape(port);
     assert_eq!(value(&text, unpublished), Some(1.0), "{text}");
     fx.unuse(&v).await;

@@ -290,65 +290,6 @@ fn usage(r: &csi::NodeGetVolumeStatsResponse, unit: csi::volume_usage::Unit) -> 
         .unwrap_or_else(|| panic!("no {unit:?} usage in {r:?}"))
 }
 
-/// Unmounts `p` as a reboot would, waiting out a short refusal: the tests of
-/// this binary run side by side in one process, and a child it forks for
-/// another test (mkfs of that test's pool) holds a copy of every descriptor
-/// the process had open at that moment, a file of this volume among them,
-/// until it execs a few milliseconds later; the kernel refuses the unmount
-/// (EBUSY) meanwhile. Still refused after 5 s, the test fails and names who
-/// holds the mount.
-fn umount(p: &Path) {
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
-    loop {
-        match nix::mount::umount2(p, nix::mount::MntFlags::empty()) {
-            Ok(()) => return,
-            Err(nix::errno::Errno::EBUSY) if std::time::Instant::now() < deadline => {
-                std::thread::sleep(std::time::Duration::from_millis(5))
-            }
-            Err(e) => panic!("umount {}: {e}; {}", p.display(), holders_of(p)),
-        }
-    }
-}
-
-/// Every process that holds something below `p` (its cwd, root, an open file
-/// or a mapping), as `pid comm: what`, for a refused unmount to name them.
-fn holders_of(p: &Path) -> String {
-    let mut out = Vec::new();
-    let Ok(procs) = std::fs::read_dir("/proc") else {
-        return String::new();
-    };
-    for e in procs.flatten() {
-        let pid = e.file_name().to_string_lossy().into_owned();
-        if !pid.bytes().all(|b| b.is_ascii_digit()) {
-            continue;
-        }
-        let dir = e.path();
-        let comm = std::fs::read_to_string(dir.join("comm")).unwrap_or_default();
-        let mut links: Vec<PathBuf> = ["cwd", "root"].iter().map(|l| dir.join(l)).collect();
-        if let Ok(fds) = std::fs::read_dir(dir.join("fd")) {
-            links.extend(fds.flatten().map(|f| f.path()));
-        }
-        for l in links {
-            if let Ok(t) = std::fs::read_link(&l) {
-                if t.starts_with(p) {
-                    out.push(format!(
-                        "{pid} {}: {} -> {}",
-                        comm.trim(),
-                        l.display(),
-                        t.display()
-                    ));
-                }
-            }
-        }
-        let maps = std::fs::read_to_string(dir.join("maps")).unwrap_or_default();
-        let ps = p.to_string_lossy();
-        if let Some(m) = maps.lines().find(|m| m.contains(ps.as_ref())) {
-            out.push(format!("{pid} {}: maps {m}", comm.trim()));
-        }
-    }
-    format!("held by: {out:?}")
-}
-
 /// Detaches `dev` and waits for the kernel to let it go (a detach while a scan
 /// has the device open only takes effect on that last close).
 fn detach(dev: &str) {

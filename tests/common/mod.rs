@@ -911,3 +911,87 @@ pub fn sample(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
         .and_then(|l| l.rsplit(' ').next())
         .and_then(|v| v.parse().ok())
 }
+
+/// Runs a mount change on `p` (an unmount, a remount read-only), waiting out a
+/// short refusal: the tests of one binary run side by side in one process, and
+/// a child forked for another test (mkfs of that test's pool, a `truncate`)
+/// holds a copy of every descriptor the process had open at that moment until
+/// it execs a few milliseconds later; an open file below `p`, or one deleted
+/// but still open, makes the kernel refuse the change (EBUSY) meanwhile. Still
+/// refused after 5 s, the test fails and names who holds the mount.
+pub fn settle_busy(what: &str, p: &Path, mut change: impl FnMut() -> nix::Result<()>) {
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        match change() {
+            Ok(()) => return,
+            Err(nix::errno::Errno::EBUSY) if Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(5))
+            }
+            Err(e) => panic!("{what} {}: {e}; {}", p.display(), holders_of(p)),
+        }
+    }
+}
+
+/// Unmounts `p` as a reboot or a stray administrator would (see `settle_busy`).
+pub fn umount(p: &Path) {
+    settle_busy("umount", p, || {
+        nix::mount::umount2(p, nix::mount::MntFlags::empty())
+    });
+}
+
+/// Remounts the filesystem mounted on `p` read-only (`read_only`) or
+/// read-write, its other options kept (see `settle_busy`).
+pub fn remount(p: &Path, read_only: bool) {
+    let mut flags = nix::mount::MsFlags::MS_REMOUNT;
+    if read_only {
+        flags |= nix::mount::MsFlags::MS_RDONLY;
+    }
+    settle_busy("remount", p, || {
+        nix::mount::mount(None::<&str>, p, None::<&str>, flags, None::<&str>)
+    });
+}
+
+/// Every process that holds something below `p` (its cwd, root, an open file,
+/// deleted or not, or a mapping), as `pid comm: what`, and the loop devices
+/// backed by a file below it, for a refused mount change to name them.
+pub fn holders_of(p: &Path) -> String {
+    let mut out = Vec::new();
+    let Ok(procs) = std::fs::read_dir("/proc") else {
+        return String::new();
+    };
+    for e in procs.flatten() {
+        let pid = e.file_name().to_string_lossy().into_owned();
+        if !pid.bytes().all(|b| b.is_ascii_digit()) {
+            continue;
+        }
+        let dir = e.path();
+        let comm = std::fs::read_to_string(dir.join("comm")).unwrap_or_default();
+        let mut links: Vec<PathBuf> = ["cwd", "root"].iter().map(|l| dir.join(l)).collect();
+        if let Ok(fds) = std::fs::read_dir(dir.join("fd")) {
+            links.extend(fds.flatten().map(|f| f.path()));
+        }
+        for l in links {
+            if let Ok(t) = std::fs::read_link(&l) {
+                if t.starts_with(p) {
+                    out.push(format!(
+                        "{pid} {}: {} -> {}",
+                        comm.trim(),
+                        l.display(),
+                        t.display()
+                    ));
+                }
+            }
+        }
+        let maps = std::fs::read_to_string(dir.join("maps")).unwrap_or_default();
+        let ps = p.to_string_lossy();
+        if let Some(m) = maps.lines().find(|m| m.contains(ps.as_ref())) {
+            out.push(format!("{pid} {}: maps {m}", comm.trim()));
+        }
+    }
+    for (dev, backing) in loop_devices() {
+        if backing.starts_with(p) {
+            out.push(format!("{dev} backed by {}", backing.display()));
+        }
+    }
+    format!("held by: {out:?}")
+}
