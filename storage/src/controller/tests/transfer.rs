@@ -110,7 +110,7 @@ impl Source for TestSource {
                     if let Piece::Data { data, digest, .. } | Piece::Patch { data, digest, .. } =
                         &mut p
                     {
-                        if digest[16..].iter().any(|b| *b != 0) {
+                        if Sum::of_digest(digest) == Sum::Blake3 {
                             seen.blake3_digests.fetch_add(1, Ordering::Relaxed);
                         }
                         seen.data_bytes

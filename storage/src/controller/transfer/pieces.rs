@@ -39,7 +39,7 @@ impl Sum {
 
     /// The kind of a digest a source sent: its last 16 bytes are zero only
     /// for XXH3 (for a BLAKE3 digest, once in 2^128).
-    fn of_digest(digest: &[u8; 32]) -> Sum {
+    pub(crate) fn of_digest(digest: &[u8; 32]) -> Sum {
         match digest[16..].iter().all(|b| *b == 0) {
             true => Sum::Xxh3,
             false => Sum::Blake3,
