@@ -11,8 +11,11 @@ Samples every thread's CPU time (user + system, from /proc/PID/task/TID/stat)
 and the machine's busy time (/proc/stat) every 20 ms. At the stop it prints,
 for each thread that ran, its CPU seconds over the whole time and in its
 busiest second, then how many cores the machine kept busy in its busiest
-second. A stage that holds a pipeline back shows as one thread near a whole
+second (or on average over a shorter run). A stage that holds a pipeline back shows as one thread near a whole
 core; work spread over threads that together fill the cores shows none.
+A thread that waits on the disk instead shows in how many of its samples it
+was in uninterruptible sleep (state D), and the machine's in the share of the
+time some task stalled on I/O (/proc/pressure/io, where the kernel has it).
 The sampling itself costs a little CPU: figures taken beside it are not the
 benchmark's.
 """
@@ -45,7 +48,18 @@ def threads(pid):
             continue
         name = st[st.index("(") + 1 : st.rindex(")")]
         fields = st[st.rindex(")") + 2 :].split()
-        yield tid, name, int(fields[11]) + int(fields[12])
+        yield tid, name, int(fields[11]) + int(fields[12]), fields[0]
+
+
+def io_stalled():
+    """Microseconds some task and all tasks stalled on I/O, or None."""
+    try:
+        with open("/proc/pressure/io") as f:
+            lines = f.read().split("\n")
+    except OSError:
+        return None
+    totals = [int(w.split("=")[1]) for ln in lines for w in ln.split() if w.startswith("total=")]
+    return totals if len(totals) == 2 else None
 
 
 def machine_busy():
@@ -75,13 +89,16 @@ def main():
     signal.signal(signal.SIGTERM, ask_stop)
     signal.signal(signal.SIGINT, ask_stop)
     seen = {}
+    waits = {}
     machine = []
+    stalled = io_stalled()
     while not stop and not (until and os.path.exists(until)):
         now = time.monotonic()
         machine.append((now, machine_busy()))
         for name, pid in procs:
-            for tid, comm, ticks in threads(pid):
+            for tid, comm, ticks, state in threads(pid):
                 seen.setdefault((name, tid, comm), []).append((now, ticks))
+                waits[(name, tid, comm)] = waits.get((name, tid, comm), 0) + (state == "D")
         time.sleep(0.02)
     rows = []
     for key, s in seen.items():
@@ -92,13 +109,21 @@ def main():
     for best, total, (name, tid, comm) in rows:
         print(
             f"{name:10} {tid:>7} {comm:18} {total / TICK:6.2f} s in all, "
-            f"{best / TICK:5.2f} s in its busiest second"
+            f"{best / TICK:5.2f} s in its busiest second, "
+            f"waiting on I/O in {waits.get((name, tid, comm), 0)} of {len(s)} samples"
         )
     if len(machine) > 1:
+        span = machine[-1][0] - machine[0][0]
+        # Over a shorter time than a second, the busiest second is all of it.
         print(
-            f"machine: {busiest(machine) / TICK:.2f} cores busy in its busiest second "
-            f"({len(machine)} samples over {machine[-1][0] - machine[0][0]:.2f} s)"
+            f"machine: {busiest(machine) / TICK / min(span, WINDOW):.2f} cores busy in its "
+            f"busiest second ({len(machine)} samples over {span:.2f} s)"
         )
+    after = io_stalled()
+    if stalled and after and len(machine) > 1:
+        span = (machine[-1][0] - machine[0][0]) * 1e6
+        some, full = ((b - a) / span * 100 for a, b in zip(stalled, after))
+        print(f"machine: some task stalled on I/O {some:.0f}% of the time, all tasks {full:.0f}%")
 
 
 if __name__ == "__main__":
