@@ -22,6 +22,10 @@
 # MESH_THREADS=1 samples every thread's CPU of the three processes during each
 # move (scripts/thread-cpu.py, into OUT/threads-NAME.txt; the sampling costs a
 # little CPU, so the moves' times beside it are not the benchmark's).
+# MESH_PERF=1 records the whole machine's CPU with `perf record -a -g` during
+# each move (into OUT/perf-NAME.data; `perf report -i FILE --no-children`);
+# MESH_PERF=dwarf records the call stacks of code built without frame
+# pointers too (large files).
 # Everything it makes is torn down on exit.
 set -euo pipefail
 out=${1:?usage: $0 OUT [SIZE_MIB] [COUNT]}
@@ -115,8 +119,15 @@ write_on_a() {
 # there, and prints a line of figures, with a copy of the snapshot's image on
 # one disk beside it.
 move() {
-  local snap=$1 name=$2 label=$3 start made done_at moved sent cstart cdone sampler=""
+  local snap=$1 name=$2 label=$3 start made done_at moved sent cstart cdone sampler="" perf=""
   sync
+  if [ -n "${MESH_PERF:-}" ]; then
+    local graph=(-g)
+    [ "$MESH_PERF" = dwarf ] && graph=(--call-graph "dwarf,16384")
+    perf record -q -a "${graph[@]}" -o "$out/perf-$name.data" 2>/dev/null &
+    perf=$!
+    sleep 0.5
+  fi
   if [ -n "${MESH_THREADS:-}" ]; then
     "$top/scripts/thread-cpu.py" --until "$work/threads-$name.stop" \
       "node-a=${pids[0]}" "node-b=${pids[1]}" "router=${pids[2]}" >"$out/threads-$name.txt" &
@@ -134,6 +145,7 @@ move() {
   arrived=$(client "$work/b/csi.sock" transfers --wait "${moved%%@*}" --timeout 3600)
   done_at=$(date +%s.%N)
   if [ -n "$sampler" ]; then touch "$work/threads-$name.stop"; wait "$sampler"; fi
+  if [ -n "$perf" ]; then kill -INT "$perf"; wait "$perf" || true; fi
   sent=$(python3 -c 'import json, sys; print(json.load(sys.stdin).get("data_bytes", 0))' <<<"$arrived")
   cstart=$(date +%s.%N)
   cp --sparse=always --reflink=never "$work/a/pool/snapshots/${snap%%@*}.img" "$work/a/pool/copy.img"
