@@ -27,7 +27,9 @@ impl Node {
                     // does not allow it.
                     Error::invalid(format!(
                         "{context}: the kernel refused it ({e}); directIO=true is not \
-                         possible on this pool"
+                         possible for this volume's image on 512-byte sectors (on an xfs \
+                         pool, an image that shares blocks with a snapshot, a clone or a \
+                         template; a pool on a disk of 4096-byte sectors)"
                     ))
                 } else {
                     Error::System { context, source: e }

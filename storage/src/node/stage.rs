@@ -474,7 +474,7 @@ impl Node {
             }
         }
         crate::core::blank::make_durable(image)?;
-        let settings = recorded_settings(image)?;
+        let mut settings = recorded_settings(image)?;
         // A device found attached is held to the image first: one whose detach
         // was deferred (it was mounted in another mount namespace too) would
         // otherwise go, and its number serve another volume, before the mount.
@@ -502,10 +502,35 @@ impl Node {
                 )
                 .context(|| format!("attaching {}", image.display()))?,
         };
+        if settings.direct_io == Some(true) && !dev.direct_io && !self.direct_io_at_stage(&dev)? {
+            settings.direct_io = None;
+        }
         // Also on a device found attached: a stage cut short may have left it
         // without them.
         self.apply_settings(&dev.device, settings)?;
         Ok(dev)
+    }
+
+    /// Direct I/O asked for a device that does not have it: turned on, or,
+    /// where the kernel refuses it for this image for good, the volume is
+    /// served with buffered I/O (false) rather than not at all: the data is
+    /// the same either way, and a volume must not become unusable because a
+    /// snapshot now shares its blocks. Any other failure fails the stage.
+    fn direct_io_at_stage(&self, dev: &LoopDevice) -> Result<bool> {
+        match self.sys.loops.set_direct_io(&dev.device, true) {
+            Ok(()) => Ok(true),
+            Err(e) if e.is_refused_by_kernel() => {
+                tracing::warn!(device = %dev.device.display(), backing = %dev.backing_file.display(),
+                    error = %e, "directIO=true: the kernel refuses direct I/O for this image \
+                    on 512-byte sectors (on xfs, an image that shares blocks with a snapshot, a \
+                    clone or a template; a disk of 4096-byte sectors); served with buffered I/O");
+                Ok(false)
+            }
+            Err(e) => Err(Error::System {
+                context: format!("turning direct I/O on on {}", dev.device.display()),
+                source: e,
+            }),
+        }
     }
 
     pub(super) fn fs_smaller_than_device(&self, dev: &Path, fs_type: &str) -> Result<bool> {

@@ -62,6 +62,9 @@ pub(super) struct LoopInfo64 {
     lo_init: [u64; 2],
 }
 
+/// The logical sector size of every loop device attached here.
+pub(super) const SECTOR_SIZE: u32 = 512;
+
 /// struct loop_config of <linux/loop.h> (LOOP_CONFIGURE, Linux 5.8+).
 #[repr(C)]
 pub(super) struct LoopConfig {
@@ -136,7 +139,14 @@ pub(super) fn configure(
     let fd = u32::try_from(file.as_raw_fd()).map_err(|_| Errno::EBADF)?;
     let config = LoopConfig {
         fd,
-        block_size: 0,
+        // Always 512-byte sectors, the size every volume's filesystem was
+        // made for. Left to the kernel (0), a device asked for direct I/O
+        // takes the backing file's direct I/O alignment as its sector size:
+        // 4096 for a file on xfs that shares blocks (a volume filled from a
+        // template, a snapshot's source), where xfs and small ext4 made on
+        // 512-byte sectors no longer mount. At 512 the kernel leaves direct
+        // I/O off for such a file instead.
+        block_size: SECTOR_SIZE,
         info,
         reserved: [0; 8],
     };
