@@ -17,13 +17,14 @@ fail() {
     E2E_FAILED=$((E2E_FAILED + 1))
     E2E_FAILURES+=("$SCENARIO: $*")
     printf '  FAIL  %s\n' "$*"
-    diagnose
+    diagnose || true
 }
 
 # diagnose: at the first failure of a scenario, a few lines of what the
 # cluster says (the scenario's pods that do not run, the newest Warning
 # events of its namespace, the newest warnings and errors of each driver
-# container), so that a run read only in part still tells why.
+# container and each kubelet), so that a run read only in part still tells
+# why.
 DIAGNOSED=""
 diagnose() {
     [ "$DIAGNOSED" = "$SCENARIO" ] && return 0
@@ -33,12 +34,17 @@ diagnose() {
         kc -n "$NS" get pods -o wide --no-headers 2>/dev/null | awk '$3 != "Running"' | head -6
         kc -n "$NS" get events --field-selector type=Warning --sort-by=.lastTimestamp --no-headers \
             -o custom-columns=OBJECT:.involvedObject.name,REASON:.reason,MESSAGE:.message 2>/dev/null | tail -8
-        local p
-        for p in $(kc -n "${DRIVER_NS:-}" get pod -l app.kubernetes.io/name=example-csi -o name 2>/dev/null); do
-            kc -n "$DRIVER_NS" logs "$p" -c csi-driver --since=10m 2>/dev/null \
+        local p dns=${DRIVER_NS:-}
+        for p in $(kc -n "$dns" get pod -l app.kubernetes.io/name=example-csi -o name 2>/dev/null); do
+            kc -n "$dns" logs "$p" -c csi-driver --since=10m 2>/dev/null \
                 | grep -E 'WARN|ERROR' | tail -3 | sed "s|^|${p#pod/}: |"
         done
-    } 2>&1 | cut -c1-400 | head -30 | sed 's/^/        | /'
+        local k
+        for k in "${W:-/nonexistent}"/logs/kubelet-*.log; do
+            [ -f "$k" ] || continue
+            grep -E '^E[0-9]{4} ' "$k" | tail -3 | sed "s|^|$(basename "$k" .log): |"
+        done
+    } 2>&1 | cut -c1-400 | head -36 | sed 's/^/        | /' || true
 }
 
 # check WHAT CMD...: passes when CMD succeeds.
