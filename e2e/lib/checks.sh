@@ -21,10 +21,10 @@ fail() {
 }
 
 # diagnose: at the first failure of a scenario, a few lines of what the
-# cluster says (the scenario's pods that do not run, the newest Warning
-# events of its namespace, the newest warnings and errors of each driver
-# container and each kubelet), so that a run read only in part still tells
-# why.
+# cluster says (the scenario's pods that do not run, each node's conditions
+# and taints, the newest Warning events of its namespace, the newest warnings
+# and errors of each driver container and each kubelet), so that a run read
+# only in part still tells why.
 DIAGNOSED=""
 diagnose() {
     [ "$DIAGNOSED" = "$SCENARIO" ] && return 0
@@ -32,6 +32,7 @@ diagnose() {
     declare -F kc >/dev/null || return 0
     {
         kc -n "$NS" get pods -o wide --no-headers 2>/dev/null | awk '$3 != "Running"' | head -6
+        kc get nodes --no-headers -o custom-columns='NODE:.metadata.name,CONDITIONS:.status.conditions[?(@.status=="True")].type,TAINTS:.spec.taints[*].key' 2>/dev/null
         kc -n "$NS" get events --field-selector type=Warning --sort-by=.lastTimestamp --no-headers \
             -o custom-columns=OBJECT:.involvedObject.name,REASON:.reason,MESSAGE:.message 2>/dev/null | tail -8
         local p dns=${DRIVER_NS:-}
