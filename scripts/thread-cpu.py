@@ -11,8 +11,9 @@ Samples every thread's CPU time (user + system, from /proc/PID/task/TID/stat)
 and the machine's busy time (/proc/stat) every 20 ms. At the stop it prints,
 for each thread that ran, its CPU seconds over the whole time and in its
 busiest second, then how many cores the machine kept busy in its busiest
-second (or on average over a shorter run). A stage that holds a pipeline back shows as one thread near a whole
-core; work spread over threads that together fill the cores shows none.
+second (or on average over a shorter run). A stage that holds a pipeline
+back shows as one thread near a whole core; work spread over threads that
+together fill the cores shows none.
 A thread that waits on the disk instead shows in how many of its samples it
 was in uninterruptible sleep (state D), and the machine's in the share of the
 time some task stalled on I/O (/proc/pressure/io, where the kernel has it).
@@ -104,26 +105,30 @@ def main():
     for key, s in seen.items():
         total = s[-1][1] - s[0][1]
         if total > 0:
-            rows.append((busiest(s), total, key))
+            rows.append((busiest(s), total, len(s), key))
     rows.sort(reverse=True)
-    for best, total, (name, tid, comm) in rows:
+    for best, total, samples, (name, tid, comm) in rows:
         print(
             f"{name:10} {tid:>7} {comm:18} {total / TICK:6.2f} s in all, "
-            f"{best / TICK:5.2f} s in its busiest second, "
-            f"waiting on I/O in {waits.get((name, tid, comm), 0)} of {len(s)} samples"
-        )
-    if len(machine) > 1:
-        span = machine[-1][0] - machine[0][0]
-        # Over a shorter time than a second, the busiest second is all of it.
-        print(
-            f"machine: {busiest(machine) / TICK / min(span, WINDOW):.2f} cores busy in its "
-            f"busiest second ({len(machine)} samples over {span:.2f} s)"
+            f"{best / TICK:5.2f} s in its busiest second, waiting on I/O "
+            f"in {waits.get((name, tid, comm), 0)} of {samples} samples"
         )
     after = io_stalled()
-    if stalled and after and len(machine) > 1:
-        span = (machine[-1][0] - machine[0][0]) * 1e6
-        some, full = ((b - a) / span * 100 for a, b in zip(stalled, after))
-        print(f"machine: some task stalled on I/O {some:.0f}% of the time, all tasks {full:.0f}%")
+    if len(machine) < 2:
+        return
+    span = machine[-1][0] - machine[0][0]
+    # Over a shorter time than a second, the busiest second is all of it.
+    print(
+        f"machine: {busiest(machine) / TICK / min(span, WINDOW):.2f} cores busy "
+        f"in its busiest second ({len(machine)} samples over {span:.2f} s)"
+    )
+    if stalled and after:
+        # /proc/pressure/io counts microseconds.
+        some, full = ((b - a) / (span * 1e6) * 100 for a, b in zip(stalled, after))
+        print(
+            f"machine: some task stalled on I/O {some:.0f}% of the time, "
+            f"all tasks {full:.0f}%"
+        )
 
 
 if __name__ == "__main__":
