@@ -250,7 +250,13 @@ staticPodPath: ""
 serializeImagePulls: false
 # Images cannot be pulled again here: a disk shared with other work and low on
 # room must not make the kubelet reclaim them (1 % of a large disk is GiBs).
-evictionHard: {memory.available: "100Mi", nodefs.available: "256Mi", imagefs.available: "256Mi", nodefs.inodesFree: "1%"}
+# The kubelet's memory.available counts the page cache in active use as used:
+# the scenarios' writes and transfers on a machine of little memory must not
+# make it evict the test's pods, nor keep new ones away for the 5 minutes a
+# MemoryPressure condition lasts by default (the kernel's OOM killer still
+# answers a real shortage).
+evictionHard: {memory.available: "16Mi", nodefs.available: "256Mi", imagefs.available: "256Mi", nodefs.inodesFree: "1%"}
+evictionPressureTransitionPeriod: 10s
 imageGCHighThresholdPercent: 100
 imageGCLowThresholdPercent: 99
 resolvConf: /etc/resolv.conf
