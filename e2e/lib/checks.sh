@@ -43,7 +43,10 @@ diagnose() {
         local k
         for k in "${W:-/nonexistent}"/logs/kubelet-*.log; do
             [ -f "$k" ] || continue
-            grep -E '^E[0-9]{4} ' "$k" | tail -3 | sed "s|^|$(basename "$k" .log): |"
+            # (less the noise of every run: exec streams closed, containers
+            # already gone)
+            grep -E '^E[0-9]{4} ' "$k" | grep -vE 'Error on socket receive|ContainerStatus from runtime service failed' \
+                | tail -3 | sed "s|^|$(basename "$k" .log): |"
         done
     } 2>&1 | cut -c1-400 | head -36 | sed 's/^/        | /' || true
 }
