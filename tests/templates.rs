@@ -561,50 +561,60 @@ fn sector_size(dev: &str) -> String {
         .to_string()
 }
 
-/// Direct I/O for a volume filled from its template on an xfs pool: its image
-/// shares blocks with the template, and xfs takes direct I/O for such a file
-/// only in 4096-byte units. A live change is refused (INVALID_ARGUMENT, saying
-/// why) and changes nothing; recorded for the next stage, the volume still
-/// stages on a device of 512-byte sectors, the ones its filesystem was made
-/// for (left to the kernel, a device asked for direct I/O would take 4096 and
-/// the xfs would not mount), keeps its data, and is served with buffered I/O
-/// and a warning.
+/// Direct I/O for volumes filled from their templates on an xfs pool: their
+/// images share blocks with the templates, and xfs takes direct I/O for such a
+/// file only in 4096-byte units. Staged without it (on 512-byte sectors), a live
+/// change is refused (INVALID_ARGUMENT, saying why) and changes nothing.
+/// Recorded for the next stage: an ext4 of 4 KiB blocks is served on 4096-byte
+/// sectors with direct I/O; the xfs, made on 512-byte sectors, stays on them
+/// (left to the kernel, its device would take 4096 and it would not mount) and
+/// is served with buffered I/O and a warning. Both keep their data.
 #[tokio::test]
 #[ignore = "needs root: loop devices, mkfs and mounts"]
-async fn root_direct_io_for_an_image_sharing_blocks_with_its_template() {
+async fn root_direct_io_for_images_sharing_blocks_with_their_templates() {
     require_root();
     let mut fx = fixture("xfs", &[]).await;
-    let id = fx.create_from_template("dio", "xfs").await;
-    let (s, t) = fx.stage_publish(&id, "xfs").await;
-    assert!(shares_extents(&fx.image(&id)), "filled from the template");
-    std::fs::write(t.join("data"), b"kept").unwrap();
-    let dev = loops_below(&fx.pool.path).pop().expect("a loop device");
-    let before = loop_settings(&dev);
-    assert_eq!(before.0, "0");
-    let err =
+    for (fs, sector, dio) in [("ext4", "4096", "1"), ("xfs", "512", "0")] {
+        let id = fx.create_from_template(&format!("dio-{fs}"), fs).await;
+        let (s, t) = fx.stage_publish(&id, fs).await;
+        assert!(
+            shares_extents(&fx.image(&id)),
+            "{fs}: filled from the template"
+        );
+        std::fs::write(t.join("data"), b"kept").unwrap();
+        let dev = loops_below(&fx.pool.path).pop().expect("a loop device");
+        assert_eq!(sector_size(&dev), "512", "{fs}");
+        let before = loop_settings(&dev);
+        assert_eq!(before.0, "0");
+        let err =
+            fx.c.controller
+                .controller_modify_volume(direct_io_req(&id))
+                .await
+                .unwrap_err();
+        assert_eq!(err.code(), Code::InvalidArgument, "{fs}: {err:?}");
+        assert!(err.message().contains("shares blocks"), "{}", err.message());
+        assert_eq!(
+            loop_settings(&dev),
+            before,
+            "{fs}: the device keeps its settings"
+        );
+        let image = fx.image(&id);
+        let attr = || csi_sys::xattr::get(&image, "example-csi.directIO").unwrap();
+        assert_eq!(attr(), None, "{fs}: nothing recorded");
+        fx.c.unpublish_and_unstage(&id, &t, &s).await;
+
         fx.c.controller
             .controller_modify_volume(direct_io_req(&id))
             .await
-            .unwrap_err();
-    assert_eq!(err.code(), Code::InvalidArgument, "{err:?}");
-    assert!(err.message().contains("shares blocks"), "{}", err.message());
-    assert_eq!(loop_settings(&dev), before, "the device keeps its settings");
-    let image = fx.image(&id);
-    let attr = || csi_sys::xattr::get(&image, "example-csi.directIO").unwrap();
-    assert_eq!(attr(), None, "nothing recorded");
-    fx.c.unpublish_and_unstage(&id, &t, &s).await;
-
-    fx.c.controller
-        .controller_modify_volume(direct_io_req(&id))
-        .await
-        .unwrap();
-    assert_eq!(attr().as_deref(), Some(&b"true"[..]), "recorded");
-    let (s, t) = fx.stage_publish(&id, "xfs").await;
-    let dev = loops_below(&fx.pool.path).pop().expect("a loop device");
-    assert_eq!(sector_size(&dev), "512");
-    assert_eq!(loop_settings(&dev).0, "0", "buffered I/O");
-    assert_eq!(std::fs::read(t.join("data")).unwrap(), b"kept");
-    fx.c.unpublish_and_unstage(&id, &t, &s).await;
+            .unwrap();
+        assert_eq!(attr().as_deref(), Some(&b"true"[..]), "{fs}: recorded");
+        let (s, t) = fx.stage_publish(&id, fs).await;
+        let dev = loops_below(&fx.pool.path).pop().expect("a loop device");
+        assert_eq!(sector_size(&dev), sector, "{fs}");
+        assert_eq!(loop_settings(&dev).0, dio, "{fs}: direct I/O");
+        assert_eq!(std::fs::read(t.join("data")).unwrap(), b"kept");
+        fx.c.unpublish_and_unstage(&id, &t, &s).await;
+    }
     let log = fx.driver.log_text();
     assert!(log.contains("served with buffered I/O"), "{log}");
 }

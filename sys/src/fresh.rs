@@ -28,6 +28,7 @@ use std::time::Duration;
 
 use crate::cmd;
 use crate::error::{Result, SysError};
+use crate::superblock::{be16, be32, be64, le16, le32, le64};
 
 /// Changes whenever the options of [`format_template`] change, so that a template
 /// made with other options is never taken for one made with these.
@@ -530,25 +531,6 @@ const BTRFS_INCOMPAT_METADATA_UUID: u64 = 1 << 10;
 fn move_uuid(s: &mut [u8], at: usize, meta: usize, uuid: &[u8; 16]) {
     s.copy_within(at..at + 16, meta);
     s[at..at + 16].copy_from_slice(uuid);
-}
-
-fn le16(b: &[u8], at: usize) -> u16 {
-    u16::from_le_bytes([b[at], b[at + 1]])
-}
-fn le32(b: &[u8], at: usize) -> u32 {
-    u32::from_le_bytes(b[at..at + 4].try_into().unwrap_or([0; 4]))
-}
-fn le64(b: &[u8], at: usize) -> u64 {
-    u64::from_le_bytes(b[at..at + 8].try_into().unwrap_or([0; 8]))
-}
-fn be16(b: &[u8], at: usize) -> u16 {
-    u16::from_be_bytes([b[at], b[at + 1]])
-}
-fn be32(b: &[u8], at: usize) -> u32 {
-    u32::from_be_bytes(b[at..at + 4].try_into().unwrap_or([0; 4]))
-}
-fn be64(b: &[u8], at: usize) -> u64 {
-    u64::from_be_bytes(b[at..at + 8].try_into().unwrap_or([0; 8]))
 }
 
 /// ext4 stores the CRC32C state without the final inversion.

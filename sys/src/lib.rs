@@ -42,6 +42,7 @@ pub mod linux;
 pub mod memory;
 pub mod mountinfo;
 pub mod socket;
+mod superblock;
 pub mod tree;
 pub mod xattr;
 

@@ -27,9 +27,11 @@ impl Node {
                     // does not allow it.
                     Error::invalid(format!(
                         "{context}: the kernel refused it ({e}); directIO=true is not \
-                         possible for this volume's image on 512-byte sectors (on an xfs \
-                         pool, an image that shares blocks with a snapshot, a clone or a \
-                         template; a pool on a disk of 4096-byte sectors)"
+                         possible for this volume's image on the 512-byte sectors it is \
+                         staged on (on an xfs pool, an image that shares blocks with a \
+                         snapshot, a clone or a template takes it only in 4096-byte units). \
+                         Recorded while the volume is not staged, it applies at the next \
+                         stage, on 4096-byte sectors where the volume's filesystem allows"
                     ))
                 } else {
                     Error::System { context, source: e }

@@ -522,8 +522,9 @@ impl Node {
             Err(e) if e.is_refused_by_kernel() => {
                 tracing::warn!(device = %dev.device.display(), backing = %dev.backing_file.display(),
                     error = %e, "directIO=true: the kernel refuses direct I/O for this image \
-                    on 512-byte sectors (on xfs, an image that shares blocks with a snapshot, a \
-                    clone or a template; a disk of 4096-byte sectors); served with buffered I/O");
+                    (on xfs, an image that shares blocks with a snapshot, a clone or a template \
+                    takes it only in 4096-byte units, and the volume's filesystem was made on \
+                    512-byte sectors); served with buffered I/O");
                 Ok(false)
             }
             Err(e) => Err(Error::System {

@@ -62,9 +62,6 @@ pub(super) struct LoopInfo64 {
     lo_init: [u64; 2],
 }
 
-/// The logical sector size of every loop device attached here.
-pub(super) const SECTOR_SIZE: u32 = 512;
-
 /// struct loop_config of <linux/loop.h> (LOOP_CONFIGURE, Linux 5.8+).
 #[repr(C)]
 pub(super) struct LoopConfig {
@@ -137,16 +134,22 @@ pub(super) fn configure(
 ) -> std::result::Result<(), Errno> {
     let info = loop_info(backing, opts);
     let fd = u32::try_from(file.as_raw_fd()).map_err(|_| Errno::EBADF)?;
+    // The sector size is chosen here, never left to the kernel (0): a device
+    // asked for direct I/O would take the backing file's direct I/O alignment
+    // as its sector size, 4096 for a file on xfs that shares blocks (a volume
+    // filled from a template, a snapshot's source), where an xfs or a small
+    // ext4 made on 512-byte sectors no longer mounts. So 512, the size every
+    // filesystem mounts on; with direct I/O, 4096 where the image's own
+    // filesystem allows it, so that such a file gets direct I/O too (at 512
+    // the kernel leaves it off for that file).
+    let block_size = if opts.direct_io {
+        crate::superblock::widest_sector(file)
+    } else {
+        crate::superblock::SMALL_SECTOR
+    };
     let config = LoopConfig {
         fd,
-        // Always 512-byte sectors, the size every volume's filesystem was
-        // made for. Left to the kernel (0), a device asked for direct I/O
-        // takes the backing file's direct I/O alignment as its sector size:
-        // 4096 for a file on xfs that shares blocks (a volume filled from a
-        // template, a snapshot's source), where xfs and small ext4 made on
-        // 512-byte sectors no longer mount. At 512 the kernel leaves direct
-        // I/O off for such a file instead.
-        block_size: SECTOR_SIZE,
+        block_size,
         info,
         reserved: [0; 8],
     };
