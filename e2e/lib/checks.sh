@@ -34,7 +34,8 @@ diagnose() {
         kc -n "$NS" get pods -o wide --no-headers 2>/dev/null | awk '$3 != "Running"' | head -6
         kc get nodes --no-headers -o custom-columns='NODE:.metadata.name,CONDITIONS:.status.conditions[?(@.status=="True")].type,TAINTS:.spec.taints[*].key' 2>/dev/null
         kc -n "$NS" get events --field-selector type=Warning --sort-by=.lastTimestamp --no-headers \
-            -o custom-columns=OBJECT:.involvedObject.name,REASON:.reason,MESSAGE:.message 2>/dev/null | tail -8
+            -o custom-columns=OBJECT:.involvedObject.name,REASON:.reason,MESSAGE:.message 2>/dev/null \
+            | grep -v ' MissingClusterDNS ' | tail -8
         local p dns=${DRIVER_NS:-}
         for p in $(kc -n "$dns" get pod -l app.kubernetes.io/name=example-csi -o name 2>/dev/null); do
             kc -n "$dns" logs "$p" -c csi-driver --since=10m 2>/dev/null \
